@@ -34,7 +34,7 @@ from protos import telemetry_pb2 as pb
 __all__ = ["SimBackend", "SimTaskEvent", "Workload", "TaskEventKind"]
 
 Workload = Literal["synthetic", "idle", "replay"]
-TaskEventKind = Literal["started", "finished", "oom_killed"]
+TaskEventKind = Literal["started", "finished", "oom_killed", "failed"]
 
 # --- the physical model (an RTX 4090 on an open bench, roughly) -------------
 AMBIENT_C = 30.0
@@ -283,19 +283,22 @@ class SimBackend:
         """Start a task on ``gpu_indices``: ``vram_mib`` and ``gpu_share``
         (0..1 of one GPU's compute) on each of them, for ``duration_s``
         seconds (0: until released). The outcome arrives through
-        ``drain_events``: "started", or "oom_killed" if it does not fit."""
-        gpus = tuple(gpu_indices)
-        if task_id in self._tasks:
-            raise ValueError(f"task {task_id!r} is already running")
-        if not gpus or len(set(gpus)) != len(gpus) or any(not 0 <= g < self._n for g in gpus):
-            raise ValueError(f"gpu_indices {gpus!r} must be distinct indices in 0..{self._n - 1}")
-        if vram_mib < 0:
-            raise ValueError("vram_mib must be >= 0")
-        if not (math.isfinite(gpu_share) and 0.0 <= gpu_share <= 1.0):
-            raise ValueError("gpu_share must be within 0..1")
-        if not (math.isfinite(duration_s) and duration_s >= 0):
-            raise ValueError("duration_s must be >= 0")
+        ``drain_events``: "started", "oom_killed" if it does not fit, or
+        "failed" if the placement itself is invalid (bad index or value).
+
+        The arguments come off the network, so nothing here raises: an agent
+        must not fall over on one bad placement. Placing a task id that is
+        already running does nothing, so a placement re-sent after a
+        reconnect neither restarts nor fails the task.
+        """
         self._advance()
+        if task_id in self._tasks:
+            return
+        gpus = tuple(gpu_indices)
+        problem = _placement_problem(gpus, self._n, vram_mib, gpu_share, duration_s)
+        if problem:
+            self._events.append(SimTaskEvent(task_id, "failed", problem))
+            return
         for g in gpus:
             used = self._load_at(g, self._t).vram_mib
             if used + vram_mib > self._total_mib:
@@ -442,6 +445,19 @@ class SimBackend:
             process_count=len(load.processes),
             processes=load.processes,
         )
+
+
+def _placement_problem(gpus: tuple[int, ...], n: int, vram_mib: float, gpu_share: float, duration_s: float) -> str:
+    """Why a placement cannot run, or "" when it can."""
+    if not gpus or len(set(gpus)) != len(gpus) or any(not 0 <= g < n for g in gpus):
+        return f"gpu_indices {list(gpus)} must be distinct indices in 0..{n - 1}"
+    if not (math.isfinite(vram_mib) and vram_mib >= 0):
+        return f"vram_mib {vram_mib!r} must be >= 0"
+    if not (math.isfinite(gpu_share) and 0.0 <= gpu_share <= 1.0):
+        return f"gpu_share {gpu_share!r} must be within 0..1"
+    if not (math.isfinite(duration_s) and duration_s >= 0):
+        return f"duration_s {duration_s!r} must be >= 0"
+    return ""
 
 
 def _clamp_pct(v: float) -> int:

@@ -190,17 +190,27 @@ def test_release_stops_a_task_without_an_event() -> None:
         (dict(gpu_indices=[0], vram_mib=1, gpu_share=0.1, duration_s=-1), "duration"),
     ],
 )
-def test_place_rejects_bad_arguments(kwargs: dict, match: str) -> None:
+def test_invalid_placement_fails_as_an_event_not_an_exception(kwargs: dict, match: str) -> None:
     sim = SimBackend(clock=FakeClock(), workload="idle")
-    with pytest.raises(ValueError, match=match):
-        sim.place("x", kind="training", **kwargs)
+    sim.place("x", kind="training", **kwargs)
+    (event,) = sim.drain_events()
+    assert (event.task_id, event.kind) == ("x", "failed")
+    assert match in event.detail
+    assert all(s.process_count == 0 for s in sim.sample())
 
 
-def test_duplicate_task_id_is_rejected() -> None:
-    sim = SimBackend(clock=FakeClock(), workload="idle")
-    sim.place("x", [0], 10, 0.1, 0, "training")
-    with pytest.raises(ValueError, match="already running"):
-        sim.place("x", [1], 10, 0.1, 0, "training")
+def test_placing_a_running_task_again_changes_nothing() -> None:
+    clock = FakeClock()
+    sim = SimBackend(gpus=2, clock=clock, workload="idle")
+    sim.place("x", [0], 1000, 0.1, 30, "training")
+    clock.now += 20
+    sim.place("x", [1], 2000, 0.1, 30, "training")  # re-sent after a reconnect
+    assert [(e.task_id, e.kind) for e in sim.drain_events()] == [("x", "started")]
+    assert [s.memory_used_mib for s in sim.sample()] == [DRIVER_BASE_MIB + 1000, DRIVER_BASE_MIB]
+    clock.now += 10
+    assert [(e.task_id, e.kind) for e in sim.drain_events()] == [("x", "finished")]
+    sim.place("x", [1], 2000, 0.1, 30, "training")  # a finished id may run again
+    assert [(e.task_id, e.kind) for e in sim.drain_events()] == [("x", "started")]
 
 
 def test_topology_pairs_are_nvlink_the_rest_pcie() -> None:
