@@ -125,6 +125,19 @@ class TelemetryEncoder:
         """Sequence number of the last envelope produced."""
         return self._seq
 
+    @property
+    def last_sent(self) -> tuple[np.ndarray, np.ndarray]:
+        """(values, known): what the coordinator holds if it applied everything."""
+        return self._last.copy(), self._known.copy()
+
+    def keyframe_due(self, now_s: float) -> bool:
+        """Whether the next ``encode`` at ``now_s`` will be a keyframe."""
+        return (
+            self._keyframe_requested
+            or self._last_keyframe_s is None
+            or now_s - self._last_keyframe_s >= self.keyframe_interval_s
+        )
+
     def request_keyframe(self) -> None:
         """The next ``encode`` sends absolute values (coordinator asked, or reconnect)."""
         self._keyframe_requested = True
@@ -154,11 +167,7 @@ class TelemetryEncoder:
         delta that carries nothing returns no envelope and uses no sequence
         number (heartbeats keep the stream alive instead).
         """
-        keyframe = (
-            self._keyframe_requested
-            or self._last_keyframe_s is None
-            or now_s - self._last_keyframe_s >= self.keyframe_interval_s
-        )
+        keyframe = self.keyframe_due(now_s)
         batch = pb.MetricBatch(
             sampled_at_ns=sampled_at_ns,
             keyframe=keyframe,

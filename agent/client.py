@@ -1,0 +1,338 @@
+"""The agent's run loop: sample, encode, stream; reconnect when the stream breaks.
+
+One long-lived bidirectional gRPC stream per host carries registration,
+telemetry envelopes, heartbeats and task events up, and acks, resync requests,
+sampling hints and task placements down. A broken stream is retried with
+jittered exponential backoff, and every new stream starts with a keyframe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+import numpy as np
+import structlog
+
+from agent.backend import GpuBackend, GpuProcess
+from agent.sampler import AdaptiveInterval
+from agent.telemetry import movement, process_lists, register_message, samples_to_matrix
+from protos import telemetry_pb2 as pb
+from protos import telemetry_pb2_grpc as pb_grpc
+from protos.codec import DEADBANDS, TelemetryEncoder
+
+__all__ = ["AgentConfig", "Agent", "AgentStats", "Backoff", "AGENT_VERSION"]
+
+AGENT_VERSION = "0.1.0"
+log = structlog.get_logger("gpulb.agent")
+
+# host IO deadbands: 1 ms of await, 1 % of busy time
+_AWAIT_DEADBAND_US = 1000
+_UTIL_DEADBAND_PERMILLE = 10
+
+
+@dataclass
+class AgentConfig:
+    node_id: str
+    coordinator: str = "127.0.0.1:50051"
+    labels: dict[str, str] = field(default_factory=dict)
+    interval_min_s: float = 0.2
+    interval_max_s: float = 2.0
+    heartbeat_interval_s: float = 10.0
+    keyframe_interval_s: float = 30.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    hostname: str = field(default_factory=socket.gethostname)
+
+
+@dataclass
+class AgentStats:
+    envelopes: int = 0
+    bytes_sent: int = 0
+    keyframes: int = 0
+    heartbeats: int = 0
+    sessions: int = 0
+    resyncs_requested: int = 0
+    samples: int = 0
+
+
+class Backoff:
+    """Full-jitter exponential backoff: the n-th wait is uniform in
+    [0, min(cap, base * 2**n)], so a restarted coordinator is not hit by every
+    agent at the same instant."""
+
+    def __init__(self, base_s: float, cap_s: float, rng: random.Random) -> None:
+        self.base_s, self.cap_s, self.rng = base_s, cap_s, rng
+        self.attempt = 0
+
+    def next_delay(self) -> float:
+        bound = min(self.cap_s, self.base_s * (2**self.attempt))
+        self.attempt += 1
+        return self.rng.uniform(bound / 2, bound)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class _SessionEnded(Exception):
+    pass
+
+
+class Agent:
+    """Streams one host's GPU telemetry to the coordinator until stopped."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        backend: GpuBackend,
+        *,
+        io_monitor=None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_ns: Callable[[], int] = time.time_ns,
+        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.io_monitor = io_monitor
+        self.clock = clock
+        self.wall_ns = wall_ns
+        self._channel_factory = channel_factory or (lambda target: grpc.aio.insecure_channel(target))
+        self._rng = random.Random(seed)
+        self.session_id = self._rng.getrandbits(63)
+        self.inventory = backend.inventory()
+        self.gpu_order = [info.index for info in self.inventory]
+        self.topology = backend.topology()
+        self.encoder = TelemetryEncoder(self.gpu_order, keyframe_interval_s=config.keyframe_interval_s)
+        self.sampler = AdaptiveInterval(config.interval_min_s, config.interval_max_s)
+        self.stats = AgentStats()
+        self.connected = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._previous: np.ndarray | None = None
+        self._sent_processes: dict[int, tuple[GpuProcess, ...]] = {}
+        self._sent_host_io: tuple[int | None, int | None] | None = None
+        self._last_ack = 0
+        self._log = log.bind(node_id=config.node_id)
+
+    # ---- lifecycle -------------------------------------------------------
+    async def run(self) -> None:
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
+        while not self._stop.is_set():
+            try:
+                await self._session(backoff)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                self._log.warning("stream_ended", code=exc.code().name, detail=exc.details())
+            except _SessionEnded as exc:
+                self._log.warning("stream_ended", reason=str(exc))
+            except Exception:  # never let one bad round kill the daemon
+                self._log.exception("session_failed")
+            finally:
+                self.connected.clear()
+            if self._stop.is_set():
+                break
+            delay = backoff.next_delay()
+            self._log.info("reconnecting", in_s=round(delay, 2), attempt=backoff.attempt)
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    # ---- one stream ------------------------------------------------------
+    async def _session(self, backoff: Backoff) -> None:
+        cfg = self.config
+        async with self._channel_factory(cfg.coordinator) as channel:
+            stub = pb_grpc.AgentGatewayStub(channel)
+            call = stub.Connect()
+            self.stats.sessions += 1
+            self.encoder.restart_stream()
+            self._sent_processes.clear()
+            self._sent_host_io = None
+            register = register_message(
+                node_id=cfg.node_id,
+                hostname=cfg.hostname,
+                backend=self.backend.name,
+                inventory=self.inventory,
+                topology=self.topology,
+                labels=cfg.labels,
+                session_id=self.session_id,
+                version=AGENT_VERSION,
+                interval_min_ms=int(cfg.interval_min_s * 1000),
+                interval_max_ms=int(cfg.interval_max_s * 1000),
+            )
+            await call.write(pb.AgentMessage(register=register))
+            reader = asyncio.create_task(self._read_loop(call))
+            try:
+                first = True
+                last_sent = self.clock()
+                while not self._stop.is_set():
+                    if reader.done():
+                        reader.result()  # raises the stream's error
+                        raise _SessionEnded("coordinator closed the stream")
+                    now = self.clock()
+                    sent = await self._round(call, now)
+                    if sent:
+                        last_sent = now
+                        if first:
+                            first = False
+                            backoff.reset()
+                            self.connected.set()
+                            self._log.info("streaming", coordinator=cfg.coordinator, gpus=len(self.gpu_order))
+                    elif now - last_sent >= cfg.heartbeat_interval_s:
+                        await call.write(
+                            pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at_ns=self.wall_ns(), last_seq=self.encoder.seq))
+                        )
+                        self.stats.heartbeats += 1
+                        last_sent = now
+                    await self._send_task_events(call)
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout=self._period)
+                    except asyncio.TimeoutError:
+                        pass
+                if self._stop.is_set():
+                    await call.done_writing()
+            finally:
+                reader.cancel()
+                try:
+                    await reader
+                except (asyncio.CancelledError, grpc.aio.AioRpcError, _SessionEnded):
+                    pass
+                call.cancel()
+
+    _period: float = 2.0
+
+    async def _round(self, call, now: float) -> bool:
+        """Sample, encode and send one round; True when an envelope went out."""
+        if self.backend.name == "nvml":
+            # NVML calls block for up to milliseconds per GPU; keep the loop free.
+            samples = await asyncio.to_thread(self.backend.sample)
+        else:
+            samples = self.backend.sample()
+        self.stats.samples += len(samples)
+        values, present = samples_to_matrix(samples, self.gpu_order)
+        keyframe = self.encoder.keyframe_due(now)
+        host_io = self._host_io(keyframe)
+        processes = self._changed_processes(samples, keyframe)
+        moved = movement(self._previous, values, present, DEADBANDS)
+        self._previous = values
+        self._period = self.sampler.next(moved, now)
+        env, batch = self.encoder.encode(
+            values,
+            present,
+            now_s=now,
+            sampled_at_ns=self.wall_ns(),
+            host_io=host_io,
+            processes=processes,
+            sample_interval_ms=int(self._period * 1000),
+            skip_empty=True,
+        )
+        if env is None:
+            return False
+        msg = pb.AgentMessage(telemetry=env)
+        await call.write(msg)
+        self.stats.envelopes += 1
+        self.stats.bytes_sent += msg.ByteSize()
+        self.stats.keyframes += int(batch.keyframe)
+        return True
+
+    def _host_io(self, keyframe: bool) -> pb.HostIo | None:
+        if self.io_monitor is None:
+            return None
+        sample = self.io_monitor.sample()
+        current = (sample.disk_await_us, sample.disk_util_permille)
+        previous = self._sent_host_io
+        if not keyframe and previous is not None:
+            def moved(new, old, band):
+                if new is None or old is None:
+                    return new != old
+                return abs(new - old) >= band
+            if not (moved(current[0], previous[0], _AWAIT_DEADBAND_US) or moved(current[1], previous[1], _UTIL_DEADBAND_PERMILLE)):
+                return None
+        self._sent_host_io = current
+        msg = pb.HostIo()
+        if current[0] is not None:
+            msg.disk_await_us = int(current[0])
+        if current[1] is not None:
+            msg.disk_util_permille = int(current[1])
+        return msg
+
+    def _changed_processes(self, samples, keyframe: bool) -> list[pb.GpuProcesses]:
+        out = []
+        for index, procs in process_lists(samples).items():
+            if keyframe or self._sent_processes.get(index) != procs:
+                self._sent_processes[index] = procs
+                out.append(
+                    pb.GpuProcesses(
+                        gpu_index=index,
+                        processes=[pb.GpuProcess(pid=p.pid, used_memory_mib=p.used_memory_mib) for p in procs],
+                    )
+                )
+        return out
+
+    async def _send_task_events(self, call) -> None:
+        drain = getattr(self.backend, "drain_events", None)
+        if drain is None:
+            return
+        kinds = {
+            "started": pb.TASK_EVENT_KIND_STARTED,
+            "finished": pb.TASK_EVENT_KIND_FINISHED,
+            "failed": pb.TASK_EVENT_KIND_FAILED,
+            "oom_killed": pb.TASK_EVENT_KIND_OOM_KILLED,
+        }
+        for event in drain():
+            await call.write(
+                pb.AgentMessage(
+                    task_event=pb.TaskEvent(
+                        task_id=event.task_id,
+                        kind=kinds.get(event.kind, pb.TASK_EVENT_KIND_UNSPECIFIED),
+                        at_ns=self.wall_ns(),
+                        detail=event.detail,
+                    )
+                )
+            )
+
+    async def _read_loop(self, call) -> None:
+        async for msg in call:
+            body = msg.WhichOneof("body")
+            if body == "ack":
+                self._last_ack = msg.ack.seq
+            elif body == "resync":
+                self.stats.resyncs_requested += 1
+                self._log.info("keyframe_requested", expected_seq=msg.resync.expected_seq, reason=msg.resync.reason)
+                self.encoder.request_keyframe()
+                self._wake.set()
+            elif body == "sampling_hint":
+                hint = msg.sampling_hint
+                self.sampler.hint(hint.interval_ms / 1000, hint.duration_ms / 1000, self.clock())
+                self._period = min(self._period, hint.interval_ms / 1000)
+                self._wake.set()
+            elif body == "register_ack":
+                ack = msg.register_ack
+                if ack.keyframe_interval_ms:
+                    self.encoder.keyframe_interval_s = ack.keyframe_interval_ms / 1000
+                if ack.heartbeat_interval_ms:
+                    self.config.heartbeat_interval_s = ack.heartbeat_interval_ms / 1000
+            elif body == "place":
+                place = getattr(self.backend, "place", None)
+                p = msg.place
+                if place is not None:
+                    place(p.task_id, list(p.gpu_index), p.vram_mib, p.gpu_share, p.duration_s, p.kind)
+                self._log.info("task_placed", task_id=p.task_id, gpus=list(p.gpu_index))
+                self._wake.set()
+            elif body == "release":
+                release = getattr(self.backend, "release", None)
+                if release is not None:
+                    release(msg.release.task_id)
+                self._wake.set()

@@ -1,0 +1,212 @@
+"""The agent gateway: the servicer end of each agent's telemetry stream.
+
+One coroutine per stream reads the agent's messages and applies them to the
+view; a writer drains the stream's outbox (acks, resync requests, sampling
+hints, task placements). Bad input ends only that stream, with a status that
+names the field; every other stream keeps flowing and nothing already applied
+is touched. A second stream for a connected node id wins (the agent has
+reconnected) and the older one is closed with ABORTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import grpc
+import structlog
+
+from coordinator.view import RegistrationError, validate_register
+from protos import telemetry_pb2 as pb
+from protos import telemetry_pb2_grpc as pb_grpc
+from protos.codec import CodecError, CorruptEnvelope, DecodeOutcome, InvalidReading, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from coordinator.server import Coordinator
+
+__all__ = ["AgentGateway", "AgentSession", "StreamRefused"]
+
+log = structlog.get_logger("gpulb.gateway")
+
+#: how long to wait for a requested keyframe before asking again
+_RESYNC_RETRY_S = 2.0
+#: send an Ack at most this often per stream
+_ACK_EVERY_S = 1.0
+
+
+async def _cancel(task: asyncio.Task | None) -> None:
+    if task is None or task.done():
+        return
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+
+
+class StreamRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class AgentSession:
+    """One live stream of one node."""
+
+    node_id: str
+    peer: str
+    outbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
+    superseded: asyncio.Event = field(default_factory=asyncio.Event)
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+    last_ack_s: float = 0.0
+
+    def send(self, msg: pb.CoordinatorMessage) -> bool:
+        """Queue a message for the agent; False when the outbox is full."""
+        try:
+            self.outbox.put_nowait(msg)
+            return True
+        except asyncio.QueueFull:
+            return False
+
+
+_CODES = {
+    CorruptEnvelope: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidReading: grpc.StatusCode.INVALID_ARGUMENT,
+    PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class AgentGateway(pb_grpc.AgentGatewayServicer):
+    def __init__(self, coordinator: "Coordinator", clock: Callable[[], float] = time.monotonic) -> None:
+        self.coordinator = coordinator
+        self.clock = clock
+        self.sessions: dict[str, AgentSession] = {}
+
+    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+        session: AgentSession | None = None
+        writer: asyncio.Task | None = None
+        stopper: asyncio.Task | None = None
+        reader: asyncio.Task | None = None
+        try:
+            try:
+                first = await anext(aiter(request_iterator))
+            except StopAsyncIteration:
+                return
+            if first.WhichOneof("body") != "register":
+                raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, "the first message of a stream must be a register")
+            try:
+                validate_register(first.register)
+            except RegistrationError as exc:
+                raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            self.coordinator.authorize_node(first.register.node_id, context)
+            node_id = first.register.node_id
+            session = AgentSession(node_id=node_id, peer=context.peer())
+            previous = self.sessions.get(node_id)
+            if previous is not None:
+                previous.superseded.set()
+            self.sessions[node_id] = session
+            node = self.coordinator.node_registered(first.register, session)
+            session.send(
+                pb.CoordinatorMessage(
+                    register_ack=pb.RegisterAck(
+                        heartbeat_interval_ms=int(self.coordinator.config.heartbeat_interval_s * 1000),
+                        keyframe_interval_ms=int(self.coordinator.config.keyframe_interval_s * 1000),
+                    )
+                )
+            )
+            writer = asyncio.create_task(self._write_loop(session, context))
+            reader = asyncio.create_task(self._read_loop(request_iterator, session, node))
+            stopper = asyncio.create_task(self._wait_stop(session))
+            done, _ = await asyncio.wait({reader, stopper, writer}, return_when=asyncio.FIRST_COMPLETED)
+            if reader in done:
+                reader.result()  # raises StreamRefused for bad input
+                return
+            if session.superseded.is_set():
+                raise StreamRefused(grpc.StatusCode.ABORTED, f"node {node_id} opened a newer stream; this one is closed")
+            if session.closing.is_set():
+                raise StreamRefused(grpc.StatusCode.UNAVAILABLE, "coordinator is shutting down")
+        except StreamRefused as exc:
+            log.warning("stream_refused", node_id=session.node_id if session else None, code=exc.code.name, detail=exc.message)
+            # A write in flight while the call is aborted turns the status into
+            # INTERNAL; stop the writer first so the agent sees the real reason.
+            await _cancel(writer)
+            await context.abort(exc.code, exc.message)
+        finally:
+            for task in (reader, stopper, writer):
+                if task is None:
+                    continue
+                if task.done():
+                    if not task.cancelled():
+                        task.exception()  # already handled above; mark it retrieved
+                else:
+                    task.cancel()
+            if session is not None and self.sessions.get(session.node_id) is session:
+                del self.sessions[session.node_id]
+                self.coordinator.node_disconnected(session.node_id)
+
+    async def _wait_stop(self, session: AgentSession) -> None:
+        superseded = asyncio.create_task(session.superseded.wait())
+        closing = asyncio.create_task(session.closing.wait())
+        try:
+            await asyncio.wait({superseded, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            superseded.cancel()
+            closing.cancel()
+
+    async def _write_loop(self, session: AgentSession, context) -> None:
+        while True:
+            msg = await session.outbox.get()
+            await context.write(msg)
+
+    async def _read_loop(self, request_iterator, session: AgentSession, node) -> None:
+        coordinator = self.coordinator
+        async for msg in request_iterator:
+            now = self.clock()
+            node.last_seen_s = now
+            coordinator.node_seen(node.node_id)
+            body = msg.WhichOneof("body")
+            if body == "telemetry":
+                self._telemetry(msg.telemetry, session, node, now)
+            elif body == "heartbeat":
+                node.last_heartbeat_ns = time.time_ns()
+            elif body == "task_event":
+                coordinator.task_event(node.node_id, msg.task_event)
+            elif body == "register":
+                raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, "register: a stream registers once")
+            else:
+                raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, "body: empty agent message")
+
+    def _telemetry(self, env: pb.Envelope, session: AgentSession, node, now: float) -> None:
+        coordinator = self.coordinator
+        node.bytes_received += env.ByteSize()
+        try:
+            result = node.decoder.apply(env)
+        except CodecError as exc:
+            coordinator.metrics_envelope_rejected(node.node_id, exc.field)
+            raise StreamRefused(_CODES.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), f"telemetry.{exc}") from None
+        if result.outcome is DecodeOutcome.APPLIED:
+            node.envelopes += 1
+            batch = result.batch
+            coordinator.batch_applied(node, result, batch, now)
+            if now - session.last_ack_s >= _ACK_EVERY_S:
+                session.last_ack_s = now
+                session.send(pb.CoordinatorMessage(ack=pb.Ack(seq=env.seq)))
+            return
+        # A gap, a reordering or deltas while waiting for a keyframe: ask for one,
+        # again if the first request seems lost.
+        if result.outcome is DecodeOutcome.RESYNC_NEEDED or now - node.last_resync_request_s >= _RESYNC_RETRY_S:
+            node.resyncs += int(result.outcome is DecodeOutcome.RESYNC_NEEDED)
+            node.last_resync_request_s = now
+            coordinator.metrics_resync(node.node_id)
+            session.send(
+                pb.CoordinatorMessage(
+                    resync=pb.ResyncRequest(
+                        expected_seq=result.expected_seq,
+                        reason=f"envelope {env.seq} arrived while {result.expected_seq} was expected",
+                    )
+                )
+            )
