@@ -1,0 +1,306 @@
+"""A fake NVML library: the slice of ``pynvml`` that ``agent.nvml`` calls,
+backed by plain Python state instead of a driver.
+
+Pass a ``FakeNvml`` where ``NvmlBackend`` takes its ``nvml`` module to test
+error translation, lost GPUs, frozen readings and topology without a GPU
+(STYLE.md #8: a shipped fake, not mocks). It raises the real
+``pynvml.NVMLError`` subclasses with real error codes and exposes pynvml's
+constants, so the code under test cannot tell the difference by type or
+value. ``pynvml`` is importable without a driver: it loads the library only
+in ``nvmlInit``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+__all__ = ["FakeNvml", "FakeGpu", "FakeProcess", "MIB", "SWITCH"]
+
+MIB = 1024 * 1024
+#: an NVLink remote that is an NVSwitch, not a GPU
+SWITCH = "switch"
+
+
+@dataclass
+class FakeProcess:
+    pid: int
+    #: bytes; None as on Windows WDDM, where NVML cannot tell
+    used_gpu_memory: int | None
+
+
+@dataclass
+class FakeGpu:
+    """One GPU's state. Tests change the fields between samples."""
+
+    uuid: str
+    bus_id: str  # "00000000:01:00.0"
+    name: str = "NVIDIA GeForce RTX 4090"
+    memory_total: int = 24564 * MIB  # bytes
+    memory_used: int = 300 * MIB  # bytes
+    util_gpu: int = 0
+    util_memory: int = 0
+    temperature: int = 35
+    power_mw: int = 30_000
+    power_limit_mw: int = 450_000
+    sm_clock_mhz: int = 210
+    pcie_rx_kbps: int = 0
+    pcie_tx_kbps: int = 0
+    ecc_corrected: int = 0
+    ecc_uncorrected: int = 0
+    processes: list[FakeProcess] = field(default_factory=list)
+    #: NVLink ports the GPU has (0: NVLink not supported)
+    nvlink_ports: int = 0
+    #: active port -> remote bus id, or SWITCH
+    nvlinks: dict[int, str] = field(default_factory=dict)
+    #: pynvml function name -> NVML error code it raises on every call
+    errors: dict[str, int] = field(default_factory=dict)
+    #: every call on the GPU raises GPU_IS_LOST (fallen off the bus)
+    lost: bool = False
+
+
+class _Handle:
+    """An opaque device handle, valid only in the NVML session it came from."""
+
+    __slots__ = ("index", "session")
+
+    def __init__(self, index: int, session: int) -> None:
+        self.index = index
+        self.session = session
+
+
+class _Utilization:
+    def __init__(self, gpu: int, memory: int) -> None:
+        self.gpu = gpu
+        self.memory = memory
+
+
+class _Memory:
+    def __init__(self, total: int, used: int) -> None:
+        self.total = total
+        self.used = used
+        self.free = total - used
+
+
+class _PciInfo:
+    def __init__(self, bus_id: str) -> None:
+        # pynvml hands back the ctypes char array: bytes, not str
+        self.busId = bus_id.encode()
+        domain, bus, rest = bus_id.split(":")
+        device = rest.split(".")[0]
+        self.domain = int(domain, 16)
+        self.bus = int(bus, 16)
+        self.device = int(device, 16)
+
+
+class _ProcessInfo:
+    def __init__(self, pid: int, used: int | None) -> None:
+        self.pid = pid
+        self.usedGpuMemory = used
+
+
+class FakeNvml:
+    """Module-like fake of pynvml. ``gpus`` in index order; ``topology`` maps
+    an index pair (either order) to an ``NVML_TOPOLOGY_*`` level (default
+    ``NVML_TOPOLOGY_HOSTBRIDGE``); ``init_error`` makes ``nvmlInit`` raise
+    that NVML code (tests may change it between calls). ``calls`` counts
+    every function called, by name."""
+
+    NVMLError = pynvml.NVMLError
+
+    def __init__(
+        self,
+        gpus: list[FakeGpu],
+        topology: dict[tuple[int, int], int] | None = None,
+        init_error: int | None = None,
+    ) -> None:
+        self.gpus = gpus
+        self.topology = dict(topology or {})
+        self.init_error = init_error
+        self.calls: Counter[str] = Counter()
+        self._initialized = False
+        self._session = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # Constants (NVML_*) come from the real module, so values match.
+        if name.startswith("NVML_"):
+            return getattr(pynvml, name)
+        raise AttributeError(name)
+
+    # --- plumbing -------------------------------------------------------------
+
+    @property
+    def init_calls(self) -> int:
+        return self.calls["nvmlInit"]
+
+    @property
+    def shutdown_calls(self) -> int:
+        return self.calls["nvmlShutdown"]
+
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
+    @staticmethod
+    def _raise(code: int) -> None:
+        raise pynvml.NVMLError(code)
+
+    def _gpu(self, fn: str, handle: _Handle) -> FakeGpu:
+        self.calls[fn] += 1
+        if not self._initialized:
+            self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        if not isinstance(handle, _Handle) or handle.session != self._session:
+            # a handle from before a shutdown: NVML no longer knows it
+            self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self.gpus[handle.index]
+        if gpu.lost:
+            self._raise(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if fn in gpu.errors:
+            self._raise(gpu.errors[fn])
+        return gpu
+
+    # --- library ----------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self.calls["nvmlInit"] += 1
+        if self.init_error is not None:
+            self._raise(self.init_error)
+        self._initialized = True
+        self._session += 1
+
+    def nvmlShutdown(self) -> None:
+        self.calls["nvmlShutdown"] += 1
+        if not self._initialized:
+            self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        self._initialized = False
+
+    def nvmlDeviceGetCount(self) -> int:
+        self.calls["nvmlDeviceGetCount"] += 1
+        if not self._initialized:
+            self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        self.calls["nvmlDeviceGetHandleByIndex"] += 1
+        if not self._initialized:
+            self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        if not 0 <= index < len(self.gpus):
+            self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self.gpus[index]
+        if gpu.lost:
+            self._raise(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if "nvmlDeviceGetHandleByIndex" in gpu.errors:
+            self._raise(gpu.errors["nvmlDeviceGetHandleByIndex"])
+        return _Handle(index, self._session)
+
+    # --- device reads -------------------------------------------------------------
+
+    def nvmlDeviceGetName(self, handle: _Handle) -> str:
+        return self._gpu("nvmlDeviceGetName", handle).name
+
+    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
+        return self._gpu("nvmlDeviceGetUUID", handle).uuid
+
+    def nvmlDeviceGetPciInfo(self, handle: _Handle) -> _PciInfo:
+        return _PciInfo(self._gpu("nvmlDeviceGetPciInfo", handle).bus_id)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> _Utilization:
+        gpu = self._gpu("nvmlDeviceGetUtilizationRates", handle)
+        return _Utilization(gpu.util_gpu, gpu.util_memory)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle) -> _Memory:
+        gpu = self._gpu("nvmlDeviceGetMemoryInfo", handle)
+        return _Memory(gpu.memory_total, gpu.memory_used)
+
+    def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetTemperature", handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.temperature
+
+    def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:
+        return self._gpu("nvmlDeviceGetPowerUsage", handle).power_mw
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: _Handle) -> int:
+        return self._gpu("nvmlDeviceGetEnforcedPowerLimit", handle).power_limit_mw
+
+    def nvmlDeviceGetClockInfo(self, handle: _Handle, clock_type: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetClockInfo", handle)
+        if clock_type != pynvml.NVML_CLOCK_SM:
+            self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.sm_clock_mhz
+
+    def nvmlDeviceGetPcieThroughput(self, handle: _Handle, counter: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetPcieThroughput", handle)
+        if counter == pynvml.NVML_PCIE_UTIL_RX_BYTES:
+            return gpu.pcie_rx_kbps
+        if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES:
+            return gpu.pcie_tx_kbps
+        self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        raise AssertionError  # unreachable
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: _Handle, error_type: int, counter_type: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetTotalEccErrors", handle)
+        if counter_type != pynvml.NVML_VOLATILE_ECC:
+            self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return gpu.ecc_corrected
+        if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+            return gpu.ecc_uncorrected
+        self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        raise AssertionError  # unreachable
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[_ProcessInfo]:
+        gpu = self._gpu("nvmlDeviceGetComputeRunningProcesses", handle)
+        return [_ProcessInfo(p.pid, p.used_gpu_memory) for p in gpu.processes]
+
+    # --- topology -------------------------------------------------------------------
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a: _Handle, b: _Handle) -> int:
+        self._gpu("nvmlDeviceGetTopologyCommonAncestor", a)
+        self._gpu("nvmlDeviceGetTopologyCommonAncestor", b)
+        self.calls["nvmlDeviceGetTopologyCommonAncestor"] -= 1  # one call, two handles
+        key = (a.index, b.index)
+        level = self.topology.get(key, self.topology.get(key[::-1]))
+        return pynvml.NVML_TOPOLOGY_HOSTBRIDGE if level is None else level
+
+    def _link(self, fn: str, handle: _Handle, link: int) -> FakeGpu:
+        gpu = self._gpu(fn, handle)
+        if gpu.nvlink_ports == 0:
+            self._raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link < gpu.nvlink_ports:
+            self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu
+
+    def nvmlDeviceGetNvLinkState(self, handle: _Handle, link: int) -> int:
+        gpu = self._link("nvmlDeviceGetNvLinkState", handle, link)
+        return pynvml.NVML_FEATURE_ENABLED if link in gpu.nvlinks else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: _Handle, link: int) -> _PciInfo:
+        gpu = self._link("nvmlDeviceGetNvLinkRemotePciInfo", handle, link)
+        remote = gpu.nvlinks.get(link)
+        if remote is None:
+            self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        # An NVSwitch answers with its own PCI address, not a GPU's.
+        return _PciInfo("00000000:FF:00.0" if remote == SWITCH else remote)
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: _Handle, link: int) -> int:
+        gpu = self._link("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)
+        remote = gpu.nvlinks.get(link)
+        if remote is None:
+            return pynvml.NVML_NVLINK_DEVICE_TYPE_UNKNOWN
+        return pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH if remote == SWITCH else pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+
+    # --- builders -------------------------------------------------------------------
+
+    @classmethod
+    def with_gpus(cls, count: int, **kwargs: Any) -> FakeNvml:
+        """``count`` idle RTX 4090s with distinct UUIDs and bus ids."""
+        gpus = [
+            FakeGpu(uuid=f"GPU-fake-{i:04d}", bus_id=f"00000000:{0x10 + i:02X}:00.0")
+            for i in range(count)
+        ]
+        return cls(gpus, **kwargs)
