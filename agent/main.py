@@ -1,0 +1,139 @@
+"""``gpulb-agent``: the per-host daemon. Picks a GPU backend, then streams its
+readings to the coordinator until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from agent.backend import BackendUnavailable, GpuBackend
+from agent.client import Agent, AgentConfig
+from protos.runtime import LOG_LEVELS, configure_logging
+
+__all__ = ["main", "build_backend", "parse_args"]
+
+log = structlog.get_logger("gpulb.agent")
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--label takes KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gpulb-agent", description="Stream this host's GPU telemetry to a gpulb coordinator.")
+    p.add_argument("--config", type=Path, help="TOML file; flags override it")
+    p.add_argument("--coordinator", help="HOST:PORT of the coordinator (default 127.0.0.1:50051)")
+    p.add_argument("--node-id", help="this node's cluster-unique name (default: the hostname)")
+    p.add_argument("--backend", choices=("nvml", "sim", "auto"), help="GPU backend (default auto: NVML, else simulate)")
+    p.add_argument("--sim-gpus", type=int, help="simulated GPUs (sim backend, default 4)")
+    p.add_argument("--sim-seed", type=int, help="seed of the simulated GPUs (default: from the node id)")
+    p.add_argument("--sim-workload", choices=("synthetic", "idle", "replay"), help="simulated load (default synthetic)")
+    p.add_argument("--label", action="append", type=_label, default=[], help="node label KEY=VALUE (repeatable)")
+    p.add_argument("--interval-min", type=float, help="fastest sampling period, s (default 0.2)")
+    p.add_argument("--interval-max", type=float, help="slowest sampling period, s (default 2.0)")
+    p.add_argument("--log-level", choices=LOG_LEVELS)
+    p.add_argument("--log-format", choices=("auto", "json", "console"))
+    return p.parse_args(argv)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, then the config file, then the flags."""
+    settings: dict[str, Any] = {
+        "coordinator": "127.0.0.1:50051",
+        "node_id": socket.gethostname(),
+        "backend": "auto",
+        "sim_gpus": 4,
+        "sim_seed": None,
+        "sim_workload": "synthetic",
+        "labels": {},
+        "interval_min": 0.2,
+        "interval_max": 2.0,
+        "log_level": "info",
+        "log_format": "auto",
+    }
+    if args.config is not None:
+        with args.config.open("rb") as fh:
+            data = tomllib.load(fh)
+        section = data.get("agent", data)
+        for key, value in section.items():
+            if key not in settings:
+                raise SystemExit(f"{args.config}: unknown option {key!r} (known: {', '.join(sorted(settings))})")
+            settings[key] = value
+    for key in ("coordinator", "node_id", "backend", "sim_gpus", "sim_seed", "sim_workload", "interval_min", "interval_max", "log_level", "log_format"):
+        value = getattr(args, key)
+        if value is not None:
+            settings[key] = value
+    settings["labels"] = {**settings["labels"], **dict(args.label)}
+    return settings
+
+
+def build_backend(kind: str, *, gpus: int, seed: int, workload: str) -> GpuBackend:
+    if kind in ("nvml", "auto"):
+        try:
+            from agent.nvml import NvmlBackend
+
+            return NvmlBackend()
+        except BackendUnavailable as exc:
+            if kind == "nvml":
+                raise
+            log.warning(
+                "SIMULATING_GPUS",
+                reason=f"NVML did not initialise ({exc}); this agent reports SIMULATED GPUs, not real ones",
+            )
+    from agent.sim import SimBackend
+
+    return SimBackend(gpus=gpus, seed=seed, workload=workload)
+
+
+async def _run(settings: dict[str, Any]) -> int:
+    seed = settings["sim_seed"]
+    if seed is None:
+        seed = sum(settings["node_id"].encode()) * 7919
+    try:
+        backend = build_backend(settings["backend"], gpus=settings["sim_gpus"], seed=seed, workload=settings["sim_workload"])
+    except BackendUnavailable as exc:
+        log.error("backend_unavailable", backend=settings["backend"], error=str(exc))
+        return 2
+    from agent.diskstats import DiskIoMonitor
+
+    config = AgentConfig(
+        node_id=settings["node_id"],
+        coordinator=settings["coordinator"],
+        labels=settings["labels"],
+        interval_min_s=settings["interval_min"],
+        interval_max_s=settings["interval_max"],
+    )
+    agent = Agent(config, backend, io_monitor=DiskIoMonitor())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(agent.stop()))
+    log.info("agent_starting", node_id=config.node_id, backend=backend.name, gpus=len(agent.gpu_order), coordinator=config.coordinator, pid=os.getpid())
+    try:
+        await agent.run()
+    finally:
+        backend.close()
+    log.info("agent_stopped", node_id=config.node_id, envelopes=agent.stats.envelopes, bytes=agent.stats.bytes_sent)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = _settings(args)
+    configure_logging(settings["log_level"], settings["log_format"])
+    return asyncio.run(_run(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

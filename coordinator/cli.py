@@ -1,0 +1,178 @@
+"""``gpulb``: the operator and client command line.
+
+Every listing prints a table for people and, with ``--json``, JSON for
+scripts. The coordinator address comes from ``--coordinator`` or
+``GPULB_COORDINATOR`` (default 127.0.0.1:50051).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from coordinator.tables import fmt, render_table
+from protos import cluster_pb2 as cpb
+from protos import cluster_pb2_grpc as cpb_grpc
+from protos import telemetry_pb2 as pb
+
+__all__ = ["main", "build_parser"]
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def command(name: str):
+    def register(fn):
+        COMMANDS[name] = fn
+        return fn
+
+    return register
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    return grpc.insecure_channel(args.coordinator)
+
+
+def _state_name(state: int) -> str:
+    return cpb.NodeState.Name(state).removeprefix("NODE_STATE_").lower()
+
+
+def _health_name(health: int) -> str:
+    return pb.GpuHealth.Name(health).removeprefix("GPU_HEALTH_").lower() if health else "-"
+
+
+def _print_json(messages) -> None:
+    print(json.dumps([MessageToDict(m, preserving_proto_field_name=True) for m in messages], indent=2))
+
+
+def _opt(msg, name: str):
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+@command("gpus")
+def cmd_gpus(args: argparse.Namespace) -> int:
+    request = cpb.ListGpusRequest(
+        node_id=args.node or "",
+        model=args.model or "",
+        values=cpb.VALUE_VIEW_SMOOTHED if args.smoothed else cpb.VALUE_VIEW_RAW,
+        metrics=[m for m in (args.metrics or "").split(",") if m],
+    )
+    with _channel(args) as ch:
+        gpus = cpb_grpc.ClusterOperatorStub(ch).ListGpus(request, timeout=args.timeout).gpus
+    if args.json:
+        _print_json(gpus)
+        return 0
+    rows = []
+    for g in gpus:
+        mem = "-"
+        if g.HasField("memory_used_mib") and g.HasField("memory_total_mib"):
+            mem = f"{g.memory_used_mib / 1024:.1f}/{g.memory_total_mib / 1024:.1f}"
+        rows.append(
+            [
+                g.node_id,
+                g.index,
+                g.model.removeprefix("NVIDIA ").removeprefix("GeForce "),
+                _state_name(g.node_state),
+                _health_name(g.health),
+                fmt(_opt(g, "util_gpu_pct"), 0, "%"),
+                mem,
+                fmt(_opt(g, "temperature_c"), 0),
+                fmt(_opt(g, "power_w"), 0),
+                fmt(g.reading_age_s, 1) if g.reading_age_s >= 0 else "-",
+                ",".join(g.flags) or ("stale" if g.stale else ""),
+            ]
+        )
+    print(render_table(["NODE", "GPU", "MODEL", "STATE", "HEALTH", "UTIL", "MEM GiB", "TEMP C", "POWER W", "AGE s", "FLAGS"], rows))
+    return 0
+
+
+@command("nodes")
+def cmd_nodes(args: argparse.Namespace) -> int:
+    with _channel(args) as ch:
+        nodes = cpb_grpc.ClusterOperatorStub(ch).ListNodes(cpb.ListNodesRequest(), timeout=args.timeout).nodes
+    if args.json:
+        _print_json(nodes)
+        return 0
+    rows = [
+        [
+            n.node_id,
+            _state_name(n.state),
+            n.gpu_count,
+            n.model.removeprefix("NVIDIA ").removeprefix("GeForce "),
+            n.backend,
+            fmt(n.reading_age_s, 1) if n.reading_age_s >= 0 else "-",
+            "yes" if n.stale else "no",
+            n.envelopes,
+            n.resyncs,
+            ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
+        ]
+        for n in nodes
+    ]
+    print(render_table(["NODE", "STATE", "GPUS", "MODEL", "BACKEND", "AGE s", "STALE", "ENVELOPES", "RESYNCS", "LABELS"], rows))
+    return 0
+
+
+@command("demo")
+def cmd_demo(args: argparse.Namespace) -> int:
+    from coordinator.demo import run_demo
+
+    return run_demo(args)
+
+
+@command("bench")
+def cmd_bench(args: argparse.Namespace) -> int:
+    from agent.wirebench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpulb", description="Operate a gpulb GPU cluster.")
+    p.add_argument(
+        "--coordinator",
+        default=os.environ.get("GPULB_COORDINATOR", "127.0.0.1:50051"),
+        help="HOST:PORT of the coordinator (env GPULB_COORDINATOR)",
+    )
+    p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline, s")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    gpus = sub.add_parser("gpus", help="list GPUs with their latest readings")
+    gpus.add_argument("--node", help="only this node")
+    gpus.add_argument("--model", help="only models containing this text")
+    gpus.add_argument("--metrics", help="comma-separated metrics (util,memory,temp,power,...)")
+    gpus.add_argument("--smoothed", action="store_true", help="anomaly-filtered EWMA values instead of raw")
+    gpus.add_argument("--json", action="store_true")
+
+    nodes = sub.add_parser("nodes", help="list nodes")
+    nodes.add_argument("--json", action="store_true")
+
+    demo = sub.add_parser("demo", help="run a coordinator and simulated agents on loopback")
+    demo.add_argument("--agents", type=int, default=3, help="simulated hosts")
+    demo.add_argument("--gpus-per-agent", type=int, default=4)
+    demo.add_argument("--duration", type=float, default=4.0, help="s to stream before the summary")
+    demo.add_argument("--no-live", action="store_true", help="no live table (logs and CI)")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench.add_argument("what", choices=("wire",), help="wire: bytes per GPU-sample on the wire")
+    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--samples", type=int, default=600, help="sampling rounds per scenario")
+    bench.add_argument("--gpus", type=int, default=8, help="GPUs per host")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except grpc.RpcError as exc:
+        print(f"gpulb: {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
