@@ -14,7 +14,7 @@ from protos.fields import FIELD_COUNT, FIELDS
 
 __all__ = ["samples_to_matrix", "register_message", "process_lists", "movement"]
 
-_NAMES = [spec.name for spec in FIELDS]
+_ATTRS = [(spec.attr, spec.sample_divisor) for spec in FIELDS]
 
 
 def samples_to_matrix(samples: Sequence[GpuSample], gpu_order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -29,10 +29,10 @@ def samples_to_matrix(samples: Sequence[GpuSample], gpu_order: Sequence[int]) ->
         row = row_of.get(sample.index)
         if row is None:
             continue
-        for col, name in enumerate(_NAMES):
-            value = getattr(sample, name)
+        for col, (attr, divisor) in enumerate(_ATTRS):
+            value = getattr(sample, attr)
             if value is not None:
-                values[row, col] = int(round(value))
+                values[row, col] = int(round(value / divisor))
                 present[row, col] = True
     return values, present
 

@@ -70,9 +70,9 @@ def _json_round(node_id: str, ts_ns: int, samples) -> bytes:
     for s in samples:
         row = {"node": node_id, "gpu": s.index, "ts": ts_ns}
         for spec in FIELDS:
-            value = getattr(s, spec.name)
+            value = getattr(s, spec.attr)
             if value is not None:
-                row[spec.name] = value
+                row[spec.attr] = value
         rows.append(row)
     return json.dumps(rows, separators=(",", ":")).encode()
 

@@ -14,23 +14,23 @@ from protos.fields import BY_NAME
 
 __all__ = ["gpu_messages", "node_message", "METRIC_ALIASES", "resolve_metrics", "UnknownMetric"]
 
-#: Gpu message field -> (view column name, scale from wire unit)
-_GPU_FIELDS: dict[str, tuple[str, float]] = {
-    "util_gpu_pct": ("util_gpu_pct", 1.0),
-    "util_memory_pct": ("util_memory_pct", 1.0),
-    "memory_used_mib": ("memory_used_mib", 1.0),
-    "memory_total_mib": ("memory_total_mib", 1.0),
-    "temperature_c": ("temperature_c", 1.0),
-    "power_w": ("power_mw", 1e-3),
-    "power_limit_w": ("power_limit_mw", 1e-3),
-    "sm_clock_mhz": ("sm_clock_mhz", 1.0),
-    "pcie_rx_kbps": ("pcie_rx_kbps", 1.0),
-    "pcie_tx_kbps": ("pcie_tx_kbps", 1.0),
-    "ecc_corrected": ("ecc_corrected", 1.0),
-    "ecc_uncorrected": ("ecc_uncorrected", 1.0),
-    "xid_last": ("xid_last", 1.0),
-    "process_count": ("process_count", 1.0),
-}
+#: Gpu message fields filled from the view's columns (same names, wire units)
+_GPU_FIELDS: tuple[str, ...] = (
+    "util_gpu_pct",
+    "util_memory_pct",
+    "memory_used_mib",
+    "memory_total_mib",
+    "temperature_c",
+    "power_w",
+    "power_limit_w",
+    "sm_clock_mhz",
+    "pcie_rx_mbps",
+    "pcie_tx_mbps",
+    "ecc_corrected",
+    "ecc_uncorrected",
+    "xid_last",
+    "process_count",
+)
 
 #: short names operators type (the seeds' ``metrics=util,memory``)
 METRIC_ALIASES: dict[str, tuple[str, ...]] = {
@@ -41,7 +41,7 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     "temperature": ("temperature_c",),
     "power": ("power_w", "power_limit_w"),
     "clock": ("sm_clock_mhz",),
-    "pcie": ("pcie_rx_kbps", "pcie_tx_kbps"),
+    "pcie": ("pcie_rx_mbps", "pcie_tx_mbps"),
     "ecc": ("ecc_corrected", "ecc_uncorrected"),
 }
 
@@ -112,11 +112,10 @@ def gpu_messages(
             health = raw[health_col]
             msg.health = int(health) if _finite(health) else 0
             for name in metrics:
-                column, scale = _GPU_FIELDS[name]
                 if smoothed is not None and name in smoothed:
                     value = float(smoothed[name][row])
                 else:
-                    value = float(raw[BY_NAME[column]]) * scale
+                    value = float(raw[BY_NAME[name]])
                 if _finite(value):
                     setattr(msg, name, value)
             if extras is not None:

@@ -15,11 +15,11 @@ class Field(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FIELD_MEMORY_USED_MIB: _ClassVar[Field]
     FIELD_MEMORY_TOTAL_MIB: _ClassVar[Field]
     FIELD_TEMPERATURE_C: _ClassVar[Field]
-    FIELD_POWER_MW: _ClassVar[Field]
-    FIELD_POWER_LIMIT_MW: _ClassVar[Field]
+    FIELD_POWER_W: _ClassVar[Field]
+    FIELD_POWER_LIMIT_W: _ClassVar[Field]
     FIELD_SM_CLOCK_MHZ: _ClassVar[Field]
-    FIELD_PCIE_RX_KBPS: _ClassVar[Field]
-    FIELD_PCIE_TX_KBPS: _ClassVar[Field]
+    FIELD_PCIE_RX_MBPS: _ClassVar[Field]
+    FIELD_PCIE_TX_MBPS: _ClassVar[Field]
     FIELD_ECC_CORRECTED: _ClassVar[Field]
     FIELD_ECC_UNCORRECTED: _ClassVar[Field]
     FIELD_XID_LAST: _ClassVar[Field]
@@ -61,11 +61,11 @@ FIELD_UTIL_MEMORY_PCT: Field
 FIELD_MEMORY_USED_MIB: Field
 FIELD_MEMORY_TOTAL_MIB: Field
 FIELD_TEMPERATURE_C: Field
-FIELD_POWER_MW: Field
-FIELD_POWER_LIMIT_MW: Field
+FIELD_POWER_W: Field
+FIELD_POWER_LIMIT_W: Field
 FIELD_SM_CLOCK_MHZ: Field
-FIELD_PCIE_RX_KBPS: Field
-FIELD_PCIE_TX_KBPS: Field
+FIELD_PCIE_RX_MBPS: Field
+FIELD_PCIE_TX_MBPS: Field
 FIELD_ECC_CORRECTED: Field
 FIELD_ECC_UNCORRECTED: Field
 FIELD_XID_LAST: Field

@@ -132,15 +132,15 @@ def test_keyframe_at_least_every_interval():
 
 def test_absent_field_is_absent_not_zero():
     v = np.tile(np.maximum(LOWER, 1), (len(GPU_INDICES), 1))
-    v[:, BY_NAME["power_mw"]] = 7
+    v[:, BY_NAME["power_w"]] = 7
     p = np.ones_like(v, bool)
-    p[1, BY_NAME["power_mw"]] = False
-    v[1, BY_NAME["power_mw"]] = 0
+    p[1, BY_NAME["power_w"]] = False
+    v[1, BY_NAME["power_w"]] = 0
     enc = TelemetryEncoder(GPU_INDICES)
     dec = TelemetryDecoder(GPU_INDICES)
     dec.apply(enc.encode(v, p, now_s=0, sampled_at_ns=0)[0])
-    assert np.isnan(dec.values[1, BY_NAME["power_mw"]])
-    assert dec.values[0, BY_NAME["power_mw"]] == 7
+    assert np.isnan(dec.values[1, BY_NAME["power_w"]])
+    assert dec.values[0, BY_NAME["power_w"]] == 7
 
 
 def _env_with(batch: pb.MetricBatch, seq: int = 1) -> pb.Envelope:

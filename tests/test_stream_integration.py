@@ -65,7 +65,7 @@ def _matches_last_sent(gpus: list[cpb.Gpu], agents: list[Agent]) -> bool:
                 col = BY_NAME[column]
                 if not known[row, col] or not gpu.HasField(field) or getattr(gpu, field) != values[row, col]:
                     return False
-            if not gpu.HasField("power_w") or abs(gpu.power_w - values[row, BY_NAME["power_mw"]] / 1000) > 1e-9:
+            if not gpu.HasField("power_w") or gpu.power_w != values[row, BY_NAME["power_w"]]:
                 return False
     return True
 
