@@ -17,21 +17,20 @@ Per (row, signal), with ``W`` the window, ``n`` the accepted readings in it
       IQR band = [Q1 - max(k * (Q3 - Q1), f),  Q3 + max(k * (Q3 - Q1), f)]
       z band   = [mu - max(z_max * sigma, f),  mu + max(z_max * sigma, f)]
 
-  ``x`` is an anomaly when it lies outside **both** bands. Either test alone
-  misfires on real GPU series: the IQR collapses to 0 on a mostly idle duty
-  cycle (Q1 = Q3 = 0), so every burst would be an "anomaly"; sigma is
-  inflated by a bimodal window, so a 3-sigma test alone lets large spikes
-  through on such windows. Requiring both keeps false positives on the
-  Alibaba GenAI traces low (see ``tests/test_signals.py``) while a spike far
-  from a tight window still fails both. The floor ``f`` keeps a perfectly
-  flat window (IQR = sigma = 0) from turning the next 1-unit wiggle into an
-  anomaly forever.
+  ``x`` is an anomaly when it lies outside **either** band: the two are
+  filters in series, each able to reject. The IQR test ignores the window's
+  own outliers; the z test catches spikes off a window too small or too
+  lumpy for stable quartiles. The floor ``f`` keeps a perfectly flat window
+  (IQR = sigma = 0) from turning the next one-unit wiggle into an anomaly
+  forever; it also means a mostly idle duty cycle (Q1 = Q3 = 0) rejects a
+  lone burst but accepts a burst that lasts ``persist`` readings.
 * **Anomaly**: not added to the window, does not move the smoothed value,
   counted in ``anomaly_counts[signal]`` and flagged in ``flagged[row, signal]``
   until the next accepted reading. It is still the ``raw`` value.
 * **Level shift**: ``persist`` anomalies in a row on the same side of the
   fence are a real change, not a glitch. The window is re-seeded with those
-  ``persist`` readings, the EWMA snaps to the latest one, the flag clears and
+  ``persist`` readings, the EWMA snaps to their median (one spike inside
+  the run cannot become the new level), the flag clears and
   ``shift_counts[signal]`` grows. The reading that completes the run is not
   counted as an anomaly; the ``persist - 1`` before it stay counted (they
   were rejected when they arrived). ``persist = 3`` by default: the agent
@@ -146,8 +145,6 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 # Empty ring slots hold value 0 and this time: finite, so masked products
 # stay 0 instead of turning NaN, and older than any trend window can reach.
 _EMPTY_T = -1e30
-import os
-RULE = os.environ.get("RULE", "both")
 
 # Cells per pass. Each pass works in preallocated (cells, W) scratch arrays:
 # fresh ~1 MB temporaries per numpy call were trimmed back to the OS by glibc
@@ -191,7 +188,7 @@ class SignalBank:
         iqr_k: float = 1.5,
         z_max: float = 3.0,
         persist: int = 3,
-        min_window: int = 8,
+        min_window: int = 5,
         min_spread: float | npt.ArrayLike = 1.0,
         trend_window_s: float = 60.0,
         forecast_horizon_s: float = 0.0,
@@ -445,8 +442,8 @@ class SignalBank:
         f = self.min_spread[si]
         iqr_half = np.maximum(self.iqr_k * (q3 - q1), f)
         z_half = np.maximum(self.z_max * sigma, f)
-        lo = (np.maximum if RULE=="either" else np.minimum)(q1 - iqr_half, mu - z_half)
-        hi = (np.minimum if RULE=="either" else np.maximum)(q3 + iqr_half, mu + z_half)
+        lo = np.maximum(q1 - iqr_half, mu - z_half)
+        hi = np.minimum(q3 + iqr_half, mu + z_half)
         fenced = n >= self.min_window
         side = (fenced & (xv > hi)).astype(np.int8) - (fenced & (xv < lo)).astype(np.int8)
         out = side != 0
@@ -471,7 +468,9 @@ class SignalBank:
         n[j] = np.minimum(n[j] + 1, w)
         # --- a persisting shift re-seeds the window with its run
         j = np.flatnonzero(shift)
+        snap = xv.copy()
         if j.size:
+            snap[j] = np.median(self._run_vals[c[j]], axis=-1)
             win[j] = 0.0
             tsw[j] = _EMPTY_T
             win[j, :p] = self._run_vals[c[j]]
@@ -486,7 +485,7 @@ class SignalBank:
         # --- EWMA: accepted readings move it, a shift snaps it
         sm = self._smoothed[c]
         ewma = np.where(np.isnan(sm), xv, self.alpha * xv + (1.0 - self.alpha) * sm)
-        sm = np.where(accept, ewma, np.where(shift, xv, sm))
+        sm = np.where(accept, ewma, np.where(shift, snap, sm))
 
         trend = self._trend_of(win, tsw, tv, ws)
         if self.forecast_horizon_s > 0:
