@@ -77,7 +77,7 @@ def test_persisting_shift_is_accepted_after_persist_readings() -> None:
     t = feed(bank, 0, [80.0, 81.0], t)
     assert bank.flagged[0, 0] and bank.smoothed[0, 0] < 25
     feed(bank, 0, [82.0], t)
-    assert bank.smoothed[0, 0] == 82.0  # snapped to the new level
+    assert bank.smoothed[0, 0] == 81.0  # snapped to the run's median
     assert not bank.flagged[0, 0]
     assert bank.anomaly_counts[0] == 2 and bank.shift_counts[0] == 1
     assert bank.window_counts[0, 0] == 3  # re-seeded with the run
