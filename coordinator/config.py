@@ -1,19 +1,42 @@
-"""The coordinator's settings, every one with its unit and default."""
+"""The coordinator's settings, every one with its unit and default.
+
+Each field's metadata carries its help text and unit; the configuration loader,
+``--print-config`` and the README's reference are generated from it, so they
+cannot drift apart. Scheduler settings live in ``scheduler.config``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["CoordinatorConfig"]
+__all__ = ["CoordinatorConfig", "LIVE_RELOADABLE"]
+
+
+def _opt(default, help: str, unit: str = "", **kw):
+    return field(default=default, metadata={"help": help, "unit": unit}, **kw)
 
 
 @dataclass
 class CoordinatorConfig:
-    listen: str = "127.0.0.1:50051"  # HOST:PORT of the gRPC server; port 0 picks a free one
-    metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; empty = off
-    heartbeat_interval_s: float = 10.0  # s; a node silent this long is UNREACHABLE
-    remove_after_intervals: int = 3  # heartbeat intervals of silence before REMOVED
-    keyframe_interval_s: float = 30.0  # s; agents send a keyframe at least this often
-    staleness_s: float = 10.0  # s; readings older than this are stale
-    max_message_bytes: int = 4 * 1024 * 1024  # bytes; largest gRPC message accepted
-    grace_s: float = 5.0  # s; graceful stop bound
+    listen: str = _opt("127.0.0.1:50051", "HOST:PORT of the gRPC server; port 0 picks a free one (logged)")
+    metrics_listen: str = _opt("", "HOST:PORT of the Prometheus endpoint (GET /metrics); empty = off")
+    state_dir: str = _opt("", "directory for durable state (SQLite); empty = in memory only")
+    heartbeat_interval_s: float = _opt(10.0, "a node silent this long is UNREACHABLE (no new tasks)", "s")
+    remove_after_intervals: int = _opt(3, "heartbeat intervals of silence before a node is REMOVED", "intervals")
+    keyframe_interval_s: float = _opt(30.0, "agents send a full keyframe at least this often", "s")
+    staleness_s: float = _opt(10.0, "readings older than this are stale; stale nodes are scored by free GPUs only", "s")
+    max_message_bytes: int = _opt(4 * 1024 * 1024, "largest gRPC message accepted", "bytes")
+    grace_s: float = _opt(5.0, "bound on a graceful stop: in-flight calls get this long", "s")
+    signal_window: int = _opt(30, "readings in each signal's rolling anomaly window", "readings")
+    ewma_alpha: float = _opt(0.3, "EWMA smoothing factor (weight of the newest reading)")
+    iqr_k: float = _opt(1.5, "IQR fence multiplier for the anomaly filter")
+    z_max: float = _opt(3.0, "|z| above which a reading is an anomaly")
+    persist: int = _opt(3, "anomalies in a row on one side accepted as a real level change", "readings")
+    smoothing_tick_s: float = _opt(0.02, "period of the vectorised smoothing pass over rows with new readings", "s")
+    dispatch_interval_s: float = _opt(0.5, "period of the dispatch pass besides enqueue/completion/view triggers", "s")
+    log_level: str = _opt("info", "debug, info, warning or error")
+    log_format: str = _opt("auto", "json, console, or auto (console on a terminal)")
+
+
+#: settings a SIGHUP may change without a restart
+LIVE_RELOADABLE = frozenset({"log_level", "staleness_s", "dispatch_interval_s", "heartbeat_interval_s", "remove_after_intervals"})

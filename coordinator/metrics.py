@@ -1,0 +1,219 @@
+"""Prometheus metrics of the coordinator, served over HTTP from its event loop.
+
+Per-GPU and per-node gauges are read from the view at scrape time by a custom
+collector (nothing is updated per sample); counters and histograms on the
+ingest and scheduling paths are ordinary prometheus-client instruments in a
+registry of the coordinator's own, so several coordinators in one process
+(tests) do not collide. Names follow Prometheus conventions: the ``gpulb_``
+prefix and base units (bytes, seconds, ratios, watts, celsius).
+
+The HTTP endpoint is a few lines of asyncio rather than prometheus-client's
+threaded server: the collector then runs on the loop that owns the view, so a
+scrape never sees a half-applied batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from protos import cluster_pb2 as cpb
+from protos.fields import BY_NAME
+
+if TYPE_CHECKING:
+    from coordinator.server import Coordinator
+
+__all__ = ["CoordinatorMetrics", "MetricsServer", "EXPORTED_METRIC_NAMES"]
+
+_MIB = 1024.0 * 1024.0
+
+
+class _ViewCollector:
+    """Reads the view's columns when Prometheus scrapes."""
+
+    def __init__(self, coordinator: "Coordinator") -> None:
+        self.c = coordinator
+
+    def describe(self):
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        c = self.c
+        now = c.clock()
+        labels = ["node", "gpu", "uuid", "model"]
+        fams = {
+            "util": GaugeMetricFamily("gpulb_gpu_utilization_ratio", "GPU busy share from the last reading (0-1)", labels=labels),
+            "util_s": GaugeMetricFamily("gpulb_gpu_utilization_smoothed_ratio", "Anomaly-filtered EWMA of GPU busy share (0-1)", labels=labels),
+            "mem": GaugeMetricFamily("gpulb_gpu_memory_used_bytes", "Device memory in use, last reading", labels=labels),
+            "mem_s": GaugeMetricFamily("gpulb_gpu_memory_used_smoothed_bytes", "Anomaly-filtered EWMA of device memory in use", labels=labels),
+            "mem_total": GaugeMetricFamily("gpulb_gpu_memory_total_bytes", "Device memory in all", labels=labels),
+            "temp": GaugeMetricFamily("gpulb_gpu_temperature_celsius", "GPU die temperature, last reading", labels=labels),
+            "power": GaugeMetricFamily("gpulb_gpu_power_watts", "Board power draw, last reading", labels=labels),
+            "age": GaugeMetricFamily("gpulb_gpu_reading_age_seconds", "Seconds since the GPU's last reading reached the coordinator", labels=labels),
+            "reserved": GaugeMetricFamily("gpulb_gpu_reserved_memory_bytes", "Device memory reserved by placements not yet seen in readings", labels=labels),
+            "tasks": GaugeMetricFamily("gpulb_gpu_active_tasks", "Tasks leased on the GPU", labels=labels),
+        }
+        view = c.view
+        raw = view.raw
+        cols = {name: BY_NAME[name] for name in ("util_gpu_pct", "memory_used_mib", "memory_total_mib", "temperature_c", "power_w")}
+        smoothed = c.smoothed_columns()
+        extras = c.gpu_scheduler_facts()
+        for node in list(view.nodes.values()):
+            for gpu, row in zip(node.gpus, node.rows):
+                lv = [node.node_id, str(gpu.index), gpu.uuid, gpu.model]
+                r = raw[row]
+
+                def add(key: str, value: float, scale: float = 1.0) -> None:
+                    if not math.isnan(value):
+                        fams[key].add_metric(lv, value * scale)
+
+                add("util", r[cols["util_gpu_pct"]], 0.01)
+                add("mem", r[cols["memory_used_mib"]], _MIB)
+                add("mem_total", r[cols["memory_total_mib"]], _MIB)
+                add("temp", r[cols["temperature_c"]])
+                add("power", r[cols["power_w"]])
+                if "util_gpu_pct" in smoothed:
+                    add("util_s", smoothed["util_gpu_pct"][row], 0.01)
+                if "memory_used_mib" in smoothed:
+                    add("mem_s", smoothed["memory_used_mib"][row], _MIB)
+                read_at = view.reading_at_s[row]
+                if not math.isnan(read_at):
+                    fams["age"].add_metric(lv, max(0.0, now - read_at))
+                facts = extras.get(gpu.uuid)
+                if facts is not None:
+                    fams["reserved"].add_metric(lv, facts[0] * _MIB)
+                    fams["tasks"].add_metric(lv, facts[1])
+        yield from fams.values()
+        states = GaugeMetricFamily("gpulb_nodes", "Nodes in the view by state", labels=["state"])
+        counts = {name: 0 for name in cpb.NodeState.keys() if name != "NODE_STATE_UNSPECIFIED"}
+        for node_id in list(view.nodes):
+            counts[cpb.NodeState.Name(c.node_state(node_id))] += 1
+        for name, count in counts.items():
+            states.add_metric([name.removeprefix("NODE_STATE_").lower()], count)
+        yield states
+        streams = GaugeMetricFamily("gpulb_agent_streams", "Open agent telemetry streams")
+        streams.add_metric([], len(c.gateway.sessions))
+        yield streams
+        yield from c.scheduler_metric_families()
+
+
+class CoordinatorMetrics:
+    """The coordinator's instruments, in a registry of its own."""
+
+    def __init__(self, coordinator: "Coordinator") -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.envelopes = Counter("gpulb_envelopes_received_total", "Telemetry envelopes applied", registry=r)
+        self.envelope_bytes = Counter("gpulb_telemetry_received_bytes_total", "Telemetry bytes received (serialized envelopes)", registry=r)
+        self.rejected = Counter("gpulb_envelopes_rejected_total", "Envelopes refused as malformed, by offending field", ["field"], registry=r)
+        self.resyncs = Counter("gpulb_resyncs_total", "Keyframes requested after sequence gaps", registry=r)
+        self.anomalies = Counter("gpulb_anomalies_total", "Readings rejected by the anomaly filter, by signal", ["signal"], registry=r)
+        self.level_shifts = Counter("gpulb_level_shifts_total", "Persistent level changes accepted by the anomaly filter, by signal", ["signal"], registry=r)
+        self.ingest_latency = Histogram(
+            "gpulb_ingest_latency_seconds",
+            "Delay from an envelope's arrival to its readings being in the smoothed view",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.node_transitions = Counter("gpulb_node_transitions_total", "Node liveness transitions, by new state", ["state"], registry=r)
+        self.tasks_placed = Counter("gpulb_tasks_placed_total", "Tasks placed, by policy and priority class", ["policy", "priority"], registry=r)
+        self.tasks_finished = Counter("gpulb_tasks_finished_total", "Tasks that reached a final state, by state", ["state"], registry=r)
+        self.sla_misses = Counter("gpulb_p0_sla_misses_total", "P0 tasks that waited past the SLA bound", registry=r)
+        self.decision_seconds = Histogram(
+            "gpulb_schedule_decision_seconds",
+            "Time of one dispatch pass (filter, score, reserve) over the whole queue",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "gpulb_task_wait_seconds",
+            "Time from submission to placement, by priority class",
+            ["priority"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 30, 60, 300, 1800),
+            registry=r,
+        )
+        r.register(_ViewCollector(coordinator))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """A minimal HTTP/1.1 server for ``GET /metrics`` (and ``/healthz``)."""
+
+    def __init__(self, metrics: CoordinatorMetrics, host: str, port: int) -> None:
+        self.metrics = metrics
+        self.host = host
+        self.port = port
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            line = request.split(b"\r\n", 1)[0].decode("latin-1")
+            parts = line.split()
+            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
+            if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
+                status, body, ctype = "405 Method Not Allowed", b"only GET\n", "text/plain"
+            elif path == "/metrics":
+                status, body, ctype = "200 OK", self.metrics.exposition(), CONTENT_TYPE_LATEST
+            elif path in ("/healthz", "/"):
+                status, body, ctype = "200 OK", b"ok\n", "text/plain"
+            else:
+                status, body, ctype = "404 Not Found", b"see /metrics\n", "text/plain"
+            head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            writer.write(head.encode() + (body if parts and parts[0] != "HEAD" else b""))
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+
+#: every metric family name the coordinator exports (for rules/dashboard checks)
+EXPORTED_METRIC_NAMES = (
+    "gpulb_gpu_utilization_ratio",
+    "gpulb_gpu_utilization_smoothed_ratio",
+    "gpulb_gpu_memory_used_bytes",
+    "gpulb_gpu_memory_used_smoothed_bytes",
+    "gpulb_gpu_memory_total_bytes",
+    "gpulb_gpu_temperature_celsius",
+    "gpulb_gpu_power_watts",
+    "gpulb_gpu_reading_age_seconds",
+    "gpulb_gpu_reserved_memory_bytes",
+    "gpulb_gpu_active_tasks",
+    "gpulb_nodes",
+    "gpulb_agent_streams",
+    "gpulb_envelopes_received_total",
+    "gpulb_telemetry_received_bytes_total",
+    "gpulb_envelopes_rejected_total",
+    "gpulb_resyncs_total",
+    "gpulb_anomalies_total",
+    "gpulb_level_shifts_total",
+    "gpulb_ingest_latency_seconds",
+    "gpulb_node_transitions_total",
+    "gpulb_tasks_placed_total",
+    "gpulb_tasks_finished_total",
+    "gpulb_p0_sla_misses_total",
+    "gpulb_schedule_decision_seconds",
+    "gpulb_task_wait_seconds",
+    "gpulb_queue_depth",
+    "gpulb_queue_oldest_wait_seconds",
+    "gpulb_tasks",
+)
