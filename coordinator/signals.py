@@ -87,10 +87,10 @@ MIN_SPREAD: dict[str, float] = {
     "util_memory_pct": 2.0,
     "memory_used_mib": 64.0,
     "temperature_c": 1.0,
-    "power_mw": 5_000.0,
-    "sm_clock_mhz": 30.0,
-    "pcie_rx_kbps": 10_240.0,
-    "pcie_tx_kbps": 10_240.0,
+    "power_w": 5.0,
+    "sm_clock_mhz": 30.0,  # two 15 MHz clock bins
+    "pcie_rx_mbps": 64.0,  # two wire deadbands
+    "pcie_tx_mbps": 64.0,
 }
 
 

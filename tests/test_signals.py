@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from coordinator.signals import MIN_SPREAD, SignalBank, min_spread_for, quartiles
+from protos.fields import FIELDS
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "alibaba-genai"
 MIB = 2**20
@@ -250,9 +251,12 @@ def test_bad_configuration_is_rejected(kwargs) -> None:
 
 
 def test_min_spread_for_uses_table_then_deadband() -> None:
-    out = min_spread_for(["util_gpu_pct", "memory_used_mib", "temperature_c", "power_mw", "process_count"])
-    assert out.tolist() == [2.0, 64.0, 1.0, 5000.0, 1.0]
-    assert MIN_SPREAD["memory_used_mib"] == 64.0
+    out = min_spread_for(["util_gpu_pct", "memory_used_mib", "temperature_c", "power_w", "process_count"])
+    assert out.tolist() == [2.0, 64.0, 1.0, 5.0, 1.0]
+    # the table follows the wire field names, so a rename cannot orphan a floor
+    assert set(MIN_SPREAD) <= {spec.name for spec in FIELDS}
+    with pytest.raises(KeyError):
+        min_spread_for(["no_such_field"])
 
 
 # --------------------------------------------------------------- real traces
@@ -357,26 +361,101 @@ def spike_figures(times, values, spike, cap, spread, tol):
         err = np.minimum(np.abs(g[:k] - r0[:k]), np.abs(g[:k] - r1[:k]))
         errors.append(np.nanmax(np.r_[err, np.abs(g[k:] - r0[k:])]))
     errors = np.array(errors)
+    # "clear" spikes, judged on the clean trace alone: the 30 readings before
+    # span less than half the spike, so the spike is far outside anything the
+    # pod just did
+    clear = np.array([np.ptp(values[p, max(0, i - 30) : i]) < spike / 2 if i else False
+                      for p, i in zip(*np.nonzero(pos))])
     readings = int((~np.isnan(values)).sum())
     return {
         "spikes": errors.size,
         "removed": float(np.mean(errors <= tol)),
         "flagged": float(fl[2 * pods :][pos].mean()),
+        "clear_spikes": int(clear.sum()),
+        "clear_removed": float(np.mean(errors[clear] <= tol)),
         "err_p50_p90_p99": np.round(np.percentile(errors, [50, 90, 99]), 1).tolist(),
         "clean_anomaly_rate": clean_fl.sum() / readings,
         "readings": readings,
     }
 
 
+def check_spike_figures(fig: dict) -> None:
+    """Thresholds for ``spike_figures`` on the 1-minute GenAI trace.
+
+    Measured (40 pods): memory +10 GiB, 83 % of all spikes and 97 % of clear
+    ones removed, 8.8 % of clean readings flagged; duty cycle +60 %, 85 % and
+    95 %, 7.0 %. What gets through: a spike on a pod whose minute-to-minute
+    swings are as large as the spike (inside the fence: no filter could
+    tell them apart), a spike in the few readings after a level shift (no
+    fence yet), and a spike next to a real two-reading excursion on the
+    same side, which together make a ``persist`` run and are taken as a
+    shift. The "clean" anomaly rate counts the trace's own one-minute
+    excursions (restarts, lone bursts), which the filter is meant to hold
+    back; it is reported, and bounded so that a looser or tighter filter is
+    noticed.
+    """
+    assert fig["spikes"] > 1000 and fig["clear_spikes"] > 300, fig
+    assert fig["clear_removed"] >= 0.92, f"clear spikes removed: {fig}"
+    assert fig["removed"] >= 0.78, f"spikes removed: {fig}"
+    assert 0.01 <= fig["clean_anomaly_rate"] <= 0.12, f"clean-series anomaly rate: {fig}"
+
+
 def test_memory_spikes_are_kept_out_of_the_smoothed_series(memory_mib) -> None:
     fig = spike_figures(*memory_mib, spike=10 * 1024.0, cap=np.inf, spread=64.0, tol=64.0)
     print("memory +10 GiB spikes:", fig)
-    assert fig["spikes"] > 1000
-    assert fig["removed"] >= 0.0, fig
+    check_spike_figures(fig)
 
 
 def test_duty_cycle_spikes_are_kept_out_of_the_smoothed_series(duty_pct) -> None:
     fig = spike_figures(*duty_pct, spike=60.0, cap=100.0, spread=2.0, tol=2.0)
     print("duty +60 % spikes:", fig)
-    assert fig["spikes"] > 1000
-    assert fig["removed"] >= 0.0, fig
+    check_spike_figures(fig)
+
+
+def level_steps(v: np.ndarray, span: int = 10, jump: float = 0.2, flat: float = 0.05) -> list[tuple[int, float]]:
+    """Real level changes in one series: ``(first reading, new level)``.
+
+    A step is a move of more than ``jump`` (relative) between two plateaus
+    of ``span`` readings that each stay within ``flat`` of their median, so
+    the "new level" is unambiguous. Found on the clean trace, without the
+    filter.
+    """
+    v = v[~np.isnan(v)]
+    if v.size < 2 * span:
+        return []
+    win = np.lib.stride_tricks.sliding_window_view(v, span)  # win[i] = v[i : i + span]
+    med = np.median(win, axis=1)
+    plateau = (med > 0) & np.all(np.abs(win - med[:, None]) <= flat * med[:, None], axis=1)
+    before, after = slice(0, -span), slice(span, None)  # plateaus ending at i, starting at i
+    hit = plateau[before] & plateau[after] & (np.abs(med[after] - med[before]) > jump * med[before])
+    out: list[tuple[int, float]] = []
+    for k in np.flatnonzero(hit):
+        i = int(k) + span
+        if not out or i >= out[-1][0] + span:
+            out.append((i, float(med[i])))
+    return out
+
+
+def test_memory_level_changes_are_followed_within_a_bound(memory_mib) -> None:
+    """The bound: a step outside the fence is taken once ``persist`` (3)
+    readings agree, snapping to their median (within 5 % of the plateau by
+    construction). A step the fence lets in (a wide, noisy window, or a
+    window refilling after a shift) moves the EWMA by ``alpha`` of the gap
+    per reading: from a gap of up to 100 % of the level down to 5 % takes
+    ``ceil(ln 0.05 / ln 0.7) = 9`` readings. So every step is followed
+    within ``3 + 9 = 12`` readings, and most within ``persist``.
+    """
+    times, values = memory_mib
+    smoothed, _ = replay(times, values, 64.0)
+    lags = []
+    for p in range(values.shape[0]):
+        for i, level in level_steps(values[p]):
+            close = np.abs(smoothed[p, i : i + 12] - level) <= 0.05 * level
+            lags.append(int(np.argmax(close)) + 1 if close.any() else 99)
+    lags_arr = np.array(lags)
+    hist = np.bincount(np.minimum(lags_arr, 13)).tolist()
+    print(f"memory steps: {lags_arr.size}, readings to follow (histogram from 0): {hist}")
+    assert lags_arr.size >= 10, "the trace sample has too few clean steps to judge"
+    bound = 3 + math.ceil(math.log(0.05) / math.log(0.7))
+    assert lags_arr.max() <= bound, f"a step took {lags_arr.max()} > {bound} readings: {hist}"
+    assert np.mean(lags_arr <= 3) >= 0.8, f"steps followed within persist: {np.mean(lags_arr <= 3):.2f}, {hist}"
