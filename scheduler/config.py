@@ -1,0 +1,127 @@
+"""Every threshold and weight of the scheduler, with its unit, in one dataclass.
+
+The coordinator fills it from its configuration file; tests and the simulator
+construct it directly. ``validate()`` raises ``InvalidArgument`` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from scheduler.errors import InvalidArgument
+
+__all__ = ["SchedulerConfig"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # ---- queue ----------------------------------------------------------------
+    # Dispatch share of P0..P3 when every class is backlogged (smooth weighted
+    # round robin over the non-empty classes).
+    class_weights: tuple[int, int, int, int] = (8, 4, 2, 1)
+    # s a task waits in P1, P2, P3 before it is promoted one class up.
+    promote_after_s: tuple[float, float, float] = (30.0, 300.0, 600.0)
+    # s a P0 task (by spec) may wait in the queue before it counts as an SLA miss.
+    p0_sla_s: float = 5.0
+    # Backfill bound: once a task that did not fit has been blocked this many s
+    # (since it was first tried and failed) or skipped this many dispatches, tasks
+    # of its class and below stop passing it (see AgingQueue).
+    backfill_max_head_wait_s: float = 60.0
+    backfill_max_skips: int = 100
+
+    # ---- filters (hard) -----------------------------------------------------
+    # % of GPU memory that memory used + reservations + the task must stay under.
+    memory_reject_pct: float = 85.0
+    # tenant -> % override of memory_reject_pct.
+    tenant_memory_reject_pct: Mapping[str, float] = field(default_factory=dict)
+    # °C at or above which a GPU takes no new task.
+    temperature_reject_c: float = 85.0
+    # NVLink competition (0..1) at or above which needs_nvlink tasks avoid a GPU.
+    nvlink_competition_max: float = 0.6
+    # ms of node disk await at or above which io_heavy tasks avoid the node.
+    disk_await_max_ms: float = 70.0
+
+    # ---- scores (soft) --------------------------------------------------------
+    # % memory use where the memory-pressure term starts rising (0 below, 1 at reject).
+    memory_warn_pct: float = 70.0
+    # °C above which the temperature term starts rising (1 at temperature_reject_c).
+    temperature_penalty_start_c: float = 60.0
+    # s of node response time that maps to a response-time term of 1 (capped there).
+    response_time_ref_s: float = 5.0
+    # Predicted load reads the one-step EWMA forecast (True) or the smoothed util.
+    use_forecast: bool = True
+
+    # ---- policy -----------------------------------------------------------------
+    policy: str = "load_aware"
+    # Overrides of the policy's default weights (term -> weight, unitless).
+    weights: Mapping[str, float] = field(default_factory=dict)
+
+    # ---- leases and retries -----------------------------------------------------
+    # s a lease lasts when granted, and a renewal with extend_s = 0 extends by.
+    lease_s: float = 300.0
+    # s: the longest single extension a renewal may ask for.
+    max_lease_extend_s: float = 7 * 24 * 3600.0
+    # Lost tasks of these kinds (or with spec.movable) are re-queued.
+    retry_kinds: frozenset[str] = frozenset({"training", "batch", "background"})
+    # Placements a task may have in all; a lost task at the limit stays LOST.
+    max_attempts: int = 3
+
+    # ---- bookkeeping ------------------------------------------------------------
+    # Finished tasks kept for GetTask / idempotent resubmission (oldest dropped first).
+    retain_finished: int = 100_000
+    # Tasks listed in queue_summary().head.
+    queue_head_limit: int = 50
+
+    def memory_reject_for(self, tenant: str) -> float:
+        """% memory reject threshold that applies to ``tenant``."""
+        return self.tenant_memory_reject_pct.get(tenant, self.memory_reject_pct)
+
+    def validate(self) -> "SchedulerConfig":
+        def positive(name: str, value: float) -> None:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise InvalidArgument(name, f"must be a finite number > 0, got {value!r}")
+
+        if len(self.class_weights) != 4:
+            raise InvalidArgument("class_weights", "needs one weight per class P0..P3")
+        for i, w in enumerate(self.class_weights):
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise InvalidArgument(f"class_weights[{i}]", f"must be an integer >= 1, got {w!r}")
+        if len(self.promote_after_s) != 3:
+            raise InvalidArgument("promote_after_s", "needs one threshold for each of P1, P2, P3")
+        for i, s in enumerate(self.promote_after_s):
+            positive(f"promote_after_s[{i}]", s)
+        positive("p0_sla_s", self.p0_sla_s)
+        positive("backfill_max_head_wait_s", self.backfill_max_head_wait_s)
+        if self.backfill_max_skips < 1:
+            raise InvalidArgument("backfill_max_skips", "must be >= 1")
+        for name in ("memory_reject_pct", "memory_warn_pct"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 < value <= 100):
+                raise InvalidArgument(name, f"must be in (0, 100], got {value!r}")
+        for tenant, value in self.tenant_memory_reject_pct.items():
+            if not (math.isfinite(value) and 0 < value <= 100):
+                raise InvalidArgument(
+                    f"tenant_memory_reject_pct[{tenant}]", f"must be in (0, 100], got {value!r}"
+                )
+            if value <= self.memory_warn_pct:
+                raise InvalidArgument(
+                    f"tenant_memory_reject_pct[{tenant}]", "must be above memory_warn_pct"
+                )
+        if self.memory_warn_pct >= self.memory_reject_pct:
+            raise InvalidArgument("memory_warn_pct", "must be below memory_reject_pct")
+        if self.temperature_penalty_start_c >= self.temperature_reject_c:
+            raise InvalidArgument(
+                "temperature_penalty_start_c", "must be below temperature_reject_c"
+            )
+        positive("nvlink_competition_max", self.nvlink_competition_max)
+        positive("disk_await_max_ms", self.disk_await_max_ms)
+        positive("response_time_ref_s", self.response_time_ref_s)
+        positive("lease_s", self.lease_s)
+        positive("max_lease_extend_s", self.max_lease_extend_s)
+        if self.max_attempts < 1:
+            raise InvalidArgument("max_attempts", "must be >= 1")
+        if self.retain_finished < 0:
+            raise InvalidArgument("retain_finished", "must be >= 0")
+        return self

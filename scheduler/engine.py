@@ -1,0 +1,528 @@
+"""The scheduler: the one stateful object tying queue, filters, policies,
+reservations and leases together.
+
+Synchronous and single-threaded: the coordinator calls it from its event loop,
+the simulator from its virtual-time loop; every time comes from the injected
+``clock`` (monotonic seconds). Public methods return *copies* of task records
+and tell listeners (``add_listener``) about every change, after the call's own
+work is done, so a listener may call back into the scheduler.
+
+Life cycle::
+
+    submit --> QUEUED --dispatch--> LEASED --complete--> COMPLETED / FAILED
+       |         |  \\--deadline--> EXPIRED      |--lease runs out--> EXPIRED
+       |         \\--cancel--> CANCELLED          |--cancel--> CANCELLED
+       \\--never fits--> REJECTED                 \\--node_removed--> LOST (--> QUEUED if retryable)
+
+Retry rule for lost tasks: a task whose node is removed is re-queued (at its
+spec priority, aging restarting) when ``spec.movable`` is set or its ``kind``
+is one of ``config.retry_kinds`` (training, batch, background by default;
+inference is not retried because its caller has long given up), and it has
+had fewer than ``config.max_attempts`` placements. Otherwise it stays LOST.
+
+Never-fits rule: a task is REJECTED at submission when it cannot fit any node
+of the latest snapshot even if that node were empty (``filters.never_fits``).
+Tasks submitted before the scheduler has seen any snapshot are checked at the
+next dispatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping
+
+from scheduler.config import SchedulerConfig
+from scheduler.errors import (
+    InvalidArgument,
+    NotLeaseHolder,
+    TaskConflict,
+    TaskFinished,
+    UnknownPolicy,
+    UnknownTask,
+)
+from scheduler.filters import describe, explain, feasible, never_fits
+from scheduler.policies import POLICIES, Policy, make_policy
+from scheduler.queue import AgingQueue, Outcome
+from scheduler.reservations import LeaseBook, Reservations
+from scheduler.snapshot import ClusterSnapshot
+from scheduler.task import Assignment, Priority, Task, TaskSpec, TaskState
+from scheduler.view import PlacementView
+
+__all__ = ["Scheduler", "SchedulerConfig", "ClassSummary", "QueueSummary", "PolicyInfo"]
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[Task], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSummary:
+    priority: Priority
+    depth: int
+    oldest_wait_s: float  # s since the longest-waiting task of the class was queued
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSummary:
+    classes: tuple[ClassSummary, ...]
+    head: tuple[Task, ...]  # first tasks in dispatch order
+    sla_misses: int  # P0 tasks that waited past the SLA bound, since start
+    placed: int  # placements since start
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInfo:
+    name: str
+    weights: Mapping[str, float]
+    available: tuple[str, ...]
+
+
+class Scheduler:
+    """Queue, place, lease and track tasks (see module docstring)."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        clock: Callable[[], float],
+        lease_ids: Callable[[], str] | None = None,
+        on_change: Listener | None = None,
+    ) -> None:
+        self.config = (config or SchedulerConfig()).validate()
+        self._clock = clock
+        self._queue = AgingQueue.from_config(self.config)
+        self._reservations = Reservations()
+        self._leases = LeaseBook(lease_ids)
+        self._tasks: dict[str, Task] = {}
+        self._finished: deque[str] = deque()
+        self._by_node: dict[str, set[str]] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._unchecked: set[str] = set()
+        self._policies: dict[str, Policy] = {}
+        self._policy = make_policy(self.config.policy, self.config.weights)
+        self._policies[self._policy.NAME] = self._policy
+        self._view: PlacementView | None = None
+        self._last_snapshot: ClusterSnapshot | None = None
+        self._listeners: list[Listener] = [on_change] if on_change else []
+        self._pending: list[Task] = []
+        self.placed = 0
+
+    # ---- listeners --------------------------------------------------------------------
+    def add_listener(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(task_copy)`` after every change; returns an unsubscribe function."""
+        self._listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return remove
+
+    def _changed(self, task: Task) -> None:
+        self._pending.append(copy.copy(task))
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for task in pending:
+            for listener in list(self._listeners):
+                try:
+                    listener(task)
+                except Exception:  # one broken listener must not break scheduling
+                    log.exception("task listener failed for %s", task.task_id)
+
+    # ---- lookups ------------------------------------------------------------------------
+    def _get(self, task_id: str) -> Task:
+        task = self._tasks.get(task_id)
+        if task is None:
+            raise UnknownTask(task_id)
+        return task
+
+    def get(self, task_id: str) -> Task:
+        """A copy of the task's record; UnknownTask if never seen (or forgotten)."""
+        return copy.copy(self._get(task_id))
+
+    def tasks(
+        self, state: TaskState | None = None, tenant: str = "", limit: int = 1000
+    ) -> list[Task]:
+        """Copies of tasks, oldest submission first, filtered by state and tenant."""
+        out: list[Task] = []
+        for task in self._tasks.values():
+            if state is not None and task.state != state:
+                continue
+            if tenant and task.spec.tenant != tenant:
+                continue
+            out.append(copy.copy(task))
+            if len(out) >= limit:
+                break
+        return out
+
+    @property
+    def last_snapshot(self) -> ClusterSnapshot | None:
+        return self._last_snapshot
+
+    # ---- submit -------------------------------------------------------------------------
+    def submit(self, spec: TaskSpec, snapshot: ClusterSnapshot | None = None) -> Task:
+        """Queue a task, or return the existing one for a repeat of the same spec.
+
+        Raises InvalidTask (bad field) or TaskConflict (same id, other spec). A
+        task that can never fit the cluster (``snapshot``, else the latest
+        dispatched) comes back REJECTED with the reason.
+        """
+        spec.validate()
+        existing = self._tasks.get(spec.task_id)
+        if existing is not None:
+            if existing.spec != spec:
+                raise TaskConflict(spec.task_id, existing.spec.differing_fields(spec))
+            return copy.copy(existing)
+        now = self._clock()
+        if snapshot is not None:
+            self._last_snapshot = snapshot
+        task = Task(
+            spec=spec,
+            state=TaskState.QUEUED,
+            priority=Priority(spec.priority),
+            submitted_at=now,
+            queued_at=now,
+            enqueued_at=now,
+        )
+        self._tasks[spec.task_id] = task
+        reference = snapshot or self._last_snapshot
+        reason = never_fits(reference, spec, self.config) if reference is not None else None
+        if reason is not None:
+            self._finish(task, TaskState.REJECTED, reason, now)
+        else:
+            if reference is None:
+                self._unchecked.add(spec.task_id)
+            self._queue.push(task, now)
+            if spec.deadline_s > 0:
+                heapq.heappush(self._deadlines, (now + spec.deadline_s, spec.task_id))
+            self._changed(task)
+        self._flush()
+        return copy.copy(task)
+
+    # ---- dispatch -----------------------------------------------------------------------
+    def _view_for(self, snapshot: ClusterSnapshot) -> PlacementView:
+        # One view per snapshot: the reservation columns stay current through
+        # refresh() on every reserve and release, so they are never rebuilt
+        # while the snapshot stays the same.
+        if self._view is None or self._view.snapshot is not snapshot:
+            self._view = PlacementView(snapshot, self._reservations, self.config)
+            self._view.attach(self._reservations)
+        return self._view
+
+    def dispatch(self, snapshot: ClusterSnapshot) -> list[Task]:
+        """Place as many queued tasks as fit on ``snapshot``; return copies of those placed.
+
+        Placements within one call reserve at once, so they never double-book;
+        expired queue deadlines and aging are applied first.
+        """
+        now = self._clock()
+        self._last_snapshot = snapshot
+        view = self._view_for(snapshot)
+        self._expire_deadlines(now)
+        for task_id in self._unchecked:
+            task = self._tasks.get(task_id)
+            if task is None or task.state != TaskState.QUEUED:
+                continue
+            reason = never_fits(snapshot, task.spec, self.config)
+            if reason is not None:
+                self._queue.remove(task_id)
+                self._finish(task, TaskState.REJECTED, reason, now)
+        self._unchecked.clear()
+        for task in self._queue.promote_due(now):
+            self._changed(task)
+        failed: dict[tuple, str] = {}
+        placed = self._queue.drain(lambda t: self._try_place(t, view, now, failed), now)
+        self._flush()
+        return [copy.copy(t) for t in placed]
+
+    def _try_place(
+        self, task: Task, view: PlacementView, now: float, failed: dict[tuple, str]
+    ) -> Outcome:
+        spec = task.spec
+        # Within one dispatch free resources only shrink, so a shape that did not
+        # fit once will not fit later in the same dispatch: skip the work.
+        shape = (
+            spec.num_gpus,
+            spec.vram_mib,
+            self.config.memory_reject_for(spec.tenant),
+            spec.gpu_spec,
+            spec.needs_nvlink,
+            spec.io_heavy,
+            frozenset(spec.required_node_labels.items()),
+        )
+        reason = failed.get(shape)
+        if reason is None:
+            mask = feasible(view, spec, self.config)
+            placement = self._policy.choose(view, spec, mask)
+            if placement is not None:
+                self._apply(task, view, placement, now)
+                return Outcome.PLACED
+            reason = self._why_not(view, spec)
+            failed[shape] = reason
+        if task.reason != reason:
+            task.reason = reason
+            self._changed(task)
+        return Outcome.BLOCKED if view.any_room() else Outcome.EXHAUSTED
+
+    def _why_not(self, view: PlacementView, spec: TaskSpec) -> str:
+        result = explain(view, spec, self.config)
+        if result.passed:
+            linked = " NVLink-connected" if spec.needs_nvlink else ""
+            return (
+                f"waiting: {result.passed} GPUs pass the filters but no node has "
+                f"{spec.num_gpus}{linked} of them"
+            )
+        return "waiting: " + describe(result.rejected, result.total)
+
+    def _apply(self, task: Task, view: PlacementView, placement, now: float) -> None:
+        spec = task.spec
+        lease = self._leases.grant(spec.task_id, now, self.config.lease_s)
+        # the readings the reservation fades against (stale ones too: see Reservations)
+        used = [float(view.used[r]) for r in placement.rows]
+        self._reservations.add(
+            lease.lease_id, placement.gpu_uuids, float(spec.vram_mib), 100.0 * spec.gpu_share, used
+        )
+        view.refresh(placement.gpu_uuids)
+        self._policy.commit(view, placement)
+        task.state = TaskState.LEASED
+        task.reason = ""
+        task.attempts += 1
+        task.assignment = Assignment(
+            node_id=placement.node_id,
+            gpu_indices=placement.gpu_indices,
+            gpu_uuids=placement.gpu_uuids,
+            lease_id=lease.lease_id,
+            lease_expires_at=lease.expires_at,
+            score=placement.score,
+            placed_at=now,
+        )
+        self._by_node.setdefault(placement.node_id, set()).add(spec.task_id)
+        self.placed += 1
+        self._changed(task)
+
+    # ---- leases -------------------------------------------------------------------------
+    def _release(self, task: Task) -> None:
+        """End the task's lease and reservation (task stays in its current state)."""
+        assignment = task.assignment
+        if assignment is None:
+            return
+        self._leases.release(assignment.lease_id)
+        uuids = self._reservations.release(assignment.lease_id)
+        if self._view is not None:
+            self._view.refresh(uuids)
+        on_node = self._by_node.get(assignment.node_id)
+        if on_node is not None:
+            on_node.discard(task.task_id)
+            if not on_node:
+                del self._by_node[assignment.node_id]
+
+    def _finish(self, task: Task, state: TaskState, reason: str, now: float) -> None:
+        task.state = state
+        task.reason = reason
+        task.finished_at = now
+        self._finished.append(task.task_id)
+        while len(self._finished) > self.config.retain_finished:
+            old = self._finished.popleft()
+            record = self._tasks.get(old)
+            if record is not None and record.terminal:
+                del self._tasks[old]
+        self._changed(task)
+
+    def _leased(self, task_id: str, lease_id: str, now: float) -> Task:
+        """The task if ``lease_id`` is its live lease, else NotLeaseHolder."""
+        self._expire_leases(now)
+        task = self._get(task_id)
+        assignment = task.assignment
+        if task.state != TaskState.LEASED or assignment is None:
+            if task.state == TaskState.EXPIRED and assignment and assignment.lease_id == lease_id:
+                raise NotLeaseHolder(task_id, lease_id, "the lease expired")
+            raise NotLeaseHolder(task_id, lease_id, f"task is {task.state.name}, not LEASED")
+        if assignment.lease_id != lease_id:
+            raise NotLeaseHolder(task_id, lease_id, "not the task's current lease")
+        return task
+
+    def complete(self, task_id: str, lease_id: str, failed: bool = False) -> Task:
+        """The lease holder reports the end: COMPLETED, or FAILED when ``failed``.
+
+        Repeating the call for an already completed/failed task with the same
+        lease returns it unchanged (an RPC retry).
+        """
+        now = self._clock()
+        task = self._get(task_id)
+        if (
+            task.state in (TaskState.COMPLETED, TaskState.FAILED)
+            and task.assignment is not None
+            and task.assignment.lease_id == lease_id
+        ):
+            return copy.copy(task)
+        try:
+            task = self._leased(task_id, lease_id, now)
+        finally:
+            self._flush()
+        self._release(task)
+        if failed:
+            self._finish(task, TaskState.FAILED, "the lease holder reported failure", now)
+        else:
+            self._finish(task, TaskState.COMPLETED, "", now)
+        self._flush()
+        return copy.copy(task)
+
+    def renew(self, task_id: str, lease_id: str, extend_s: float = 0.0) -> Task:
+        """Move the lease's expiry to now + ``extend_s`` (0 = the configured lease length)."""
+        if not (
+            isinstance(extend_s, (int, float))
+            and math.isfinite(extend_s)
+            and 0 <= extend_s <= self.config.max_lease_extend_s
+        ):
+            raise InvalidArgument(
+                "extend_s", f"must be in 0..{self.config.max_lease_extend_s:g} s, got {extend_s!r}"
+            )
+        now = self._clock()
+        try:
+            task = self._leased(task_id, lease_id, now)
+        finally:
+            self._flush()
+        lease = self._leases.renew(lease_id, now, extend_s or self.config.lease_s)
+        task.assignment = replace(task.assignment, lease_expires_at=lease.expires_at)
+        self._changed(task)
+        self._flush()
+        return copy.copy(task)
+
+    def cancel(self, task_id: str, reason: str = "") -> Task:
+        """Cancel a queued or leased task; cancelling a cancelled task returns it."""
+        now = self._clock()
+        task = self._get(task_id)
+        if task.state == TaskState.CANCELLED:
+            return copy.copy(task)
+        if task.terminal:
+            raise TaskFinished(task_id, task.state.name)
+        if task.state == TaskState.QUEUED:
+            self._queue.remove(task_id)
+        else:
+            self._release(task)
+        self._finish(task, TaskState.CANCELLED, reason or "cancelled", now)
+        self._flush()
+        return copy.copy(task)
+
+    def _expire_leases(self, now: float) -> list[Task]:
+        out: list[Task] = []
+        for lease in self._leases.expired(now):
+            task = self._tasks.get(lease.task_id)
+            if task is None or task.state != TaskState.LEASED:
+                continue
+            self._release(task)
+            self._finish(task, TaskState.EXPIRED, "the lease ran out without renewal", now)
+            out.append(task)
+        return out
+
+    def expire_leases(self, now: float | None = None) -> list[Task]:
+        """EXPIRE every lease with ``expires_at <= now`` (default: the clock); copies of the tasks."""
+        expired = self._expire_leases(self._clock() if now is None else now)
+        self._flush()
+        return [copy.copy(t) for t in expired]
+
+    def _expire_deadlines(self, now: float) -> list[Task]:
+        out: list[Task] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, task_id = heapq.heappop(self._deadlines)
+            task = self._tasks.get(task_id)
+            if task is None or task.state != TaskState.QUEUED:
+                continue
+            self._queue.remove(task_id)
+            self._finish(
+                task,
+                TaskState.EXPIRED,
+                f"deadline_s {task.spec.deadline_s:g} passed while queued",
+                now,
+            )
+            out.append(task)
+        return out
+
+    def expire_deadlines(self, now: float | None = None) -> list[Task]:
+        """EXPIRE queued tasks whose ``deadline_s`` since submission has passed."""
+        expired = self._expire_deadlines(self._clock() if now is None else now)
+        self._flush()
+        return [copy.copy(t) for t in expired]
+
+    # ---- nodes ----------------------------------------------------------------------------
+    def node_removed(self, node_id: str) -> list[Task]:
+        """Tasks leased on the node become LOST, and QUEUED again when retryable.
+
+        Returns copies of the affected tasks in their final state.
+        """
+        now = self._clock()
+        affected: list[Task] = []
+        for task_id in sorted(self._by_node.get(node_id, ())):
+            task = self._tasks[task_id]
+            self._release(task)
+            spec = task.spec
+            retry = (spec.movable or spec.kind.lower() in self.config.retry_kinds) and (
+                task.attempts < self.config.max_attempts
+            )
+            if not retry:
+                self._finish(task, TaskState.LOST, f"node {node_id} was removed while the task ran", now)
+            else:
+                task.state = TaskState.LOST
+                task.reason = f"node {node_id} was removed while the task ran"
+                self._changed(task)  # watchers see the loss before the re-queue
+                task.state = TaskState.QUEUED
+                task.assignment = None
+                task.reason = f"re-queued after node {node_id} was removed"
+                task.priority = Priority(spec.priority)
+                task.queued_at = now
+                self._queue.push(task, now)
+                self._changed(task)
+            affected.append(task)
+        self._flush()
+        return [copy.copy(t) for t in affected]
+
+    # ---- policy -----------------------------------------------------------------------------
+    def set_policy(self, name: str = "", weights: Mapping[str, float] | None = None) -> PolicyInfo:
+        """Switch policy (empty name keeps the current one) and change the given weights.
+
+        Nothing changes when the name or a weight is invalid.
+        """
+        name = name or self._policy.NAME
+        if name not in POLICIES:
+            raise UnknownPolicy(name, list(POLICIES))
+        policy = self._policies.get(name) or make_policy(name)
+        policy.update_weights(weights or {})  # raises before anything switches
+        self._policies[name] = policy
+        self._policy = policy
+        return self.get_policy()
+
+    def get_policy(self) -> PolicyInfo:
+        return PolicyInfo(
+            name=self._policy.NAME,
+            weights=dict(self._policy.weights),
+            available=tuple(POLICIES),
+        )
+
+    # ---- summaries -----------------------------------------------------------------------------
+    def queue_summary(self) -> QueueSummary:
+        """Depth and oldest wait per class, the head in dispatch order, counters."""
+        now = self._clock()
+        for task in self._queue.promote_due(now):
+            self._changed(task)
+        self._flush()
+        depths = self._queue.depths()
+        waits = self._queue.oldest_wait(now)
+        head: list[Task] = []
+        for task in self._queue.ordered():
+            if len(head) >= self.config.queue_head_limit:
+                break
+            head.append(copy.copy(task))
+        return QueueSummary(
+            classes=tuple(
+                ClassSummary(Priority(c), depths[c], waits[c]) for c in range(len(depths))
+            ),
+            head=tuple(head),
+            sla_misses=self._queue.sla_misses,
+            placed=self.placed,
+        )

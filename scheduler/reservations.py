@@ -1,0 +1,228 @@
+"""Reservations (the "assume" step) and leases.
+
+A placement reserves its VRAM and utilisation share on each chosen GPU at once,
+so two placements made before the next metrics arrive cannot both take the
+last free memory. The reservation fades as the agent's readings show the task
+and ends with the lease.
+
+Per GPU the reservations form a stack on top of a baseline: ``B`` (MiB of
+memory used when the stack was started, see below), ``R`` (MiB reserved, the
+sum over live leases) and ``U`` (% util reserved). Given the GPU's current
+memory reading ``u``::
+
+    effective VRAM  e = clip(B + R - u, 0, R)    (fresh, finite reading)
+                    e = R                        (stale node or NaN reading)
+    effective util    = U * e / R                (0 when R = 0)
+
+i.e. the part of the stack that the readings do not show yet. It is the
+brief's ``max(0, reserved - (used_now - used_at_reservation))`` for one
+reservation, and attributes growth first-come-first-served when several
+reservations share a GPU, so one task showing up does not fade another's.
+
+Keeping ``e`` right as things change:
+
+* adding ``r`` at reading ``u``: ``B <- max(B, u - R)``, ``R <- R + r``, so
+  ``e`` grows by exactly ``r`` even if something else grew the reading;
+* a finite fresh reading below ``B`` lowers ``B`` to it (memory was freed under
+  the stack; the stack still has to show up in full);
+* releasing a lease removes its ``r`` from ``R``; the stack above it moves down,
+  which is right because the finished task's memory is free whatever the last
+  reading says. When the last lease on a GPU ends, its stack is forgotten.
+
+The engine turns the per-GPU state into columns once per snapshot (a Python
+pass over the reserved GPUs only) and then patches single rows per placement.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["GpuReservation", "Reservations", "ReservedColumns", "Lease", "LeaseBook"]
+
+
+@dataclass(slots=True)
+class GpuReservation:
+    """The reservation stack of one GPU (see module docstring for B, R, U)."""
+
+    baseline_mib: float
+    vram_mib: float = 0.0
+    util_pct: float = 0.0
+    members: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (MiB, %)
+
+    def effective(self, used_mib: float, fresh: bool) -> tuple[float, float]:
+        """(effective VRAM MiB, effective util %) at reading ``used_mib``; lowers B."""
+        if self.vram_mib <= 0:
+            return 0.0, 0.0
+        if not fresh or not math.isfinite(used_mib):
+            return self.vram_mib, self.util_pct
+        if used_mib < self.baseline_mib:
+            self.baseline_mib = used_mib
+        eff = min(self.vram_mib, max(0.0, self.baseline_mib + self.vram_mib - used_mib))
+        return eff, self.util_pct * eff / self.vram_mib
+
+
+@dataclass(slots=True)
+class ReservedColumns:
+    """Per-GPU columns of effective reservations for one snapshot."""
+
+    vram_mib: np.ndarray  # float64
+    util_pct: np.ndarray  # float64
+    leases: np.ndarray  # int32, live leases holding the GPU
+
+    @classmethod
+    def empty(cls, count: int) -> "ReservedColumns":
+        return cls(np.zeros(count), np.zeros(count), np.zeros(count, dtype=np.int32))
+
+
+class Reservations:
+    """Live reservations by GPU uuid and by key (the lease id)."""
+
+    def __init__(self) -> None:
+        self._gpus: dict[str, GpuReservation] = {}
+        self._keys: dict[str, tuple[str, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def gpu(self, gpu_uuid: str) -> GpuReservation | None:
+        return self._gpus.get(gpu_uuid)
+
+    def reserved_gpus(self) -> Iterable[str]:
+        return self._gpus.keys()
+
+    def add(
+        self,
+        key: str,
+        gpu_uuids: Sequence[str],
+        vram_mib: float,
+        util_pct: float,
+        used_mib: Sequence[float],
+    ) -> None:
+        """Reserve ``vram_mib`` and ``util_pct`` on each GPU; ``used_mib`` are their readings.
+
+        Pass NaN for a reading that is unknown or stale.
+        """
+        if key in self._keys:
+            raise ValueError(f"reservation {key!r} exists")
+        for gpu_uuid, used in zip(gpu_uuids, used_mib, strict=True):
+            gpu = self._gpus.get(gpu_uuid)
+            if gpu is None:
+                # Unknown reading: B = inf keeps e = R until a fresh reading lowers B.
+                gpu = GpuReservation(baseline_mib=used if math.isfinite(used) else math.inf)
+                self._gpus[gpu_uuid] = gpu
+            elif math.isfinite(used):
+                gpu.baseline_mib = max(gpu.baseline_mib, used - gpu.vram_mib)
+            gpu.vram_mib += vram_mib
+            gpu.util_pct += util_pct
+            gpu.members[key] = (vram_mib, util_pct)
+        self._keys[key] = tuple(gpu_uuids)
+
+    def release(self, key: str) -> tuple[str, ...]:
+        """End a reservation; returns the GPU uuids it held (empty if unknown)."""
+        uuids = self._keys.pop(key, ())
+        for gpu_uuid in uuids:
+            gpu = self._gpus[gpu_uuid]
+            vram, util = gpu.members.pop(key)
+            if not gpu.members:
+                del self._gpus[gpu_uuid]
+                continue
+            gpu.vram_mib = max(0.0, gpu.vram_mib - vram)
+            gpu.util_pct = max(0.0, gpu.util_pct - util)
+        return uuids
+
+    def columns(
+        self,
+        row_of: Mapping[str, int],
+        used_mib: np.ndarray,
+        fresh: np.ndarray,
+    ) -> ReservedColumns:
+        """Effective reservations as columns aligned to a snapshot's GPU rows.
+
+        ``row_of`` maps GPU uuid to row; reserved GPUs absent from the snapshot
+        are skipped (their node is gone; ``node_removed`` ends their leases).
+        """
+        cols = ReservedColumns.empty(used_mib.shape[0])
+        for gpu_uuid, gpu in self._gpus.items():
+            row = row_of.get(gpu_uuid)
+            if row is None:
+                continue
+            eff, util = gpu.effective(float(used_mib[row]), bool(fresh[row]))
+            cols.vram_mib[row] = eff
+            cols.util_pct[row] = util
+            cols.leases[row] = len(gpu.members)
+        return cols
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The right to run a placed task until ``expires_at`` (monotonic s)."""
+
+    lease_id: str
+    task_id: str
+    expires_at: float
+
+
+def _random_id() -> str:
+    return uuidlib.uuid4().hex
+
+
+class LeaseBook:
+    """Live leases with renewal and a clock-driven expiry sweep.
+
+    A lease is expired once ``now >= expires_at``. Lease ids come from
+    ``new_id`` (random by default; the simulator passes a counter to be
+    deterministic).
+    """
+
+    def __init__(self, new_id: Callable[[], str] | None = None) -> None:
+        self._new_id = new_id or _random_id
+        self._leases: dict[str, Lease] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def grant(self, task_id: str, now: float, length_s: float) -> Lease:
+        lease_id = self._new_id()
+        if lease_id in self._leases:
+            raise ValueError(f"lease id {lease_id!r} reused")
+        return self._put(Lease(lease_id, task_id, now + length_s))
+
+    def renew(self, lease_id: str, now: float, extend_s: float) -> Lease:
+        """Move the expiry to ``now + extend_s``; KeyError if the lease is not live."""
+        lease = self._leases[lease_id]
+        return self._put(Lease(lease.lease_id, lease.task_id, now + extend_s))
+
+    def release(self, lease_id: str) -> Lease | None:
+        return self._leases.pop(lease_id, None)
+
+    def expired(self, now: float) -> list[Lease]:
+        """Remove and return every lease with ``expires_at <= now``, soonest first."""
+        out: list[Lease] = []
+        while self._heap and self._heap[0][0] <= now:
+            expires_at, _, lease_id = heapq.heappop(self._heap)
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.expires_at != expires_at:
+                continue  # released or renewed since: lazy heap deletion
+            del self._leases[lease_id]
+            out.append(lease)
+        return out
+
+    def _put(self, lease: Lease) -> Lease:
+        self._leases[lease.lease_id] = lease
+        heapq.heappush(self._heap, (lease.expires_at, next(self._seq), lease.lease_id))
+        return lease

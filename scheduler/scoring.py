@@ -1,0 +1,162 @@
+"""Soft scores: how good each feasible GPU is for a task; lower is better.
+
+Pure vector functions over a ``PlacementView``. Each term is unitless and
+mostly in 0..1 so weights (configuration, ``LOAD_AWARE_WEIGHTS``) compare like
+with like. The load-aware score of GPU g on a fresh node::
+
+    S_g =  w_load             * (util_g + reserved_util_g + 100 * share) / 100
+         + w_memory           * P((used_g + reserved_g + vram) / total_g)
+         + w_temperature      * T(temperature_g)
+         + w_jitter           * active_g
+         + w_response_time    * RT(response_time_node(g))
+         - w_preferred_labels * F(node(g))
+
+    P(x)  = clip((x - warn) / (reject - warn), 0, 1)   warn 70 %, reject 85 %
+    T(t)  = clip((t - 60 °C) / (85 °C - 60 °C), 0, 1)  (NaN -> 1)
+    RT(r) = clip(r / response_time_ref_s, 0, 1)        (NaN -> median of known)
+    F     = fraction of preferred_node_labels the node carries
+
+``util`` is the EWMA forecast (or smoothed util, see config; NaN -> 100 %),
+``reserved_*`` the effective reservations, ``active`` the tasks on the GPU
+(max of the snapshot's count and our live leases: the jitter term spreads
+tasks so one GPU does not carry many small co-tenants).
+
+A GPU on a stale node is scored by its node's free GPU count only::
+
+    S_g = w_stale * (1 + busy_node(g)),   busy = 1 - free GPUs / GPUs on the node
+
+so among stale nodes the emptiest wins, and the ``w_stale`` floor makes fresh
+GPUs win ties (and win outright unless they are loaded beyond ``w_stale``).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from scheduler.task import TaskSpec
+from scheduler.view import PlacementView
+
+__all__ = [
+    "LOAD_AWARE_WEIGHTS",
+    "memory_pressure",
+    "temperature_penalty",
+    "response_time_term",
+    "predicted_load",
+    "stale_score",
+    "load_aware_scores",
+    "load_aware_terms",
+]
+
+LOAD_AWARE_WEIGHTS: Mapping[str, float] = {
+    "load": 1.0,
+    "memory": 1.0,
+    "temperature": 0.5,
+    "jitter": 0.1,
+    "response_time": 0.2,
+    "preferred_labels": 0.3,
+    "stale": 1.0,
+    "nvlink": 0.5,  # bonus for a fully NVLink-connected multi-GPU set (see policies)
+}
+
+
+def memory_pressure(used_frac: np.ndarray, warn_frac: float, reject_frac: float) -> np.ndarray:
+    """P(x) = clip((x - warn) / (reject - warn), 0, 1): 0 below warn, 1 at reject."""
+    return np.clip((np.asarray(used_frac, dtype=np.float64) - warn_frac) / (reject_frac - warn_frac), 0.0, 1.0)
+
+
+def temperature_penalty(temp_c: np.ndarray, start_c: float, limit_c: float) -> np.ndarray:
+    """T(t) = clip((t - start) / (limit - start), 0, 1); NaN (unknown) -> 1."""
+    t = np.clip((np.asarray(temp_c, dtype=np.float64) - start_c) / (limit_c - start_c), 0.0, 1.0)
+    return np.where(np.isnan(t), 1.0, t)
+
+
+def response_time_term(response_s: np.ndarray, ref_s: float) -> np.ndarray:
+    """RT(r) = clip(r / ref, 0, 1); NaN -> the median of the known values (0 if none)."""
+    r = np.asarray(response_s, dtype=np.float64)
+    known = r[np.isfinite(r)]
+    r = np.where(np.isfinite(r), r, float(np.median(known)) if known.size else 0.0)
+    return np.clip(r / ref_s, 0.0, 1.0)
+
+
+def predicted_load(util_pct: np.ndarray, reserved_util_pct: np.ndarray, share: float) -> np.ndarray:
+    """(util + reserved util + 100 * share) / 100; NaN util counts as 100 %."""
+    u = np.asarray(util_pct, dtype=np.float64)
+    u = np.where(np.isnan(u), 100.0, u)
+    return (u + np.asarray(reserved_util_pct, dtype=np.float64) + 100.0 * share) / 100.0
+
+
+def stale_score(free_gpus: np.ndarray, node_gpus: np.ndarray, weight: float) -> np.ndarray:
+    """w_stale * (1 + 1 - free / gpus) per node: fewer free GPUs is worse."""
+    free = np.asarray(free_gpus, dtype=np.float64)
+    gpus = np.maximum(np.asarray(node_gpus, dtype=np.float64), 1.0)
+    return weight * (2.0 - free / gpus)
+
+
+def _static(view: PlacementView, w: Mapping[str, float]) -> np.ndarray:
+    """w_temperature * T + w_response_time * RT, cached on the view per weights."""
+    key = ("load_aware", w["temperature"], w["response_time"])
+    static = view.static_cache.get(key)
+    if static is None:
+        static = w["temperature"] * view.temp_term + w["response_time"] * view.rt_term
+        view.static_cache[key] = static
+    return static
+
+
+def load_aware_scores(view: PlacementView, spec: TaskSpec, weights: Mapping[str, float]) -> np.ndarray:
+    """S_g for every GPU row (module docstring); callers mask out infeasible rows."""
+    w = weights
+    cfg = view.config
+    warn = cfg.memory_warn_pct / 100.0
+    band = cfg.memory_reject_pct / 100.0 - warn
+    score = view.load * (w["load"] / 100.0)
+    score += w["load"] * spec.gpu_share
+    # memory pressure after placement, in place to spare temporaries
+    pressure = view.committed + spec.vram_mib
+    pressure *= view.inv_total
+    pressure -= warn
+    pressure *= w["memory"] / band
+    np.clip(pressure, 0.0, w["memory"], out=pressure)
+    score += pressure
+    score += _static(view, w)
+    if w["jitter"]:
+        score += w["jitter"] * view.active
+    if spec.preferred_node_labels and w["preferred_labels"]:
+        score -= w["preferred_labels"] * view.preferred_fraction(spec.preferred_node_labels)
+    if view.any_stale:
+        stale = w["stale"] * (1.0 + view.stale_busy)
+        score = np.where(view.stale, stale[view.node], score)
+    return score
+
+
+def load_aware_terms(
+    view: PlacementView, spec: TaskSpec, weights: Mapping[str, float], rows: Sequence[int]
+) -> dict[str, float]:
+    """Weighted term contributions at ``rows`` (mean over a multi-GPU set)."""
+    w = weights
+    cfg = view.config
+    r = np.asarray(rows, dtype=np.intp)
+    stale = view.stale[r]
+    fresh = ~stale
+    terms: dict[str, float] = {}
+    if fresh.any():
+        f = r[fresh]
+        share = float(fresh.mean())  # fraction of the set the fresh terms apply to
+        load = predicted_load(view.load[f], np.zeros(f.size), spec.gpu_share)
+        frac = (view.committed[f] + spec.vram_mib) * view.inv_total[f]
+        pressure = memory_pressure(frac, cfg.memory_warn_pct / 100.0, cfg.memory_reject_pct / 100.0)
+        terms["load"] = share * w["load"] * float(load.mean())
+        terms["memory"] = share * w["memory"] * float(pressure.mean())
+        terms["temperature"] = share * w["temperature"] * float(view.temp_term[f].mean())
+        terms["jitter"] = share * w["jitter"] * float(view.active[f].mean())
+        terms["response_time"] = share * w["response_time"] * float(view.rt_term[f].mean())
+        if spec.preferred_node_labels:
+            frac_pref = view.preferred_fraction(spec.preferred_node_labels)[f]
+            terms["preferred_labels"] = -share * w["preferred_labels"] * float(frac_pref.mean())
+    if stale.any():
+        s = r[stale]
+        terms["stale"] = float(stale.mean()) * w["stale"] * float(
+            (1.0 + view.stale_busy[view.node[s]]).mean()
+        )
+    return terms
