@@ -133,6 +133,35 @@ def test_trend_is_least_squares_slope_per_minute_over_last_60_s() -> None:
     assert bank.trend_per_min[0, 0] == pytest.approx(expected, rel=1e-9)
 
 
+def test_trend_skips_anomalies() -> None:
+    bank = SignalBank(1, 1, min_spread=1.0)
+    t = feed(bank, 0, [10.0 + 0.1 * i for i in range(20)], dt=1.0)
+    before = bank.trend_per_min[0, 0]
+    feed(bank, 0, [500.0], t)
+    assert bank.flagged[0, 0]
+    # one reading later than before, same line: the slope is unchanged
+    assert bank.trend_per_min[0, 0] == pytest.approx(before)
+
+
+def test_false_positives_on_gaussian_noise_are_rare_and_never_shift_far() -> None:
+    rng = np.random.default_rng(11)
+    rows, steps = 100, 1000
+    bank = SignalBank(rows, 1, min_spread=0.01)
+    x = rng.normal(50.0, 2.0, size=(steps, rows, 1))
+    for i in range(steps):
+        bank.update(np.arange(rows), x[i], float(i))
+    rate = bank.anomaly_counts[0] / (rows * steps)
+    shifts = bank.shift_counts[0] / (rows * steps)
+    # Tukey's 1.5 IQR fence alone rejects 0.7 % of a normal law; quartiles
+    # and sigma from 30 readings are noisy estimates, so more: 2.5 % measured
+    assert rate < 0.035, f"false-positive rate on N(50, 2): {rate:.4f}"
+    assert shifts < 0.0005, f"spurious shifts per reading: {shifts:.5f}"
+    dev = np.abs(bank.smoothed[:, 0] - 50.0)
+    # EWMA noise is 2 * sqrt(alpha / (2 - alpha)) = 0.84; a rare spurious
+    # shift snaps to the median of three same-side readings, within 4 sigma
+    assert dev.mean() < 1.0 and dev.max() < 8.0, dev
+
+
 def test_trend_unknown_with_one_reading_in_the_trend_window() -> None:
     bank = SignalBank(1, 1, min_spread=1.0)
     feed(bank, 0, [1.0, 2.0], t0=0.0, dt=100.0)
@@ -382,9 +411,9 @@ def spike_figures(times, values, spike, cap, spread, tol):
 def check_spike_figures(fig: dict) -> None:
     """Thresholds for ``spike_figures`` on the 1-minute GenAI trace.
 
-    Measured (40 pods): memory +10 GiB, 83 % of all spikes and 97 % of clear
-    ones removed, 8.8 % of clean readings flagged; duty cycle +60 %, 85 % and
-    95 %, 7.0 %. What gets through: a spike on a pod whose minute-to-minute
+    Measured (40 pods): memory +10 GiB, 79 % of all spikes and 98 % of clear
+    ones removed, 6.6 % of clean readings flagged; duty cycle +60 %, 82 % and
+    92 %, 5.7 %. What gets through: a spike on a pod whose minute-to-minute
     swings are as large as the spike (inside the fence: no filter could
     tell them apart), a spike in the few readings after a level shift (no
     fence yet), and a spike next to a real two-reading excursion on the
@@ -395,8 +424,8 @@ def check_spike_figures(fig: dict) -> None:
     noticed.
     """
     assert fig["spikes"] > 1000 and fig["clear_spikes"] > 300, fig
-    assert fig["clear_removed"] >= 0.92, f"clear spikes removed: {fig}"
-    assert fig["removed"] >= 0.78, f"spikes removed: {fig}"
+    assert fig["clear_removed"] >= 0.9, f"clear spikes removed: {fig}"
+    assert fig["removed"] >= 0.75, f"spikes removed: {fig}"
     assert 0.01 <= fig["clean_anomaly_rate"] <= 0.12, f"clean-series anomaly rate: {fig}"
 
 
