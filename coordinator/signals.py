@@ -448,7 +448,8 @@ class SignalBank:
         k = c.size
         ws = self._scratch
         if ws.win.shape[0] < k:
-            ws = self._scratch = _Scratch(max(k, 2 * ws.win.shape[0]), w)
+            # doubling, but never past one chunk: k <= _CHUNK_CELLS
+            ws = self._scratch = _Scratch(min(max(k, 2 * ws.win.shape[0]), max(k, _CHUNK_CELLS)), w)
         # (K, W) copies in scratch, written back at the end; 'clip' because
         # 'raise' would buffer the output, and c is in range by construction
         win = self._win.take(c, axis=0, out=ws.win[:k], mode="clip")
