@@ -1,0 +1,158 @@
+"""Reservations fade as readings show the task, stack fairly on one GPU, end with
+the lease; the incrementally patched view equals a rebuilt one; leases expire."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.reservations import GpuReservation, LeaseBook, Reservations
+from scheduler.snapshot import ClusterSnapshot, NodeFacts
+from scheduler.view import PlacementView
+
+NAN = math.nan
+
+
+@pytest.mark.parametrize(
+    "baseline, reserved, used, fresh, expected",
+    [
+        (1_000.0, 8_000.0, 1_000.0, True, 8_000.0),  # nothing shown yet
+        (1_000.0, 8_000.0, 5_000.0, True, 4_000.0),  # half shown
+        (1_000.0, 8_000.0, 9_000.0, True, 0.0),  # fully shown
+        (1_000.0, 8_000.0, 12_000.0, True, 0.0),  # more than reserved: never negative
+        (1_000.0, 8_000.0, NAN, True, 8_000.0),  # unknown reading: keep it all
+        (1_000.0, 8_000.0, 9_000.0, False, 8_000.0),  # stale node: keep it all
+        (math.inf, 8_000.0, 3_000.0, True, 8_000.0),  # reserved blind: first fresh reading is the base
+    ],
+)
+def test_effective_vram_fades_with_the_reading(
+    baseline: float, reserved: float, used: float, fresh: bool, expected: float
+) -> None:
+    gpu = GpuReservation(baseline_mib=baseline, vram_mib=reserved, util_pct=40.0, members={"a": (reserved, 40.0)})
+    eff, util = gpu.effective(used, fresh)
+    assert eff == pytest.approx(expected)
+    assert util == pytest.approx(40.0 * expected / reserved)
+
+
+def test_two_reservations_on_one_gpu_fade_first_come_first_served() -> None:
+    res = Reservations()
+    res.add("a", ["g"], 10_000.0, 30.0, [2_000.0])
+    res.add("b", ["g"], 6_000.0, 20.0, [2_000.0])  # before the readings show "a"
+    gpu = res.gpu("g")
+    assert gpu.effective(2_000.0, True) == (16_000.0, 50.0)
+    # "a" shows up: only its part fades, "b" keeps its full reservation
+    assert gpu.effective(12_000.0, True)[0] == 6_000.0
+    assert gpu.effective(18_000.0, True)[0] == 0.0
+
+
+def test_release_moves_the_stack_down() -> None:
+    res = Reservations()
+    res.add("a", ["g"], 10_000.0, 0.0, [0.0])
+    res.add("b", ["g"], 10_000.0, 0.0, [0.0])
+    assert res.release("a") == ("g",)
+    # "a" finished before it ever showed: "b" is still fully reserved
+    assert res.gpu("g").effective(0.0, True)[0] == 10_000.0
+    # "b" shows while "a"'s stale memory is still read: nothing is double-counted
+    assert res.gpu("g").effective(10_000.0, True)[0] == 0.0
+    assert res.release("b") == ("g",)
+    assert res.gpu("g") is None and len(res) == 0
+    assert res.release("b") == ()
+
+
+def test_adding_after_outside_growth_still_reserves_in_full() -> None:
+    res = Reservations()
+    res.add("a", ["g"], 4_000.0, 0.0, [1_000.0])
+    # a process we did not place grew the reading by 9 GB; "a" looks shown (faded)
+    assert res.gpu("g").effective(10_000.0, True)[0] == 0.0
+    res.add("b", ["g"], 3_000.0, 0.0, [10_000.0])
+    assert res.gpu("g").effective(10_000.0, True)[0] == 3_000.0
+
+
+def test_a_reading_below_the_baseline_lowers_it() -> None:
+    res = Reservations()
+    res.add("a", ["g"], 4_000.0, 0.0, [8_000.0])
+    gpu = res.gpu("g")
+    assert gpu.effective(2_000.0, True)[0] == 4_000.0  # something else freed 6 GB
+    assert gpu.baseline_mib == 2_000.0
+    assert gpu.effective(6_000.0, True)[0] == 0.0  # now "a" shows in full
+
+
+def test_duplicate_key_is_refused() -> None:
+    res = Reservations()
+    res.add("a", ["g"], 1.0, 0.0, [0.0])
+    with pytest.raises(ValueError):
+        res.add("a", ["h"], 1.0, 0.0, [0.0])
+
+
+# ---- incremental view == rebuilt view ------------------------------------------------------------
+
+NODES = [NodeFacts("n0", 4), NodeFacts("n1", 4, stale=True), NodeFacts("n2", 2)]
+COUNT = 10
+UUIDS = [f"GPU-{n.node_id}-{g}" for n in NODES for g in range(n.gpus)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    used=st.lists(
+        st.one_of(st.floats(0, 20_000), st.just(NAN)), min_size=COUNT, max_size=COUNT
+    ),
+    ops=st.lists(
+        st.tuples(
+            st.booleans(),
+            st.lists(st.integers(0, COUNT - 1), min_size=1, max_size=3, unique=True),
+            st.floats(100, 8_000),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+)
+def test_incremental_refresh_equals_a_rebuilt_view(used: list[float], ops: list) -> None:
+    snap = ClusterSnapshot.build(NODES, memory_used_mib=used)
+    res = Reservations()
+    view = PlacementView(snap, res)
+    view.attach(res)
+    live: list[str] = []
+    for n, (add, rows, vram) in enumerate(ops):
+        if add or not live:
+            key = f"k{n}"
+            uuids = [UUIDS[r] for r in rows]
+            res.add(key, uuids, vram, vram / 100.0, [used[r] for r in rows])
+            live.append(key)
+            view.refresh(uuids)
+        else:
+            view.refresh(res.release(live.pop(0)))
+    rebuilt = PlacementView(snap, res)
+    for column in ("res_vram", "res_util", "leases", "active", "committed", "headroom", "load", "avail", "stale_busy"):
+        np.testing.assert_allclose(
+            getattr(view, column).astype(float), getattr(rebuilt, column).astype(float), err_msg=column
+        )
+
+
+# ---- leases ----------------------------------------------------------------------------------------------
+
+
+def test_leases_expire_at_their_instant_and_renewal_moves_it() -> None:
+    ids = iter(f"L{i}" for i in range(100))
+    book = LeaseBook(lambda: next(ids))
+    a = book.grant("task-a", now=0.0, length_s=10.0)
+    b = book.grant("task-b", now=0.0, length_s=20.0)
+    assert (a.lease_id, a.expires_at) == ("L0", 10.0)
+    assert book.expired(9.999) == []
+    renewed = book.renew("L0", now=9.0, extend_s=30.0)
+    assert renewed.expires_at == 39.0 and book.get("L0") == renewed
+    assert book.expired(20.0) == [b]  # the old expiry of L0 is skipped, L1 is due
+    assert book.release("L0") == renewed and book.release("L0") is None
+    assert book.expired(1e9) == [] and len(book) == 0
+    with pytest.raises(KeyError):
+        book.renew("L0", now=50.0, extend_s=1.0)
+
+
+def test_lease_ids_must_be_unique() -> None:
+    book = LeaseBook(lambda: "same")
+    book.grant("a", 0.0, 1.0)
+    with pytest.raises(ValueError):
+        book.grant("b", 0.0, 1.0)
