@@ -1,0 +1,269 @@
+"""Policies: the registry, weight validation, each policy's characteristic
+choice, and multi-GPU set selection (NVLink preference, connectivity, and
+exactness against brute force for pairs)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.errors import InvalidWeight, UnknownPolicy
+from scheduler.filters import feasible, nvlink_groups
+from scheduler.policies import POLICIES, Policy, make_policy
+from scheduler.reservations import Reservations
+from scheduler.snapshot import ClusterSnapshot, NodeFacts
+from scheduler.task import TaskSpec
+from scheduler.view import PlacementView
+
+
+def spec(**changes) -> TaskSpec:
+    base = dict(task_id="t", vram_mib=2_000.0, gpu_share=0.2)
+    base.update(changes)
+    return TaskSpec(**base)
+
+
+def place(policy: Policy, view: PlacementView, task: TaskSpec, res: Reservations, key: str):
+    placement = policy.choose(view, task, feasible(view, task))
+    if placement is not None:
+        res.add(key, placement.gpu_uuids, task.vram_mib, 100 * task.gpu_share, [float(view.used[r]) for r in placement.rows])
+        view.refresh(placement.gpu_uuids)
+        policy.commit(view, placement)
+    return placement
+
+
+# ---- registry and weights ---------------------------------------------------------------------------
+
+
+def test_registry_is_one_explicit_dict_keyed_by_name() -> None:
+    assert list(POLICIES) == ["round_robin", "weighted_round_robin", "least_connections", "load_aware", "binpack"]
+    for name, cls in POLICIES.items():
+        assert cls.NAME == name
+        policy = make_policy(name)
+        assert policy.weights == dict(cls.DEFAULT_WEIGHTS) and "nvlink" in policy.weights
+
+
+def test_unknown_policy_names_it() -> None:
+    with pytest.raises(UnknownPolicy) as info:
+        make_policy("fastest")
+    assert info.value.name == "fastest" and "fastest" in str(info.value)
+    assert "load_aware" in info.value.available
+
+
+@pytest.mark.parametrize(
+    "name, weights, bad",
+    [
+        ("load_aware", {"lod": 1.0}, "lod"),
+        ("load_aware", {"load": -1.0}, "load"),
+        ("load_aware", {"memory": math.nan}, "memory"),
+        ("load_aware", {"temperature": math.inf}, "temperature"),
+        ("binpack", {"load": 1.0}, "load"),
+        ("round_robin", {"nvlink": True}, "nvlink"),
+        ("weighted_round_robin", {"speed": 0.0}, "speed"),  # speed and memory both 0
+    ],
+)
+def test_invalid_weights_name_the_weight(name: str, weights: dict, bad: str) -> None:
+    with pytest.raises(InvalidWeight) as info:
+        make_policy(name, weights)
+    assert info.value.name == bad and bad in str(info.value)
+
+
+def test_update_weights_changes_only_the_given_terms_and_is_atomic() -> None:
+    policy = make_policy("load_aware", {"load": 2.0})
+    before = dict(policy.weights)
+    with pytest.raises(InvalidWeight):
+        policy.update_weights({"memory": 3.0, "bogus": 1.0})
+    assert policy.weights == before
+    policy.update_weights({"memory": 3.0})
+    assert policy.weights == {**before, "memory": 3.0}
+
+
+# ---- characteristic choices -----------------------------------------------------------------------
+
+NODES = [NodeFacts("a", 2, speed=2.0), NodeFacts("b", 2, speed=1.0)]
+
+
+def small(used=(0.0, 0.0, 0.0, 0.0), util=(0.0, 0.0, 0.0, 0.0), active=(0, 0, 0, 0)) -> ClusterSnapshot:
+    snap = ClusterSnapshot.build(NODES, util_pct=list(util), memory_used_mib=list(used))
+    snap.active_tasks[:] = active
+    return snap
+
+
+def test_round_robin_takes_the_next_feasible_gpu_cycling() -> None:
+    snap = small(used=(0.0, 24_000.0, 0.0, 0.0))  # GPU 1 is full
+    view = PlacementView(snap, res := Reservations())
+    policy = make_policy("round_robin")
+    rows = [place(policy, view, spec(task_id=f"t{i}", vram_mib=1.0), res, f"k{i}").rows[0] for i in range(6)]
+    assert rows == [0, 2, 3, 0, 2, 3]
+
+
+def test_round_robin_cursor_follows_the_gpu_across_snapshots() -> None:
+    policy = make_policy("round_robin")
+    view = PlacementView(small(), res := Reservations())
+    assert place(policy, view, spec(vram_mib=1.0), res, "k0").gpu_uuids == ("GPU-a-0",)
+    # node "a" left and came back behind "b": rows moved, the cursor did not
+    moved = ClusterSnapshot.build([NODES[1], NODES[0]])
+    view = PlacementView(moved, res)
+    assert place(policy, view, spec(vram_mib=1.0), res, "k1").gpu_uuids == ("GPU-a-1",)
+
+
+def test_weighted_round_robin_follows_node_speed() -> None:
+    view = PlacementView(small(), res := Reservations())
+    policy = make_policy("weighted_round_robin")
+    counts = Counter(place(policy, view, spec(task_id=f"t{i}", vram_mib=1.0, gpu_share=0.0), res, f"k{i}").node_id for i in range(60))
+    assert counts == {"a": 40, "b": 20}
+
+
+def test_weighted_round_robin_by_memory() -> None:
+    nodes = [NodeFacts("small", 1, memory_total_mib=24_576.0), NodeFacts("big", 1, memory_total_mib=3 * 24_576.0)]
+    view = PlacementView(ClusterSnapshot.build(nodes), res := Reservations())
+    policy = make_policy("weighted_round_robin", {"speed": 0.0, "memory": 1.0})
+    counts = Counter(place(policy, view, spec(task_id=f"t{i}", vram_mib=1.0, gpu_share=0.0), res, f"k{i}").node_id for i in range(40))
+    assert counts == {"big": 30, "small": 10}
+
+
+def test_least_connections_takes_the_fewest_active_then_the_least_loaded() -> None:
+    view = PlacementView(small(active=(3, 1, 1, 2), util=(0.0, 80.0, 20.0, 0.0)))
+    choice = make_policy("least_connections").choose(view, spec(), feasible(view, spec()))
+    assert choice.rows == (2,) and choice.score.terms["active"] == 1.0
+
+
+def test_load_aware_takes_the_least_loaded_coolest_gpu() -> None:
+    snap = small(util=(80.0, 10.0, 10.0, 40.0))
+    snap.temperature_c[:] = [40.0, 84.0, 45.0, 40.0]
+    view = PlacementView(snap)
+    choice = make_policy("load_aware").choose(view, spec(), feasible(view, spec()))
+    assert choice.rows == (2,)
+
+
+def test_binpack_takes_the_tightest_fit() -> None:
+    view = PlacementView(small(used=(10_000.0, 16_000.0, 19_000.0, 0.0)))
+    task = spec(vram_mib=2_000.0)
+    choice = make_policy("binpack").choose(view, task, feasible(view, task))
+    # GPU 2 would leave the least free but 19,000 + 2,000 is over 85 %: GPU 1 is the tightest fit
+    assert choice.rows == (1,)
+    assert choice.score.terms["free_after"] == pytest.approx((24_564 - 18_000) / 24_564)
+
+
+def test_each_policy_makes_its_own_choice_on_the_same_snapshot() -> None:
+    snap = small(used=(0.0, 12_000.0, 6_000.0, 0.0), util=(60.0, 90.0, 30.0, 5.0), active=(1, 2, 0, 1))
+    snap.util_forecast_pct[:] = snap.util_pct
+    view = PlacementView(snap)
+    task = spec()
+    got = {name: make_policy(name).choose(view, task, feasible(view, task)).rows[0] for name in POLICIES}
+    assert got == {
+        "round_robin": 0,  # first GPU after the (unset) cursor
+        "weighted_round_robin": 0,  # node a is twice as fast: smallest virtual finish
+        "least_connections": 2,  # no active task
+        "load_aware": 3,  # 5 % util and one task beats 30 % util and none
+        "binpack": 1,  # the fullest GPU that still fits
+    }
+
+
+# ---- multi-GPU sets --------------------------------------------------------------------------------
+
+
+def test_a_multi_gpu_task_stays_on_one_node() -> None:
+    snap = ClusterSnapshot.build([NodeFacts("a", 2), NodeFacts("b", 3)])
+    view = PlacementView(snap)
+    choice = make_policy("load_aware").choose(view, spec(num_gpus=3), feasible(view, spec(num_gpus=3)))
+    assert choice.node_id == "b" and choice.gpu_indices == (0, 1, 2) and choice.score.candidates == 1
+    assert make_policy("load_aware").choose(view, spec(num_gpus=4), feasible(view, spec(num_gpus=4))) is None
+
+
+def test_nvlink_connected_pairs_are_preferred() -> None:
+    snap = ClusterSnapshot.build(
+        [NodeFacts("a", 4, nvlink_pairs=[(0, 1), (2, 3)])], util_pct=[0.0, 40.0, 10.0, 40.0]
+    )
+    view = PlacementView(snap)
+    task = spec(num_gpus=2)
+    # best two by score are 0 and 2 (not linked); 0+1 is linked and wins by the bonus
+    choice = make_policy("load_aware").choose(view, task, feasible(view, task))
+    assert choice.gpu_indices == (0, 1) and choice.score.terms["nvlink"] == pytest.approx(-0.5)
+    unlinked = make_policy("load_aware", {"nvlink": 0.0}).choose(view, task, feasible(view, task))
+    assert unlinked.gpu_indices == (0, 2)
+
+
+def test_needs_nvlink_requires_a_connected_set() -> None:
+    snap = ClusterSnapshot.build([NodeFacts("a", 4, nvlink_pairs=[(0, 1), (2, 3)]), NodeFacts("b", 4, nvlink_pairs=[(0, 1), (1, 2), (2, 3)])])
+    snap.util_pct[4:] = 90.0
+    snap.util_forecast_pct[4:] = 90.0
+    view = PlacementView(snap)
+    four = spec(num_gpus=4, needs_nvlink=True)
+    choice = make_policy("load_aware").choose(view, four, feasible(view, four))
+    assert choice.node_id == "b"  # hotter, but "a" has no connected four
+    snap.memory_used_mib[5] = 24_000.0  # b's GPU 1 full: its chain breaks
+    view = PlacementView(snap)
+    assert make_policy("load_aware").choose(view, four, feasible(view, four)) is None
+    three = spec(num_gpus=2, needs_nvlink=True)
+    assert make_policy("load_aware").choose(view, three, feasible(view, three)).gpu_indices in {(0, 1), (2, 3)}
+
+
+def brute_force_pairs(view: PlacementView, scores: np.ndarray, mask: np.ndarray, bonus: float, needs: bool) -> float:
+    best = math.inf
+    snap = view.snapshot
+    for n in range(snap.node_count):
+        rows = [r for r in np.flatnonzero(mask) if view.node[r] == n]
+        for a, b in itertools.combinations(rows, 2):
+            linked = frozenset({int(snap.gpu_index[a]), int(snap.gpu_index[b])}) in snap.node_nvlink[n]
+            if needs and not linked:
+                continue
+            best = min(best, (scores[a] + scores[b]) / 2 - bonus * linked)
+    return best
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    data=st.data(),
+    needs=st.booleans(),
+    name=st.sampled_from(["load_aware", "binpack", "least_connections"]),
+)
+def test_pair_choice_matches_brute_force(sizes: list[int], data, needs: bool, name: str) -> None:
+    nodes = []
+    for i, size in enumerate(sizes):
+        pairs = data.draw(st.lists(st.tuples(st.integers(0, size - 1), st.integers(0, size - 1)).filter(lambda p: p[0] != p[1]), max_size=6))
+        nodes.append(NodeFacts(f"n{i}", size, nvlink_pairs=pairs))
+    count = sum(sizes)
+    snap = ClusterSnapshot.build(
+        nodes,
+        util_pct=data.draw(st.lists(st.floats(0, 100), min_size=count, max_size=count)),
+        memory_used_mib=data.draw(st.lists(st.floats(0, 22_000), min_size=count, max_size=count)),
+    )
+    snap.active_tasks[:] = data.draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+    view = PlacementView(snap)
+    task = spec(num_gpus=2, needs_nvlink=needs)
+    policy = make_policy(name)
+    mask = feasible(view, task)
+    expected = brute_force_pairs(view, policy.gpu_scores(view, task), mask, policy.weights["nvlink"], needs)
+    choice = policy.choose(view, task, mask)
+    if expected == math.inf:
+        assert choice is None
+    else:
+        assert choice is not None and choice.score.total == pytest.approx(expected)
+        assert len(set(view.node[list(choice.rows)])) == 1 and all(mask[list(choice.rows)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(3, 8), k=st.integers(3, 6), data=st.data())
+def test_needs_nvlink_sets_are_connected_and_found_when_one_exists(size: int, k: int, data) -> None:
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, size - 1), st.integers(0, size - 1)).filter(lambda p: p[0] != p[1]), max_size=12))
+    snap = ClusterSnapshot.build([NodeFacts("n", size, nvlink_pairs=pairs)], util_pct=data.draw(st.lists(st.floats(0, 100), min_size=size, max_size=size)))
+    full = data.draw(st.lists(st.integers(0, size - 1), max_size=2))
+    snap.memory_used_mib[full] = 24_000.0
+    view = PlacementView(snap)
+    task = spec(num_gpus=k, needs_nvlink=True)
+    mask = feasible(view, task)
+    members = [int(snap.gpu_index[r]) for r in np.flatnonzero(mask)]
+    exists = any(len(g) >= k for g in nvlink_groups(snap.node_nvlink[0], members))
+    choice = make_policy("load_aware").choose(view, task, mask)
+    assert (choice is not None) == exists
+    if choice is not None:
+        assert len(choice.rows) == k and all(mask[list(choice.rows)])
+        groups = nvlink_groups(snap.node_nvlink[0], list(choice.gpu_indices))
+        assert len(groups) == 1
