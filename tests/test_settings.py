@@ -1,0 +1,422 @@
+"""Configuration loading: defaults < file < environment < flags, parsing by the
+fields' types, errors that name the option and the file, ``--print-config``
+round trips and the SIGHUP diff. Real TOML files in tmp_path, no mocks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.settings import (
+    SECTIONS,
+    ConfigError,
+    Section,
+    add_settings_flags,
+    diff_settings,
+    env_names,
+    flag_overrides,
+    load_settings,
+    options,
+    render_settings,
+)
+from scheduler.config import SchedulerConfig
+
+
+def _write(tmp_path: Path, text: str, name: str = "coordinator.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _all_keys() -> list[str]:
+    keys = [f"coordinator.{f.name}" for f in dataclasses.fields(CoordinatorConfig)]
+    return keys + [f"scheduler.{f.name}" for f in dataclasses.fields(SchedulerConfig)]
+
+
+# ---- defaults and precedence ------------------------------------------------------------
+
+
+def test_defaults_are_the_dataclasses_defaults() -> None:
+    s = load_settings(None, {}, {})
+    assert s.coordinator == CoordinatorConfig()
+    assert s.scheduler == SchedulerConfig()
+    assert s.config_path is None
+    # Every field of both dataclasses is an option, each with its source.
+    assert sorted(s.sources) == sorted(_all_keys())
+    assert set(s.sources.values()) == {"default"}
+
+
+@pytest.mark.parametrize(
+    "layers, expected, source",
+    [
+        ((), 10.0, "default"),
+        (("file",), 20.0, "file"),
+        (("file", "env"), 30.0, "env:GPULB_HEARTBEAT_INTERVAL_S"),
+        (("env",), 30.0, "env:GPULB_HEARTBEAT_INTERVAL_S"),
+        (("file", "env", "flag"), 40.0, "flag"),
+        (("file", "flag"), 40.0, "flag"),
+    ],
+)
+def test_precedence(tmp_path: Path, layers: tuple[str, ...], expected: float, source: str) -> None:
+    path = _write(tmp_path, "[coordinator]\nheartbeat_interval_s = 20\nstaleness_s = 7.5\n")
+    env = {"GPULB_HEARTBEAT_INTERVAL_S": "30"} if "env" in layers else {}
+    flags = {"heartbeat_interval_s": "40"} if "flag" in layers else {}
+    s = load_settings(path if "file" in layers else None, env, flags)
+    assert s.coordinator.heartbeat_interval_s == expected
+    assert isinstance(s.coordinator.heartbeat_interval_s, float)
+    want = f"file:{path}" if source == "file" else source
+    assert s.sources["coordinator.heartbeat_interval_s"] == want
+    # An option set only in the file keeps the file's value whatever else is set.
+    if "file" in layers:
+        assert s.coordinator.staleness_s == 7.5
+        assert s.sources["coordinator.staleness_s"] == f"file:{path}"
+        assert s.config_path == str(path)
+
+
+def test_relative_config_path_is_recorded_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write(tmp_path, "[coordinator]\ngrace_s = 2\n")
+    monkeypatch.chdir(tmp_path)
+    s = load_settings("coordinator.toml", {}, {})
+    assert s.sources["coordinator.grace_s"] == f"file:{tmp_path / 'coordinator.toml'}"
+
+
+def test_none_overrides_mean_flag_not_given(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[coordinator]\nlisten = \"0.0.0.0:6000\"\n")
+    s = load_settings(path, {}, {"listen": None, "grace_s": None})
+    assert s.coordinator.listen == "0.0.0.0:6000"
+    assert s.sources["coordinator.grace_s"] == "default"
+
+
+def test_overrides_may_name_scheduler_options_and_pass_typed_values() -> None:
+    s = load_settings(None, {}, {"scheduler.policy": "binpack", "grace_s": 2, "scheduler.class_weights": (4, 3, 2, 1)})
+    assert s.scheduler.policy == "binpack" and s.sources["scheduler.policy"] == "flag"
+    assert s.coordinator.grace_s == 2.0 and isinstance(s.coordinator.grace_s, float)
+    assert s.scheduler.class_weights == (4, 3, 2, 1)
+
+
+# ---- environment parsing by type ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, text, key, expected",
+    [
+        ("GPULB_LISTEN", "0.0.0.0:7000", "coordinator.listen", "0.0.0.0:7000"),
+        ("GPULB_METRICS_LISTEN", "", "coordinator.metrics_listen", ""),
+        ("GPULB_SIGNAL_WINDOW", " 64 ", "coordinator.signal_window", 64),
+        ("GPULB_EWMA_ALPHA", "0.25", "coordinator.ewma_alpha", 0.25),
+        ("GPULB_MAX_MESSAGE_BYTES", "1_048_576", "coordinator.max_message_bytes", 1048576),
+        ("GPULB_SCHEDULER_USE_FORECAST", "false", "scheduler.use_forecast", False),
+        ("GPULB_SCHEDULER_USE_FORECAST", "0", "scheduler.use_forecast", False),
+        ("GPULB_SCHEDULER_USE_FORECAST", "Yes", "scheduler.use_forecast", True),
+        ("GPULB_SCHEDULER_USE_FORECAST", "on", "scheduler.use_forecast", True),
+        ("GPULB_SCHEDULER_CLASS_WEIGHTS", "16, 4,2 ,1", "scheduler.class_weights", (16, 4, 2, 1)),
+        ("GPULB_SCHEDULER_PROMOTE_AFTER_S", "10,20.5,30", "scheduler.promote_after_s", (10.0, 20.5, 30.0)),
+        ("GPULB_SCHEDULER_RETRY_KINDS", "training, batch", "scheduler.retry_kinds", frozenset({"training", "batch"})),
+        ("GPULB_SCHEDULER_RETRY_KINDS", "", "scheduler.retry_kinds", frozenset()),
+        (
+            "GPULB_SCHEDULER_TENANT_MEMORY_REJECT_PCT",
+            "team-a=90, team-b = 95.5",
+            "scheduler.tenant_memory_reject_pct",
+            {"team-a": 90.0, "team-b": 95.5},
+        ),
+        ("GPULB_SCHEDULER_WEIGHTS", "load=2,stale=0", "scheduler.weights", {"load": 2.0, "stale": 0.0}),
+        ("GPULB_SCHEDULER_POLICY", "least_connections", "scheduler.policy", "least_connections"),
+    ],
+)
+def test_environment_is_parsed_by_the_fields_type(name: str, text: str, key: str, expected: Any) -> None:
+    s = load_settings(None, {name: text}, {})
+    section, _, option = key.partition(".")
+    value = getattr(getattr(s, section), option)
+    assert value == expected
+    assert type(value) is type(expected)
+    assert s.sources[key] == f"env:{name}"
+
+
+@pytest.mark.parametrize(
+    "name, text, option, fragment",
+    [
+        ("GPULB_HEARTBEAT_INTERVAL_S", "ten", "coordinator.heartbeat_interval_s", "expected a number, got 'ten'"),
+        ("GPULB_SIGNAL_WINDOW", "3.5", "coordinator.signal_window", "expected a whole number"),
+        ("GPULB_SCHEDULER_USE_FORECAST", "maybe", "scheduler.use_forecast", "expected true or false"),
+        ("GPULB_SCHEDULER_CLASS_WEIGHTS", "8,4,2", "scheduler.class_weights", "expected 4 values"),
+        ("GPULB_SCHEDULER_CLASS_WEIGHTS", "8,4,x,1", "scheduler.class_weights", "item 2: expected a whole number"),
+        ("GPULB_SCHEDULER_WEIGHTS", "load", "scheduler.weights", "KEY=VALUE"),
+        ("GPULB_SCHEDULER_WEIGHTS", "load=heavy", "scheduler.weights", "[load]: expected a number"),
+        ("GPULB_STALENESS_S", "nan", "coordinator.staleness_s", "finite"),
+        ("GPULB_GRACE_S", "-1", "coordinator.grace_s", ">= 0 s"),
+        ("GPULB_LOG_LEVEL", "verbose", "coordinator.log_level", "one of debug, info, warning, error"),
+        ("GPULB_LISTEN", "localhost", "coordinator.listen", "HOST:PORT"),
+        ("GPULB_LISTEN", "localhost:70000", "coordinator.listen", "HOST:PORT"),
+    ],
+)
+def test_environment_errors_name_the_variable_and_option(name: str, text: str, option: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, {name: text}, {})
+    err = info.value
+    assert err.option == option
+    assert err.source == f"env:{name}"
+    assert fragment in err.message
+    assert f"environment variable {name}" in str(err) and option in str(err)
+
+
+def test_near_miss_variables_are_reported_and_others_left_alone() -> None:
+    s = load_settings(None, {"GPULB_HEARTBEAT_INTERVAL": "5", "GPULB_COORDINATOR": "x:1", "GPULB_TRACES": "/t", "HOME": "/root"}, {})
+    assert s.warnings == ("environment variable GPULB_HEARTBEAT_INTERVAL is not a setting; did you mean GPULB_HEARTBEAT_INTERVAL_S?",)
+    assert s.coordinator.heartbeat_interval_s == 10.0
+
+
+def test_every_option_has_its_own_variable() -> None:
+    index = env_names()
+    assert len(index) == len(_all_keys())
+    assert index["GPULB_LISTEN"].key == "coordinator.listen"
+    assert index["GPULB_SCHEDULER_P0_SLA_S"].key == "scheduler.p0_sla_s"
+
+
+# ---- the file: unknown names, types, syntax -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, option, fragment",
+    [
+        ("[schedular]\npolicy = 'binpack'\n", "[schedular]", "unknown table; did you mean 'scheduler'?"),
+        ("[metrics]\nport = 1\n", "[metrics]", "unknown table (tables: coordinator, scheduler)"),
+        ("[coordinator]\nheartbeat_interval = 5\n", "coordinator.heartbeat_interval", "did you mean 'heartbeat_interval_s'?"),
+        ("[coordinator]\npolicy = 'binpack'\n", "coordinator.policy", "it belongs in [scheduler]"),
+        ("[scheduler]\nlisten = ':1'\n", "scheduler.listen", "it belongs in [coordinator]"),
+        ("listen = '0.0.0.0:1'\n", "listen", "put it under [coordinator]"),
+        ("coordinator = 3\n", "coordinator", "must be a table"),
+        ("[coordinator]\nheartbeat_interval_s = '10'\n", "coordinator.heartbeat_interval_s", "expected a number, got '10'"),
+        ("[coordinator]\nsignal_window = true\n", "coordinator.signal_window", "expected a whole number, got True"),
+        ("[coordinator]\nsignal_window = 2.5\n", "coordinator.signal_window", "expected a whole number"),
+        ("[coordinator]\nlisten = 50051\n", "coordinator.listen", "expected a string"),
+        ("[scheduler]\nuse_forecast = 'yes'\n", "scheduler.use_forecast", "expected true or false"),
+        ("[scheduler]\nweights = [1, 2]\n", "scheduler.weights", "expected a table"),
+        ("[scheduler]\nretry_kinds = 'batch'\n", "scheduler.retry_kinds", "expected a list"),
+        ("[scheduler]\nclass_weights = [8, 4, 2, 1, 1]\n", "scheduler.class_weights", "expected 4 values"),
+        ("[coordinator]\nsmoothing_tick_s = inf\n", "coordinator.smoothing_tick_s", "finite"),
+    ],
+)
+def test_file_errors_name_the_option_and_the_file(tmp_path: Path, text: str, option: str, fragment: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {}, {})
+    err = info.value
+    assert (err.option, err.source) == (option, f"file:{path}")
+    assert fragment in err.message, err.message
+    assert str(err).startswith(f"{path}: {option}: ")
+
+
+def test_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[coordinator]\nlisten = \"127.0.0.1:1\"\ngrace_s = = 3\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {}, {})
+    assert info.value.source == f"file:{path}"
+    assert "line 3" in str(info.value) and str(path) in str(info.value)
+
+
+def test_missing_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {}, {})
+    assert info.value.option == "--config"
+    assert str(path) in str(info.value) and "No such file" in str(info.value)
+
+
+# ---- validation across options -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, option, fragment",
+    [
+        ("[scheduler]\nmemory_warn_pct = 90\n", "scheduler.memory_warn_pct", "must be below memory_reject_pct"),
+        ("[scheduler]\nclass_weights = [8, 4, 0, 1]\n", "scheduler.class_weights[2]", "integer >= 1"),
+        ("[scheduler]\npolicy = 'fastest'\n", "scheduler.policy", "must be one of round_robin"),
+        ("[scheduler]\nweights = { lod = 2.0 }\n", "scheduler.weights[lod]", "has no weight 'lod'"),
+        ("[scheduler]\npolicy = 'binpack'\nweights = { load = 2.0 }\n", "scheduler.weights[load]", "policy binpack has no weight"),
+        ("[scheduler]\nweights = { load = -1 }\n", "scheduler.weights[load]", ""),
+        ("[scheduler]\ntenant_memory_reject_pct = { a = 120 }\n", "scheduler.tenant_memory_reject_pct[a]", "(0, 100]"),
+    ],
+)
+def test_validation_names_the_option_and_the_file(tmp_path: Path, text: str, option: str, fragment: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {}, {})
+    assert info.value.option == option
+    assert info.value.source == f"file:{path}"
+    assert fragment in info.value.message
+    assert str(path) in str(info.value)
+
+
+def test_a_default_made_invalid_by_another_option_points_at_it(tmp_path: Path) -> None:
+    # memory_reject_pct below the default memory_warn_pct (70): the scheduler
+    # names memory_warn_pct, which the operator never set; say what was set.
+    path = _write(tmp_path, "[scheduler]\nmemory_reject_pct = 60\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {}, {})
+    err = info.value
+    assert err.option == "scheduler.memory_warn_pct" and err.source == f"file:{path}"
+    assert f"memory_warn_pct is at its default; options set: scheduler.memory_reject_pct ({path})" in err.message
+    # With several layers set, the one the operator touched last is blamed.
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {"GPULB_SCHEDULER_P0_SLA_S": "3"}, {})
+    assert info.value.source == "env:GPULB_SCHEDULER_P0_SLA_S"
+    assert f"scheduler.memory_reject_pct ({path})" in info.value.message
+
+
+def test_validation_error_from_the_environment_names_the_variable() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, {"GPULB_SCHEDULER_P0_SLA_S": "0"}, {})
+    assert info.value.source == "env:GPULB_SCHEDULER_P0_SLA_S"
+    assert "environment variable GPULB_SCHEDULER_P0_SLA_S" in str(info.value)
+
+
+def test_bad_flag_value_and_unknown_override() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, {}, {"heartbeat_interval_s": "soon"})
+    assert (info.value.option, info.value.source) == ("coordinator.heartbeat_interval_s", "flag")
+    assert "command-line flag" in str(info.value)
+    with pytest.raises(ConfigError, match="did you mean 'staleness_s'"):
+        load_settings(None, {}, {"stalenes_s": 3})
+
+
+# ---- rendering (--print-config) ------------------------------------------------------------------------
+
+
+def test_print_config_round_trips_through_a_file(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "\n".join(
+            [
+                "[coordinator]",
+                'state_dir = \'C:\\new "dir" é\'',
+                "heartbeat_interval_s = 12",
+                "[scheduler]",
+                "policy = 'weighted_round_robin'",
+                "weights = { speed = 2.0, memory = 0.5 }",
+                'tenant_memory_reject_pct = { "team a" = 90, team-b = 95.5 }',
+                "retry_kinds = ['batch']",
+                "promote_after_s = [1, 2, 3.5]",
+                "use_forecast = false",
+            ]
+        ),
+    )
+    env = {"GPULB_SCHEDULER_CLASS_WEIGHTS": "16,8,2,1", "GPULB_EWMA_ALPHA": "0.125"}
+    s = load_settings(path, env, {"max_message_bytes": "65536"})
+    text = render_settings(s)
+    again = load_settings(_write(tmp_path, text, "printed.toml"), {}, {})
+    assert again.coordinator == s.coordinator
+    assert again.scheduler == s.scheduler
+    assert again.coordinator.state_dir == 'C:\\new "dir" é'
+    # Each option says where its value came from.
+    blocks = text.split("\n\n")
+    by_option = {b.strip().splitlines()[-1].split(" = ")[0]: b for b in blocks if " = " in b}
+    assert "# source: env:GPULB_EWMA_ALPHA" in by_option["ewma_alpha"]
+    assert "# source: flag" in by_option["max_message_bytes"]
+    assert f"# source: file:{path}" in by_option["policy"]
+    assert "# source: default" in by_option["listen"]
+
+
+def test_every_option_is_rendered_with_unit_help_env_and_flag() -> None:
+    text = render_settings(load_settings(None, {}, {}))
+    data = tomllib.loads(text)
+    for section in (("coordinator", CoordinatorConfig), ("scheduler", SchedulerConfig)):
+        name, cls = section
+        assert set(data[name]) == {f.name for f in dataclasses.fields(cls)}
+    block = next(b for b in text.split("\n\n") if "heartbeat_interval_s = " in b)
+    assert block.splitlines() == [
+        "# a node silent this long is UNREACHABLE (no new tasks)",
+        "# unit: s; default: 10.0; env: GPULB_HEARTBEAT_INTERVAL_S; flag: --heartbeat-interval-s",
+        "# source: default",
+        "heartbeat_interval_s = 10.0",
+    ]
+    sched = next(b for b in text.split("\n\n") if "temperature_reject_c = " in b)
+    assert "# °C at or above which a GPU takes no new task." in sched
+    assert "unit: °C" in sched and "env: GPULB_SCHEDULER_TEMPERATURE_REJECT_C" in sched and "flag:" not in sched
+
+
+def test_every_option_has_help() -> None:
+    # A field added without a description would print as "(no description)".
+    missing = [o.key for s in SECTIONS for o in options(s) if not o.help]
+    assert missing == []
+
+
+def test_commented_example_loads_as_the_defaults(tmp_path: Path) -> None:
+    text = render_settings(load_settings(None, {}, {}), commented_defaults=True)
+    s = load_settings(_write(tmp_path, text), {}, {})
+    assert s.coordinator == CoordinatorConfig() and s.scheduler == SchedulerConfig()
+    for key in _all_keys():
+        assert f"\n# {key.partition('.')[2]} = " in text, key
+    # Non-default values stay live even in this form.
+    s2 = load_settings(None, {"GPULB_GRACE_S": "1"}, {})
+    assert "\ngrace_s = 1.0\n" in render_settings(s2, commented_defaults=True)
+
+
+# ---- diff (what SIGHUP changed) ----------------------------------------------------------------------
+
+
+def test_diff_lists_exactly_what_changed(tmp_path: Path) -> None:
+    old = load_settings(None, {}, {})
+    path = _write(tmp_path, "[coordinator]\nheartbeat_interval_s = 20\n[scheduler]\npolicy = 'binpack'\nweights = { nvlink = 1.0 }\n")
+    new = load_settings(path, {}, {})
+    assert diff_settings(old, new) == [
+        ("coordinator.heartbeat_interval_s", 10.0, 20.0),
+        ("scheduler.policy", "load_aware", "binpack"),
+        ("scheduler.weights", {}, {"nvlink": 1.0}),
+    ]
+    assert diff_settings(new, load_settings(path, {}, {})) == []
+
+
+# ---- flags -------------------------------------------------------------------------------------------
+
+
+def test_flags_cover_every_coordinator_option_and_feed_load_settings(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser(prog="gpulb-coordinator")
+    add_settings_flags(parser)
+    flags = {a for action in parser._actions for a in action.option_strings}
+    for f in dataclasses.fields(CoordinatorConfig):
+        assert "--" + f.name.replace("_", "-") in flags
+    assert {"--config", "--print-config"} <= flags
+    assert not any(f.startswith("--class-weights") for f in flags)  # scheduler: file and env only
+
+    path = _write(tmp_path, "[coordinator]\nheartbeat_interval_s = 20\nlog_level = 'warning'\n")
+    args = parser.parse_args(["--config", str(path), "--heartbeat-interval-s", "12.5", "--log-level", "debug"])
+    assert args.print_config is False
+    assert flag_overrides(args) == {"heartbeat_interval_s": "12.5", "log_level": "debug"}
+    s = load_settings(args.config, {}, flag_overrides(args))
+    assert s.coordinator.heartbeat_interval_s == 12.5 and s.coordinator.log_level == "debug"
+    assert s.sources["coordinator.heartbeat_interval_s"] == "flag"
+
+    assert flag_overrides(parser.parse_args([])) == {}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-level", "loud"])  # choices come from the option table
+    help_text = parser.format_help()
+    assert "GPULB_HEARTBEAT_INTERVAL_S" in help_text and "[s]" in help_text
+
+
+# ---- genericity: the loader walks whatever fields a dataclass has ----------------------------------------
+
+
+@dataclass
+class _Future:
+    window_s: float = field(default=1.0, metadata={"help": "a window", "unit": "s"})
+    # Names of things, one per line.
+    names: tuple[str, ...] = ()
+    limit_pct: int | None = None
+    mode: str = field(default="a", metadata={"help": "mode", "unit": "", "choices": ("a", "b")})
+
+
+def test_options_walk_any_dataclass() -> None:
+    opts = {o.name: o for o in options(Section("future", _Future, "FUT_", flags=True))}
+    assert list(opts) == ["window_s", "names", "limit_pct", "mode"]
+    assert (opts["window_s"].help, opts["window_s"].unit, opts["window_s"].flag) == ("a window", "s", "--window-s")
+    assert opts["names"].help == "Names of things, one per line."
+    assert opts["limit_pct"].unit == "%" and opts["limit_pct"].env == "FUT_LIMIT_PCT"
+    assert opts["mode"].choices == ("a", "b") and opts["mode"].unit == ""
