@@ -32,6 +32,7 @@ Backfill rule (no starvation)
     (since it first failed) or has failed ``backfill_max_skips`` times. After a
     barrier of class ``c`` has been tried in a drain, no task of class ``c`` or
     any less urgent class is tried in that drain; more urgent classes still go.
+    The blocked state survives promotion, so a barrier stays one.
 
     Why no task starves, given finite lease durations and a task that fits an
     empty node (the engine rejects the rest at submission): a blocked task
@@ -181,8 +182,10 @@ class AgingQueue:
             if not self._classes[entry.cls]:
                 self._credit[entry.cls] = 0
             del self._index[entry.task.task_id]
-            # a promoted task is no longer blocked in the eyes of its new class
             self._enter(entry.task, entry.cls - 1, due_at)
+            # promotion does not unblock it: it stays as close to a barrier as it was
+            moved = self._index[entry.task.task_id]
+            moved.blocked_since, moved.skips = entry.blocked_since, entry.skips
             promoted[entry.task.task_id] = entry.task
         self._check_sla(now)
         return list(promoted.values())
