@@ -46,7 +46,7 @@ from scheduler.errors import (
     UnknownTask,
 )
 from scheduler.filters import describe, explain, feasible, never_fits
-from scheduler.policies import POLICIES, Policy, make_policy
+from scheduler.policies import POLICIES, Placement, Policy, make_policy
 from scheduler.queue import AgingQueue, Outcome
 from scheduler.reservations import LeaseBook, Reservations
 from scheduler.snapshot import ClusterSnapshot
@@ -280,7 +280,7 @@ class Scheduler:
             )
         return "waiting: " + describe(result.rejected, result.total)
 
-    def _apply(self, task: Task, view: PlacementView, placement, now: float) -> None:
+    def _apply(self, task: Task, view: PlacementView, placement: Placement, now: float) -> None:
         spec = task.spec
         lease = self._leases.grant(spec.task_id, now, self.config.lease_s)
         # the readings the reservation fades against (stale ones too: see Reservations)

@@ -141,7 +141,7 @@ class Policy(ABC):
         view: PlacementView,
         spec: TaskSpec,
         rows: Sequence[int],
-        scores: np.ndarray,
+        scores: np.ndarray | None,
         total: float,
         link_frac: float,
         candidates: int,
@@ -201,12 +201,17 @@ class Policy(ABC):
         width = int(pos.max()) + 1
 
         # scores and rows by (node, rank); padding is inf / -1 and sorts last
-        grid = np.full((groups, width), np.inf)
-        grid[group, pos] = scores[rows]
+        if rows.size == groups * width:
+            # every node offers the same number of GPUs (the common case): no padding
+            grid = scores[rows].reshape(groups, width)
+            row_grid = rows.reshape(groups, width)
+        else:
+            grid = np.full((groups, width), np.inf)
+            grid[group, pos] = scores[rows]
+            row_grid = np.full((groups, width), -1, dtype=np.intp)
+            row_grid[group, pos] = rows
         order = np.argsort(grid, axis=1, kind="stable")  # ties: lower row first
         grid = np.take_along_axis(grid, order, axis=1)
-        row_grid = np.full((groups, width), -1, dtype=np.intp)
-        row_grid[group, pos] = rows
         row_grid = np.take_along_axis(row_grid, order, axis=1)
         full = k * (k - 1) / 2
         bonus = self.weights["nvlink"]
@@ -366,14 +371,36 @@ class RoundRobin(Policy):
     def gpu_scores(self, view: PlacementView, spec: TaskSpec) -> np.ndarray:
         return self._distance(view)
 
+    def choose(
+        self, view: PlacementView, spec: TaskSpec, candidates: np.ndarray
+    ) -> Placement | None:
+        if spec.num_gpus > 1:
+            return super().choose(view, spec, candidates)
+        # One GPU: the first candidate after the cursor, found without scoring every row.
+        start = self._cursor(view) + 1
+        after = candidates[start:]
+        if after.any():
+            row = start + int(after.argmax())
+        elif candidates.any():
+            row = int(candidates.argmax())
+        else:
+            return None
+        distance = self._distance_of(view, (row,))
+        return self._placement(view, spec, (row,), None, distance, 0.0, int(np.count_nonzero(candidates)))
+
+    def _distance_of(self, view: PlacementView, rows: Sequence[int]) -> float:
+        """Mean distance of ``rows`` from the cursor, without a full column."""
+        start = self._cursor(view) + 1
+        count = max(view.gpu_count, 1)
+        return float(np.mean([((r - start) % count) / count for r in rows]))
+
     def terms(
-        self, view: PlacementView, spec: TaskSpec, rows: Sequence[int], scores: np.ndarray
+        self, view: PlacementView, spec: TaskSpec, rows: Sequence[int], scores: np.ndarray | None
     ) -> dict[str, float]:
-        return {"distance": float(np.mean(scores[np.asarray(rows, dtype=np.intp)]))}
+        return {"distance": self._distance_of(view, rows)}
 
     def commit(self, view: PlacementView, placement: Placement) -> None:
-        distance = self._distance(view)
-        last = max(placement.rows, key=lambda r: distance[r])
+        last = max(placement.rows, key=lambda r: self._distance_of(view, (r,)))
         self._last_row = int(last)
         self._last_uuid = view.snapshot.gpu_uuid[last]
 

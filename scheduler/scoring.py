@@ -133,30 +133,34 @@ def load_aware_scores(view: PlacementView, spec: TaskSpec, weights: Mapping[str,
 def load_aware_terms(
     view: PlacementView, spec: TaskSpec, weights: Mapping[str, float], rows: Sequence[int]
 ) -> dict[str, float]:
-    """Weighted term contributions at ``rows`` (mean over a multi-GPU set)."""
+    """Weighted term contributions at ``rows`` (mean over a multi-GPU set).
+
+    Scalar arithmetic on the few chosen rows (cheaper than vector calls on
+    1-element arrays); it must agree with ``load_aware_scores`` term by term.
+    """
     w = weights
     cfg = view.config
-    r = np.asarray(rows, dtype=np.intp)
-    stale = view.stale[r]
-    fresh = ~stale
-    terms: dict[str, float] = {}
-    if fresh.any():
-        f = r[fresh]
-        share = float(fresh.mean())  # fraction of the set the fresh terms apply to
-        load = predicted_load(view.load[f], np.zeros(f.size), spec.gpu_share)
-        frac = (view.committed[f] + spec.vram_mib) * view.inv_total[f]
-        pressure = memory_pressure(frac, cfg.memory_warn_pct / 100.0, cfg.memory_reject_pct / 100.0)
-        terms["load"] = share * w["load"] * float(load.mean())
-        terms["memory"] = share * w["memory"] * float(pressure.mean())
-        terms["temperature"] = share * w["temperature"] * float(view.temp_term[f].mean())
-        terms["jitter"] = share * w["jitter"] * float(view.active[f].mean())
-        terms["response_time"] = share * w["response_time"] * float(view.rt_term[f].mean())
-        if spec.preferred_node_labels:
-            frac_pref = view.preferred_fraction(spec.preferred_node_labels)[f]
-            terms["preferred_labels"] = -share * w["preferred_labels"] * float(frac_pref.mean())
-    if stale.any():
-        s = r[stale]
-        terms["stale"] = float(stale.mean()) * w["stale"] * float(
-            (1.0 + view.stale_busy[view.node[s]]).mean()
+    warn = cfg.memory_warn_pct / 100.0
+    band = cfg.memory_reject_pct / 100.0 - warn
+    pref = view.preferred_fraction(spec.preferred_node_labels) if spec.preferred_node_labels else None
+    fresh_terms = ("load", "memory", "temperature", "jitter", "response_time")
+    sums: dict[str, float] = {}
+    for r in rows:
+        r = int(r)
+        if view.stale[r]:
+            sums["stale"] = sums.get("stale", 0.0) + w["stale"] * (1.0 + float(view.stale_busy[view.node[r]]))
+            continue
+        frac = (float(view.committed[r]) + spec.vram_mib) * float(view.inv_total[r])
+        values = (
+            w["load"] * (float(view.load[r]) + 100.0 * spec.gpu_share) / 100.0,
+            w["memory"] * min(max((frac - warn) / band, 0.0), 1.0),
+            w["temperature"] * float(view.temp_term[r]),
+            w["jitter"] * float(view.active[r]),
+            w["response_time"] * float(view.rt_term[r]),
         )
-    return terms
+        for name, value in zip(fresh_terms, values):
+            sums[name] = sums.get(name, 0.0) + value
+        if pref is not None:
+            sums["preferred_labels"] = sums.get("preferred_labels", 0.0) - w["preferred_labels"] * float(pref[r])
+    count = len(rows)
+    return {name: total / count for name, total in sums.items()}

@@ -279,5 +279,5 @@ class PlacementView:
         self._reservations = reservations
 
     def any_room(self) -> bool:
-        """Whether any GPU could take any task at all right now."""
-        return bool(np.any(self.avail & (self.reject_headroom > 0) & (self.headroom > 0)))
+        """Whether any GPU could take any task at all right now (every task needs VRAM)."""
+        return bool(np.any(self.avail & (self.headroom > 0)))

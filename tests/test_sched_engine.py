@@ -171,6 +171,18 @@ def test_resubmission_is_idempotent_and_a_changed_spec_conflicts() -> None:
     assert len(sched.tasks()) == 1
 
 
+def test_finished_tasks_are_forgotten_oldest_first_past_the_retention() -> None:
+    sched, _ = make(SchedulerConfig(retain_finished=2))
+    snap = one_node()
+    for name in "abc":
+        sched.submit(spec(name), snap)
+        sched.cancel(name)
+    with pytest.raises(UnknownTask):
+        sched.get("a")
+    assert [t.task_id for t in sched.tasks()] == ["b", "c"]
+    assert sched.submit(spec("a"), snap).state == TaskState.QUEUED  # a new task now
+
+
 def test_invalid_specs_are_refused_before_anything_changes() -> None:
     sched, _ = make()
     with pytest.raises(InvalidTask) as info:

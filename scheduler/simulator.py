@@ -1,0 +1,1254 @@
+"""Trace-driven simulation of a GPU cluster on a virtual clock, placing tasks
+with the very scheduler the coordinator runs.
+
+``Simulation`` replays a trace (``scheduler.traces``) into a modelled cluster
+(``scheduler.cluster``). Placement is never re-implemented here: a
+``scheduler.engine.Scheduler`` with its queue, filters, scores, policies and
+reservations receives every submission and every completion and decides every
+placement, from a ``ClusterSnapshot`` the simulator builds out of delayed,
+smoothed telemetry. What the simulator adds is the world the scheduler cannot
+see directly.
+
+The model
+=========
+
+Load. A running task puts ``util`` % (else ``100 * gpu_share``) on each of its
+GPUs. A GPU's true utilisation is ``min(100, sum of its tasks' util)``.
+
+Speed and sharing. A task's ``duration_s`` is its run time alone on a speed-1.0
+GPU (RTX 4090). It progresses at ``speed(node) * min over its GPUs of
+min(1, 100 / demand(g))``: a GPU asked for more than 100 % is shared in
+proportion (processor sharing), so stacking tasks on one GPU slows all of them.
+Finish times are recomputed whenever a GPU's demand changes.
+
+Real memory. What a task really uses differs from its ``vram_mib`` ask. The
+default ``GenAIMemory`` draws it from the measured GenAI series
+(``agent.replay.load_genai``: 144 Stable Diffusion serving pods, one reading a
+minute for 22.8 h): each pod's series is divided by the pod's own median, so a
+value is "real use / typical use" (pooled: p5 0.64, p50 1.0, p90 1.11, p95
+1.16, p99 1.43, max 2.1). A task is treated as asking for its typical use: it
+draws a pod and a start minute at random (seeded, in trace order, so every
+policy replays the same draws), cuts its run into ``n = clip(ceil(duration /
+57 s), 1, 4)`` equal phases of work, and uses ``ask * ratio`` in phase ``i``,
+the ratio read from that pod at the start of the ``i``-th of ``n`` consecutive
+stretches of ``min(duration, 22.8 h)``. Consecutive readings of one pod keep
+the series' own persistence (a pod that runs high stays high). Tests use
+``AskedMemory`` (real = ask) or ``RatioMemory`` (ratios given per task).
+
+Out-of-memory kills. When a task's start or a phase's growth takes a GPU's real
+memory beyond its capacity, that task's allocation fails (the newcomer or the
+grower dies, not its neighbours): it is killed, counted, its lease completed
+as failed, and it is submitted again at once with its ask raised to the use
+that killed it (a user re-running with a bigger request), from zero progress,
+up to ``max_attempts`` runs in all; after that, or when the raised ask fits
+no GPU (REJECTED), it counts as dropped.
+
+Telemetry. The scheduler sees what the coordinator's view would show, not the
+truth. A change is first sampled ``sample_delay_s`` later (the agent's stable
+sampling interval; the agent then samples every ``fast_sample_s``). A step
+larger than the coordinator's anomaly floor (2 % util, 64 MiB) is, for its
+filter, a level shift: rejected as an anomaly until ``persist`` readings in a
+row agree and then snapped to, so it becomes visible ``sample_delay_s +
+(persist - 1) * fast_sample_s`` after it happened (2.4 s by default) in one
+step. A smaller step glides in by the view's EWMA (alpha 0.3 per reading).
+The forecast is the smoothed level (simple exponential smoothing), the trend
+0, temperature ``35 + 0.4 * util`` °C. Between placements the engine's own
+reservations cover what the readings do not show yet (its "assume" step).
+Because the readings of a finished task's memory only drop 2.4 s later, the
+simulator dispatches on every submission and completion (as the coordinator
+does) and once more when a release becomes visible, while tasks are queued.
+
+Snapshots. A snapshot is rebuilt only when the readings it would show have
+moved since the last one (an observation arrived, or an EWMA glide was still
+running when it was taken); otherwise the same object is passed again, and
+the engine keeps using its view, patched per placement, exactly as it does
+between two metrics ticks of the coordinator.
+
+Leases never expire (lease length 10^12 s): the simulated agents never die.
+
+Measurement window. Utilisation figures integrate the true per-GPU
+utilisation over ``[0, window_end]``: the *arrival window*, up to the last
+submission (while the trace offers load; the drain-out after it says more
+about the trace's longest task than about placement), or up to the makespan
+when every task is submitted at time 0.
+
+Saturation (``saturate``). The FGD paper's measure: tasks arrive one after the
+other in trace order (cycling through the trace when it runs out) and never
+end; each is placed at once or cancelled when it does not fit. It reports
+the share of GPU capacity left unallocated when the first task does not fit,
+and when the arrived workload reaches the cluster's GPU count.
+
+Engine adapter
+==============
+
+``Reservations.columns`` walks every reserved GPU in Python; at 5,000 leases a
+dispatch on a fresh snapshot costs about 7 ms, over the speed budget. Until the
+engine vectorises it, ``ColumnarReservations`` (below) is swapped into the
+scheduler: a ``Reservations`` subclass with the same bookkeeping that also
+mirrors each GPU's stack (baseline, MiB, %, leases) in arrays and computes
+``columns`` with a few vector operations; ``tests/test_simulator.py`` checks it
+against the base class on random sequences. ``SimConfig.columnar_reservations
+= False`` runs the engine untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Mapping, Protocol, Sequence, TextIO
+
+import numpy as np
+
+from scheduler.cluster import ClusterNode, convert_openb_nodes, homogeneous, read_cluster, write_cluster
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Scheduler
+from scheduler.policies import POLICIES
+from scheduler.reservations import Reservations, ReservedColumns
+from scheduler.snapshot import ClusterSnapshot, NodeFacts
+from scheduler.task import TaskState
+from scheduler.traces import TraceTask, convert_openb, read_trace, scale_trace
+
+__all__ = [
+    "SimConfig",
+    "MemoryModel",
+    "AskedMemory",
+    "RatioMemory",
+    "GenAIMemory",
+    "TaskRecord",
+    "SimResult",
+    "SaturationResult",
+    "Simulation",
+    "ColumnarReservations",
+    "simulate",
+    "saturate",
+    "simulate_main",
+    "trace_main",
+]
+
+_LEASE_S = 1e12  # leases never run out in the simulation
+
+
+# ---- memory models ----------------------------------------------------------------------------
+
+
+class MemoryModel(Protocol):
+    """Real memory use of a task, as ratios to its ask, one per phase of work."""
+
+    def ratios(self, task: TraceTask, index: int, rng: np.random.Generator) -> tuple[float, ...]:
+        ...
+
+
+class AskedMemory:
+    """Real use equals the ask (one phase)."""
+
+    def ratios(self, task: TraceTask, index: int, rng: np.random.Generator) -> tuple[float, ...]:
+        return (1.0,)
+
+
+class RatioMemory:
+    """Given ratios per task id (equal phases of work); others use their ask."""
+
+    def __init__(self, by_task: Mapping[str, Sequence[float]]) -> None:
+        self._by_task = {k: tuple(float(x) for x in v) for k, v in by_task.items()}
+
+    def ratios(self, task: TraceTask, index: int, rng: np.random.Generator) -> tuple[float, ...]:
+        return self._by_task.get(task.task_id, (1.0,))
+
+
+class GenAIMemory:
+    """Real/asked ratios read from the measured GenAI memory series (module docstring)."""
+
+    MAX_PHASES = 4
+
+    def __init__(self, trace_dir: str | os.PathLike[str] | None = None) -> None:
+        from agent.replay import load_genai  # the replay module owns reading the tarballs
+
+        series = load_genai(trace_dir)
+        self.pods: list[np.ndarray] = []
+        step = 60.0
+        for s in series:
+            values = s.memory_mib
+            if values.size < 10:
+                continue
+            median = float(np.median(values))
+            if median <= 0:
+                continue
+            self.pods.append(values / median)
+            step = s.step_s
+        if not self.pods:
+            raise ValueError("the GenAI memory trace has no usable pod series")
+        self.step_s = float(step)
+
+    def ratios(self, task: TraceTask, index: int, rng: np.random.Generator) -> tuple[float, ...]:
+        pod = self.pods[int(rng.integers(len(self.pods)))]
+        size = pod.size
+        start = int(rng.integers(size))
+        phases = int(min(self.MAX_PHASES, max(1, math.ceil(task.duration_s / self.step_s))))
+        span = min(size, max(1, int(round(task.duration_s / self.step_s))))
+        return tuple(float(pod[(start + (i * span) // phases) % size]) for i in range(phases))
+
+
+# ---- configuration and results -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Knobs of the simulated world (the scheduler's own are in ``scheduler``)."""
+
+    seed: int = 0
+    # s until a change is first sampled (the agent's stable sampling interval)
+    sample_delay_s: float = 2.0
+    # s between samples once readings move (the agent's fast sampling)
+    fast_sample_s: float = 0.2
+    # readings in a row that make a step a level shift (coordinator filter)
+    persist: int = 3
+    ewma_alpha: float = 0.3
+    # steps at or below these glide in by EWMA; above, they snap after persist readings
+    util_floor_pct: float = 2.0
+    memory_floor_mib: float = 64.0
+    # residual share of a glide below which a reading counts as settled
+    settle_tolerance: float = 0.01
+    # OOM-killed runs a task may have before it is dropped (runs in all)
+    max_attempts: int = 3
+    # real memory: "genai" (measured ratios), "asked" (real = ask) or a MemoryModel
+    memory: object = "genai"
+    # scheduler configuration; policy and lease length are set per run
+    scheduler: SchedulerConfig | None = None
+    # engine adapter (module docstring); False runs the engine untouched
+    columnar_reservations: bool = True
+    # heat-map samples of per-GPU utilisation over the window
+    heatmap_samples: int = 120
+    # stop at this virtual time (None: when every task has ended)
+    horizon_s: float | None = None
+
+    @property
+    def visible_after_s(self) -> float:
+        """s from a level shift to the view showing it."""
+        return self.sample_delay_s + (self.persist - 1) * self.fast_sample_s
+
+    @property
+    def settle_s(self) -> float:
+        """s from a glide's first sample until it is within ``settle_tolerance``."""
+        q = 1.0 - self.ewma_alpha
+        if q <= 0:
+            return 0.0
+        k = math.ceil(math.log(self.settle_tolerance) / math.log(q))
+        return (k - 1) * self.fast_sample_s
+
+
+@dataclass(slots=True)
+class TaskRecord:
+    """What happened to one trace task (over all its runs)."""
+
+    task_id: str
+    priority: int
+    kind: str
+    submit_s: float
+    duration_s: float  # reference duration (speed 1.0, alone)
+    num_gpus: int
+    gpu_share: float
+    first_start_s: float = math.nan
+    finish_s: float = math.nan
+    wait_s: float = 0.0  # queued time summed over runs
+    runs: int = 0
+    oom_kills: int = 0
+    state: str = "pending"  # completed | dropped | rejected | unfinished
+    reason: str = ""
+
+    @property
+    def jct_s(self) -> float:
+        return self.finish_s - self.submit_s
+
+
+@dataclass
+class SimResult:
+    """Raw outcome of one run; ``scheduler.simreport`` turns it into figures."""
+
+    policy: str
+    gpus: int
+    nodes: int
+    records: list[TaskRecord]
+    window_s: float
+    makespan_s: float
+    gpu_mean_util: np.ndarray  # % per GPU, time-weighted over the window
+    gpu_hot_share: np.ndarray  # share of the window each GPU spent at >= 90 %
+    util_std_time_mean: float  # time-weighted mean of the across-GPU std (%)
+    gpu_node: np.ndarray
+    heatmap_t: np.ndarray  # s
+    heatmap: np.ndarray  # (samples, GPUs) true util %
+    oom_kills: int
+    sla_misses: int
+    dispatches: int
+    snapshots: int
+    events: int
+    wall_s: float
+    saturation: "SaturationResult | None" = None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class SaturationResult:
+    """FGD-style saturating run (module docstring)."""
+
+    policy: str
+    gpus: int
+    arrived_at_first_failure: float  # arrived GPU demand / GPU count
+    unallocated_at_first_failure: float  # share of GPU capacity not allocated
+    unallocated_at_full: float  # same, when arrived demand reaches the GPU count
+    idle_gpus_at_full: float  # share of GPUs with nothing on them
+    placed: int
+    failed: int
+    rejected: int
+    first_failure_task: str
+    wall_s: float
+
+
+# ---- the engine adapter ------------------------------------------------------------------------
+
+
+class ColumnarReservations(Reservations):
+    """``Reservations`` whose ``columns`` is vectorised over a fixed GPU order.
+
+    The base class stays the single source of truth; this subclass mirrors
+    each touched GPU's stack into arrays after ``add`` and ``release``, and
+    re-reads a GPU after anyone fetched it with ``gpu()`` (the view's
+    ``refresh`` may lower its baseline through ``effective``). ``columns``
+    then applies ``GpuReservation.effective`` to every row at once and writes
+    lowered baselines back. Falls back to the base class when the snapshot's
+    rows are not the fixed order.
+    """
+
+    def __init__(self, gpu_uuids: Sequence[str]) -> None:
+        super().__init__()
+        self._order = list(gpu_uuids)
+        self._row = {u: i for i, u in enumerate(self._order)}
+        n = len(self._order)
+        self._b = np.full(n, np.inf)
+        self._r = np.zeros(n)
+        self._u = np.zeros(n)
+        self._n = np.zeros(n, dtype=np.int32)
+        self._dirty: set[str] = set()
+
+    def _sync(self, uuids: Iterable[str]) -> None:
+        for u in uuids:
+            row = self._row.get(u)
+            if row is None:
+                continue
+            g = Reservations.gpu(self, u)
+            if g is None:
+                self._b[row], self._r[row], self._u[row], self._n[row] = math.inf, 0.0, 0.0, 0
+            else:
+                self._b[row] = g.baseline_mib
+                self._r[row] = g.vram_mib
+                self._u[row] = g.util_pct
+                self._n[row] = len(g.members)
+
+    def gpu(self, gpu_uuid: str):  # type: ignore[override]
+        self._dirty.add(gpu_uuid)
+        return super().gpu(gpu_uuid)
+
+    def add(self, key, gpu_uuids, vram_mib, util_pct, used_mib) -> None:  # type: ignore[override]
+        super().add(key, gpu_uuids, vram_mib, util_pct, used_mib)
+        self._sync(gpu_uuids)
+
+    def release(self, key: str) -> tuple[str, ...]:
+        uuids = super().release(key)
+        self._sync(uuids)
+        return uuids
+
+    def columns(self, row_of: Mapping[str, int], used_mib: np.ndarray, fresh: np.ndarray) -> ReservedColumns:
+        n = len(self._order)
+        if (
+            len(row_of) != n
+            or used_mib.shape[0] != n
+            or (n and (row_of.get(self._order[0]) != 0 or row_of.get(self._order[-1]) != n - 1))
+        ):
+            return super().columns(row_of, used_mib, fresh)
+        if self._dirty:
+            dirty, self._dirty = self._dirty, set()
+            self._sync(dirty)
+        r, b = self._r, self._b
+        has = r > 0
+        used = np.asarray(used_mib, dtype=np.float64)
+        live = has & np.asarray(fresh, dtype=bool) & np.isfinite(used)
+        lower = live & (used < b)
+        if lower.any():
+            b[lower] = used[lower]
+            for row in np.flatnonzero(lower):
+                g = Reservations.gpu(self, self._order[row])
+                if g is not None:
+                    g.baseline_mib = float(used[row])
+        with np.errstate(invalid="ignore"):
+            eff_live = np.minimum(r, np.maximum(0.0, b + r - used))
+        eff = np.where(live, eff_live, np.where(has, r, 0.0))
+        util = np.where(has, self._u * eff / np.where(has, r, 1.0), 0.0)
+        return ReservedColumns(vram_mib=eff, util_pct=util, leases=self._n.copy())
+
+
+# ---- the simulation ------------------------------------------------------------------------------
+
+# event kinds, in the order they are handled at one instant
+_SUBMIT, _STEP, _VISIBLE, _SAMPLE = 0, 1, 2, 3
+
+
+class _Run:
+    """One placement of a task (a task OOM-killed and resubmitted has several)."""
+
+    __slots__ = (
+        "idx",
+        "run_id",
+        "lease_id",
+        "rows",
+        "speed",
+        "util",
+        "mem",
+        "phase",
+        "ask",
+        "work",
+        "done",
+        "rate",
+        "t_last",
+        "version",
+        "start",
+    )
+
+    def __init__(self, idx: int, run_id: str, lease_id: str, rows: tuple[int, ...], speed: float,
+                 util: float, mem: tuple[float, ...], ask: float, work: float, now: float) -> None:
+        self.idx = idx
+        self.run_id = run_id
+        self.lease_id = lease_id
+        self.rows = rows
+        self.speed = speed
+        self.util = util
+        self.mem = mem  # real MiB per phase
+        self.phase = 0
+        self.ask = ask
+        self.work = work  # s of work at rate 1
+        self.done = 0.0
+        self.rate = 0.0
+        self.t_last = now
+        self.version = 0
+        self.start = now
+
+    def next_milestone(self) -> float:
+        """Work at which the next phase starts (or the run ends)."""
+        return self.work * (self.phase + 1) / len(self.mem)
+
+
+def _resolve_memory(memory: object) -> MemoryModel:
+    if isinstance(memory, str):
+        if memory == "genai":
+            return GenAIMemory()
+        if memory == "asked":
+            return AskedMemory()
+        raise ValueError(f"unknown memory model {memory!r}; use 'genai' or 'asked'")
+    if not hasattr(memory, "ratios"):
+        raise ValueError("memory must be 'genai', 'asked' or have a ratios() method")
+    return memory  # type: ignore[return-value]
+
+
+def _memory_profiles(tasks: Sequence[TraceTask], model: MemoryModel, seed: int) -> list[tuple[float, ...]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, t in enumerate(tasks):
+        ratios = model.ratios(t, i, rng)
+        if not ratios:
+            ratios = (1.0,)
+        out.append(tuple(max(0.0, r) * t.vram_mib for r in ratios))
+    return out
+
+
+class Simulation:
+    """One policy over one trace on one cluster (see the module docstring)."""
+
+    def __init__(
+        self,
+        tasks: Sequence[TraceTask],
+        nodes: Sequence[ClusterNode | NodeFacts],
+        policy: str = "load_aware",
+        config: SimConfig | None = None,
+        *,
+        weights: Mapping[str, float] | None = None,
+        profiles: Sequence[tuple[float, ...]] | None = None,
+        progress: Callable[[int, int, float], None] | None = None,
+    ) -> None:
+        self.cfg = cfg = config or SimConfig()
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+        self.policy = policy
+        self.tasks = sorted(tasks, key=lambda t: t.submit_s)
+        facts = [n.facts() if isinstance(n, ClusterNode) else n for n in nodes]
+        if not facts:
+            raise ValueError("the cluster has no nodes")
+        self.facts = facts
+        self._progress = progress
+        if profiles is None:
+            profiles = _memory_profiles(self.tasks, _resolve_memory(cfg.memory), cfg.seed)
+        elif len(profiles) != len(self.tasks):
+            raise ValueError("need one memory profile per task")
+        self.profiles = profiles
+
+        base = ClusterSnapshot.build(facts)
+        self._base = base
+        g = base.gpu_count
+        self.G = g
+        self._row_of = {u: i for i, u in enumerate(base.gpu_uuid)}
+        self._cap = [float(x) for x in base.memory_total_mib]
+        self._speed = [float(base.node_speed[n]) for n in base.gpu_node]
+        # truth (Python lists: touched a few rows at a time)
+        self._demand = [0.0] * g
+        self._mem = [0.0] * g
+        self._runs_on: list[set[_Run]] = [set() for _ in range(g)]
+        # observed (what the view shows): level v0 moving to target from t0
+        self._u_v0 = np.zeros(g)
+        self._u_tg = np.zeros(g)
+        self._u_t0 = np.zeros(g)
+        self._u_snap = np.ones(g, dtype=bool)
+        self._m_v0 = np.zeros(g)
+        self._m_tg = np.zeros(g)
+        self._m_t0 = np.zeros(g)
+        self._m_snap = np.ones(g, dtype=bool)
+        self._active = np.zeros(g, dtype=np.int32)
+        self._q = 1.0 - cfg.ewma_alpha
+        self._pending_obs: deque[tuple[float, int, float, float, int]] = deque()
+        self._last_obs = -math.inf  # virtual time of the latest applied observation
+        self._glide_until = -math.inf
+        self._moving: dict[int, float] = {}  # row -> when its reading reaches the target
+        self._snap: ClusterSnapshot | None = None
+        self._snap_at = -math.inf
+        # utilisation integrals
+        self._util = [0.0] * g  # true util % now
+        self._t_row = [0.0] * g
+        self._int_u = [0.0] * g
+        self._int_hot = [0.0] * g
+        self._s1 = 0.0
+        self._s2 = 0.0
+        self._std_int = 0.0
+        self._t_std = 0.0
+        self._changes = 0
+        # clock and events
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self._lease_seq = itertools.count()
+        sched_cfg = replace(cfg.scheduler or SchedulerConfig(), policy=policy, lease_s=_LEASE_S,
+                            weights=dict(weights or (cfg.scheduler.weights if cfg.scheduler else {})))
+        self.sched = Scheduler(sched_cfg, clock=lambda: self.now, lease_ids=self._lease_id)
+        if cfg.columnar_reservations:
+            # adapter (module docstring): swapped in before the engine reserves anything
+            self.sched._reservations = ColumnarReservations(base.gpu_uuid)
+        # bookkeeping
+        self.records = [
+            TaskRecord(t.task_id, int(t.priority), t.kind, t.submit_s, t.duration_s, t.num_gpus, t.gpu_share)
+            for t in self.tasks
+        ]
+        self._queued: dict[str, tuple[int, float, float]] = {}  # run id -> (task idx, ask, queued at)
+        self._running: dict[str, _Run] = {}
+        self._attempt = [0] * len(self.tasks)
+        self._remaining = len(self.tasks)
+        self.oom_kills = 0
+        self.dispatches = 0
+        self.snapshots = 0
+        self.events = 0
+        self._visible_pending: set[float] = set()
+        last_submit = self.tasks[-1].submit_s if self.tasks else 0.0
+        self._window_end = last_submit if last_submit > 0 else None
+        self._window_frozen: tuple | None = None
+        self._heat_t: list[float] = []
+        self._heat: list[np.ndarray] = []
+
+    def _lease_id(self) -> str:
+        return f"lease-{next(self._lease_seq)}"
+
+    # ---- events ------------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        cfg = self.cfg
+        for i, t in enumerate(self.tasks):
+            self._push(t.submit_s, _SUBMIT, i)
+        horizon = cfg.horizon_s if cfg.horizon_s is not None else math.inf
+        if self._window_end is not None and cfg.heatmap_samples > 0:
+            step = self._window_end / cfg.heatmap_samples
+            for k in range(cfg.heatmap_samples + 1):
+                self._push(k * step, _SAMPLE, None)
+        heap = self._heap
+        report_every = max(1, len(self.tasks) // 200)
+        last_report = -1
+        while heap:
+            t = heap[0][0]
+            if t > horizon:
+                break
+            if self._window_end is not None and self._window_frozen is None and t > self._window_end:
+                self._freeze_window(self._window_end)
+            self.now = t
+            need = False
+            while heap and heap[0][0] == t:
+                _, kind, _, payload = heapq.heappop(heap)
+                self.events += 1
+                if kind == _SUBMIT:
+                    need |= self._submit(payload)  # type: ignore[arg-type]
+                elif kind == _STEP:
+                    need |= self._step(payload)  # type: ignore[arg-type]
+                elif kind == _VISIBLE:
+                    self._visible_pending.discard(t)
+                    need |= bool(self._queued)
+                else:
+                    self._sample()
+            if need and self._queued:
+                self._dispatch()
+            if self._progress is not None:
+                done = len(self.tasks) - self._remaining
+                if done // report_every != last_report:
+                    last_report = done // report_every
+                    self._progress(done, len(self.tasks), time.perf_counter() - started)
+        end = self.now
+        if self._progress is not None:
+            self._progress(len(self.tasks) - self._remaining, len(self.tasks), time.perf_counter() - started)
+        for run in list(self._running.values()):
+            rec = self.records[run.idx]
+            rec.state = "unfinished"
+        for run_id, (idx, _, _) in self._queued.items():
+            if self.records[idx].state == "pending":
+                self.records[idx].state = "unfinished"
+        makespan = max((r.finish_s for r in self.records if r.finish_s == r.finish_s), default=0.0)
+        if self._window_frozen is None:
+            self._freeze_window(self._window_end if self._window_end is not None else max(end, makespan))
+        win, mean_u, hot, std_mean = self._window_frozen  # type: ignore[misc]
+        return SimResult(
+            policy=self.policy,
+            gpus=self.G,
+            nodes=len(self.facts),
+            records=self.records,
+            window_s=win,
+            makespan_s=makespan,
+            gpu_mean_util=mean_u,
+            gpu_hot_share=hot,
+            util_std_time_mean=std_mean,
+            gpu_node=self._base.gpu_node.copy(),
+            heatmap_t=np.asarray(self._heat_t),
+            heatmap=np.asarray(self._heat) if self._heat else np.zeros((0, self.G)),
+            oom_kills=self.oom_kills,
+            sla_misses=self.sched.queue_summary().sla_misses,
+            dispatches=self.dispatches,
+            snapshots=self.snapshots,
+            events=self.events,
+            wall_s=time.perf_counter() - started,
+            meta={
+                "visible_after_s": self.cfg.visible_after_s,
+                "seed": self.cfg.seed,
+                "tasks": len(self.tasks),
+            },
+        )
+
+    # ---- submissions and dispatch -----------------------------------------------------------------
+    def _submit(self, idx: int, ask: float | None = None) -> bool:
+        task = self.tasks[idx]
+        self._attempt[idx] += 1
+        attempt = self._attempt[idx]
+        run_id = task.task_id if attempt == 1 else f"{task.task_id}~{attempt}"
+        ask = task.vram_mib if ask is None else ask
+        result = self.sched.submit(task.to_spec(task_id=run_id, vram_mib=ask))
+        rec = self.records[idx]
+        if result.state == TaskState.REJECTED:
+            rec.state = "rejected" if attempt == 1 else "dropped"
+            rec.reason = result.reason
+            self._remaining -= 1
+            return False
+        self._queued[run_id] = (idx, ask, self.now)
+        return True
+
+    def _dispatch(self) -> None:
+        snap = self._snapshot()
+        self.dispatches += 1
+        placed = self.sched.dispatch(snap)
+        for task in placed:
+            self._start(task)
+
+    def _snapshot(self) -> ClusterSnapshot:
+        now = self.now
+        self._apply_observations(now)
+        snap = self._snap
+        if snap is not None and self._last_obs <= self._snap_at and self._snap_at >= self._glide_until:
+            return snap
+        util = self._u_tg.copy()
+        mem = self._m_tg.copy()
+        moving = self._moving
+        if moving:
+            # rows whose reading has not reached its target yet (few): the
+            # level a reading-by-reading filter shows at ``now``
+            idx = np.fromiter(moving.keys(), dtype=np.intp, count=len(moving))
+            dt = self.cfg.fast_sample_s
+            for v0, tg, t0, snapped, out in (
+                (self._u_v0, self._u_tg, self._u_t0, self._u_snap, util),
+                (self._m_v0, self._m_tg, self._m_t0, self._m_snap, mem),
+            ):
+                elapsed = now - t0[idx]
+                k = np.floor(elapsed / dt + 1e-9) + 1.0
+                factor = np.where(
+                    elapsed < 0, 1.0, np.where(snapped[idx], 0.0, self._q ** np.maximum(k, 0.0))
+                )
+                out[idx] = tg[idx] + (v0[idx] - tg[idx]) * factor
+            for row in [r for r, until in moving.items() if until <= now]:
+                del moving[row]
+                # settled: the reading is the target from here on
+                self._u_v0[row] = self._u_tg[row]
+                self._m_v0[row] = self._m_tg[row]
+        b = self._base
+        snap = ClusterSnapshot(
+            gpu_node=b.gpu_node,
+            gpu_index=b.gpu_index,
+            gpu_uuid=b.gpu_uuid,
+            gpu_model=b.gpu_model,
+            healthy=b.healthy,
+            util_pct=util,
+            util_forecast_pct=util,
+            util_trend_pct_per_min=b.util_trend_pct_per_min,
+            memory_used_mib=mem,
+            memory_total_mib=b.memory_total_mib,
+            temperature_c=35.0 + 0.4 * util,
+            nvlink_competition=b.nvlink_competition,
+            active_tasks=self._active.copy(),
+            node_ids=b.node_ids,
+            node_labels=b.node_labels,
+            node_schedulable=b.node_schedulable,
+            node_stale=b.node_stale,
+            node_disk_await_ms=b.node_disk_await_ms,
+            node_response_time_s=b.node_response_time_s,
+            node_speed=b.node_speed,
+            node_nvlink=b.node_nvlink,
+            taken_at_s=now,
+        )
+        self._snap = snap
+        self._snap_at = now
+        self.snapshots += 1
+        return snap
+
+    # ---- observations ---------------------------------------------------------------------------------
+    def _observe(self, row: int) -> None:
+        """Queue the row's new truth for the view (it arrives ``sample_delay_s`` later)."""
+        self._pending_obs.append(
+            (self.now + self.cfg.sample_delay_s, row, self._util[row], self._mem[row], len(self._runs_on[row]))
+        )
+
+    def _apply_observations(self, now: float) -> None:
+        pending = self._pending_obs
+        if not pending or pending[0][0] > now:
+            return
+        cfg = self.cfg
+        q = self._q
+        dt = cfg.fast_sample_s
+        shift_delay = (cfg.persist - 1) * dt
+        settle = cfg.settle_s
+        u_v0, u_tg, u_t0, u_snap = self._u_v0, self._u_tg, self._u_t0, self._u_snap
+        m_v0, m_tg, m_t0, m_snap = self._m_v0, self._m_tg, self._m_t0, self._m_snap
+
+        def before(v0: float, tg: float, t0: float, snapped: bool, te: float) -> float:
+            # the level just before a reading at te (readings at t0, t0 + dt, ... < te)
+            if te <= t0:
+                return v0
+            if snapped:
+                return tg
+            k = math.ceil((te - t0) / dt - 1e-9)
+            return tg + (v0 - tg) * q**k
+
+        while pending and pending[0][0] <= now:
+            te, row, util, mem, active = pending.popleft()
+            cur = before(u_v0[row], u_tg[row], u_t0[row], u_snap[row], te)
+            u_v0[row] = cur
+            u_tg[row] = util
+            if abs(util - cur) > cfg.util_floor_pct:
+                u_snap[row] = True
+                u_t0[row] = te + shift_delay
+            else:
+                u_snap[row] = False
+                u_t0[row] = te
+                self._glide_until = max(self._glide_until, te + settle)
+            cur = before(m_v0[row], m_tg[row], m_t0[row], m_snap[row], te)
+            m_v0[row] = cur
+            m_tg[row] = mem
+            if abs(mem - cur) > cfg.memory_floor_mib:
+                m_snap[row] = True
+                m_t0[row] = te + shift_delay
+            else:
+                m_snap[row] = False
+                m_t0[row] = te
+                self._glide_until = max(self._glide_until, te + settle)
+            self._active[row] = active
+            self._moving[row] = max(
+                u_t0[row] + (0.0 if u_snap[row] else settle),
+                m_t0[row] + (0.0 if m_snap[row] else settle),
+            )
+            self._last_obs = max(self._last_obs, te + shift_delay)
+        # readings that only become visible after now keep the snapshot dirty
+        self._glide_until = max(self._glide_until, self._last_obs)
+
+    def _schedule_visible(self) -> None:
+        """Dispatch again when a release becomes visible to the view."""
+        t = self.now + self.cfg.visible_after_s
+        if t not in self._visible_pending:
+            self._visible_pending.add(t)
+            self._push(t, _VISIBLE, None)
+
+    # ---- truth ---------------------------------------------------------------------------------------------
+    def _set_util(self, row: int, demand: float) -> None:
+        """Record GPU ``row``'s new demand; integrate utilisation up to now."""
+        now = self.now
+        self._demand[row] = demand
+        new = demand if demand < 100.0 else 100.0
+        old = self._util[row]
+        if new == old:
+            return
+        dt = now - self._t_row[row]
+        if dt > 0:
+            self._int_u[row] += old * dt
+            if old >= 90.0:
+                self._int_hot[row] += dt
+        self._t_row[row] = now
+        self._advance_std(now)
+        self._s1 += new - old
+        self._s2 += new * new - old * old
+        self._util[row] = new
+        self._changes += 1
+        if self._changes % 50_000 == 0:  # keep the running sums exact
+            self._s1 = math.fsum(self._util)
+            self._s2 = math.fsum(u * u for u in self._util)
+
+    def _advance_std(self, now: float) -> None:
+        dt = now - self._t_std
+        if dt > 0:
+            g = self.G
+            mean = self._s1 / g
+            var = self._s2 / g - mean * mean
+            self._std_int += math.sqrt(var) * dt if var > 0 else 0.0
+            self._t_std = now
+
+    def _freeze_window(self, end: float) -> None:
+        """Utilisation figures over [0, end] (the clock is at or past ``end``)."""
+        g = self.G
+        util = np.asarray(self._util)
+        t_row = np.asarray(self._t_row)
+        span = np.maximum(end - t_row, 0.0)
+        int_u = np.asarray(self._int_u) + util * span
+        int_hot = np.asarray(self._int_hot) + (util >= 90.0) * span
+        # the std integral up to end (the sums hold the state since the last change)
+        dt = end - self._t_std
+        std_int = self._std_int
+        if dt > 0:
+            mean = self._s1 / g
+            var = self._s2 / g - mean * mean
+            std_int += math.sqrt(var) * dt if var > 0 else 0.0
+        if end <= 0:
+            self._window_frozen = (0.0, util.copy(), (util >= 90.0).astype(float), float(np.std(util)))
+            return
+        self._window_frozen = (end, int_u / end, int_hot / end, std_int / end)
+
+    def _sample(self) -> None:
+        self._heat_t.append(self.now)
+        self._heat.append(np.asarray(self._util, dtype=np.float32))
+
+    def _rerate(self, runs: Iterable[_Run]) -> None:
+        """Progress runs to now at their old rate, then reschedule at the new one."""
+        now = self.now
+        demand = self._demand
+        for run in runs:
+            rate = 1.0
+            for r in run.rows:
+                d = demand[r]
+                if d > 100.0:
+                    rate = min(rate, 100.0 / d)
+            rate *= run.speed
+            run.done += run.rate * (now - run.t_last)
+            run.t_last = now
+            if rate != run.rate:
+                run.rate = rate
+                run.version += 1
+                left = run.next_milestone() - run.done
+                self._push(now + max(left, 0.0) / rate, _STEP, (run, run.version))
+
+    def _affected(self, rows: Iterable[int]) -> set[_Run]:
+        out: set[_Run] = set()
+        for r in rows:
+            out |= self._runs_on[r]
+        return out
+
+    def _start(self, task) -> None:
+        run_id = task.task_id
+        idx, ask, queued_at = self._queued.pop(run_id)
+        rec = self.records[idx]
+        now = self.now
+        rec.wait_s += now - queued_at
+        if rec.runs == 0:
+            rec.first_start_s = now
+        rec.runs += 1
+        a = task.assignment
+        rows = tuple(self._row_of[u] for u in a.gpu_uuids)
+        t = self.tasks[idx]
+        profile = self.profiles[idx]
+        if ask != t.vram_mib:  # resubmitted with a raised ask: real use scales with it
+            scale = ask / t.vram_mib
+            profile = tuple(m * max(1.0, scale) for m in profile)
+        run = _Run(idx, run_id, a.lease_id, rows, self._speed[rows[0]], t.util_pct, profile, ask,
+                   t.duration_s, now)
+        self._running[run_id] = run
+        first = run.mem[0]
+        for r in rows:
+            self._runs_on[r].add(run)
+            self._mem[r] += first
+            self._set_util(r, self._demand[r] + run.util)
+            self._observe(r)
+        if any(self._mem[r] > self._cap[r] for r in rows):
+            self._kill(run, first)
+            return
+        self._rerate(self._affected(rows))
+
+    def _step(self, payload: tuple[_Run, int]) -> bool:
+        run, version = payload
+        if version != run.version or run.run_id not in self._running:
+            return False
+        now = self.now
+        run.done += run.rate * (now - run.t_last)
+        run.t_last = now
+        if run.phase + 1 >= len(run.mem):
+            self._end(run)
+            return True
+        old = run.mem[run.phase]
+        run.phase += 1
+        new = run.mem[run.phase]
+        for r in run.rows:
+            self._mem[r] += new - old
+            self._observe(r)
+        if new > old and any(self._mem[r] > self._cap[r] for r in run.rows):
+            self._kill(run, new)
+            return True
+        run.version += 1
+        left = run.next_milestone() - run.done
+        self._push(now + max(left, 0.0) / run.rate, _STEP, (run, run.version))
+        if new < old:
+            self._schedule_visible()
+        return False
+
+    def _remove(self, run: _Run) -> None:
+        del self._running[run.run_id]
+        mem = run.mem[run.phase]
+        for r in run.rows:
+            self._runs_on[r].discard(run)
+            self._mem[r] -= mem
+            if not self._runs_on[r]:
+                self._mem[r] = 0.0  # no float residue on an empty GPU
+                self._set_util(r, 0.0)
+            else:
+                self._set_util(r, self._demand[r] - run.util)
+            self._observe(r)
+        run.version += 1
+        self._rerate(self._affected(run.rows))
+        self._schedule_visible()
+
+    def _end(self, run: _Run) -> None:
+        self._remove(run)
+        self.sched.complete(run.run_id, run.lease_id)
+        rec = self.records[run.idx]
+        rec.finish_s = self.now
+        rec.state = "completed"
+        self._remaining -= 1
+
+    def _kill(self, run: _Run, used: float) -> None:
+        """Out of memory: the run whose allocation overflowed dies and is resubmitted."""
+        self.oom_kills += 1
+        rec = self.records[run.idx]
+        rec.oom_kills += 1
+        self._remove(run)
+        self.sched.complete(run.run_id, run.lease_id, failed=True)
+        if self._attempt[run.idx] >= self.cfg.max_attempts:
+            rec.state = "dropped"
+            rec.reason = f"out of memory {self._attempt[run.idx]} times"
+            self._remaining -= 1
+            return
+        ask = max(run.ask, math.ceil(used))
+        if self._submit(run.idx, ask):
+            pass  # dispatched with the rest of this instant
+
+
+# ---- saturation (FGD measure) -------------------------------------------------------------------------
+
+
+def saturate(
+    tasks: Sequence[TraceTask],
+    nodes: Sequence[ClusterNode | NodeFacts],
+    policy: str,
+    *,
+    config: SimConfig | None = None,
+    weights: Mapping[str, float] | None = None,
+    max_arrived: float = 1.0,
+) -> SaturationResult:
+    """Place tasks in trace order, never ending, until the arrived GPU demand
+    reaches ``max_arrived`` times the GPU count (module docstring)."""
+    started = time.perf_counter()
+    cfg = config or SimConfig()
+    facts = [n.facts() if isinstance(n, ClusterNode) else n for n in nodes]
+    snap = ClusterSnapshot.build(facts)
+    g = snap.gpu_count
+    row_of = {u: i for i, u in enumerate(snap.gpu_uuid)}
+    now = [0.0]
+    seq = itertools.count()
+    sched_cfg = replace(cfg.scheduler or SchedulerConfig(), policy=policy, lease_s=_LEASE_S,
+                        weights=dict(weights or {}))
+    sched = Scheduler(sched_cfg, clock=lambda: now[0], lease_ids=lambda: f"lease-{next(seq)}")
+    if cfg.columnar_reservations:
+        sched._reservations = ColumnarReservations(snap.gpu_uuid)
+    alloc = np.zeros(g)
+    busy = np.zeros(g, dtype=bool)
+    ordered = [t for t in sorted(tasks, key=lambda t: t.submit_s)]
+    if not ordered:
+        raise ValueError("no tasks")
+    arrived = 0.0
+    placed = failed = rejected = 0
+    first: tuple[float, float, str] | None = None
+    for k in itertools.count():
+        if arrived >= max_arrived * g:
+            break
+        if k >= 50 * len(ordered):
+            break  # nothing fits any more
+        t = ordered[k % len(ordered)]
+        cycle = k // len(ordered)
+        spec = t.to_spec(task_id=t.task_id if cycle == 0 else f"{t.task_id}~c{cycle}")
+        now[0] += 1.0
+        got = sched.submit(spec, snap if k == 0 else None)
+        if got.state == TaskState.REJECTED:
+            rejected += 1
+            continue
+        arrived += t.num_gpus * t.gpu_share
+        out = sched.dispatch(snap)
+        if out:
+            placed += 1
+            rows = [row_of[u] for u in out[0].assignment.gpu_uuids]
+            alloc[rows] += t.gpu_share
+            busy[rows] = True
+        else:
+            failed += 1
+            if first is None:
+                unalloc = float(np.sum(1.0 - np.minimum(alloc, 1.0)) / g)
+                first = ((arrived - t.num_gpus * t.gpu_share) / g, unalloc, spec.task_id)
+            sched.cancel(spec.task_id, "does not fit (saturation run)")
+    unalloc_full = float(np.sum(1.0 - np.minimum(alloc, 1.0)) / g)
+    if first is None:
+        first = (arrived / g, unalloc_full, "")
+    return SaturationResult(
+        policy=policy,
+        gpus=g,
+        arrived_at_first_failure=first[0],
+        unallocated_at_first_failure=first[1],
+        unallocated_at_full=unalloc_full,
+        idle_gpus_at_full=float(np.mean(~busy)),
+        placed=placed,
+        failed=failed,
+        rejected=rejected,
+        first_failure_task=first[2],
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def simulate(
+    tasks: Sequence[TraceTask],
+    nodes: Sequence[ClusterNode | NodeFacts],
+    policies: Sequence[str],
+    config: SimConfig | None = None,
+    *,
+    progress: bool = False,
+    stream: TextIO | None = None,
+) -> list[SimResult]:
+    """Run every policy on the same trace, cluster and memory draws."""
+    cfg = config or SimConfig()
+    ordered = sorted(tasks, key=lambda t: t.submit_s)
+    profiles = _memory_profiles(ordered, _resolve_memory(cfg.memory), cfg.seed)
+    results = []
+    for name in policies:
+        bar = _ProgressBar(name, stream or sys.stderr) if progress else None
+        sim = Simulation(ordered, nodes, name, cfg, profiles=profiles, progress=bar)
+        results.append(sim.run())
+        if bar is not None:
+            bar.close()
+    return results
+
+
+class _ProgressBar:
+    """One line on stderr: policy, bar, tasks done, tasks per second."""
+
+    def __init__(self, label: str, stream: TextIO, every_s: float = 0.25) -> None:
+        self.label = label
+        self.stream = stream
+        self.every_s = every_s
+        self._last = -math.inf
+
+    def __call__(self, done: int, total: int, elapsed: float) -> None:
+        if done < total and elapsed - self._last < self.every_s:
+            return
+        self._last = elapsed
+        width = 30
+        frac = done / total if total else 1.0
+        filled = int(frac * width)
+        rate = done / elapsed if elapsed > 0 else 0.0
+        self.stream.write(
+            f"\r{self.label:<22} [{'#' * filled}{'.' * (width - filled)}] "
+            f"{done:>7,}/{total:,} tasks  {rate:>9,.0f}/s"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+# ---- command line ------------------------------------------------------------------------------------------
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if names == ["all"]:
+        return list(POLICIES)
+    for n in names:
+        if n not in POLICIES:
+            raise argparse.ArgumentTypeError(f"unknown policy {n!r}; available: {', '.join(POLICIES)}, all")
+    if not names:
+        raise argparse.ArgumentTypeError("no policy given")
+    return names
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def simulate_main(argv: Sequence[str] | None = None) -> int:
+    """``gpulb simulate``: replay a trace into a cluster under each policy."""
+    from scheduler import simreport
+
+    p = argparse.ArgumentParser(
+        prog="gpulb simulate",
+        description="Replay a task trace into a modelled cluster on a virtual clock, "
+        "placing with gpulb's own scheduler, and compare policies side by side.",
+    )
+    p.add_argument("--trace", required=True, help="trace CSV (see scheduler/traces.py)")
+    p.add_argument("--cluster", required=True, help="cluster CSV (see scheduler/cluster.py)")
+    p.add_argument("--policy", type=_policies, default=list(POLICIES),
+                   help="comma-separated policies, or 'all' (default: all)")
+    p.add_argument("--time-scale", type=_positive, default=1.0,
+                   help="divide submit times and durations by this (a faster clock)")
+    p.add_argument("--arrival-scale", type=_positive, default=1.0,
+                   help="divide submit times only by this (more offered load)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the memory draws (default 0)")
+    p.add_argument("--memory", choices=("genai", "asked"), default="genai",
+                   help="real memory use: measured GenAI ratios (default) or exactly the ask")
+    p.add_argument("--max-tasks", type=int, default=0, help="replay only the first N tasks")
+    p.add_argument("--saturate", action="store_true",
+                   help="also run the FGD saturation measure (tasks never end)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots here (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = p.parse_args(argv)
+    try:
+        tasks = read_trace(args.trace)
+        nodes = read_cluster(args.cluster)
+    except (OSError, ValueError) as exc:
+        print(f"gpulb simulate: {exc}", file=sys.stderr)
+        return 2
+    tasks = scale_trace(tasks, args.time_scale, args.arrival_scale)
+    tasks.sort(key=lambda t: t.submit_s)
+    if args.max_tasks > 0:
+        tasks = tasks[: args.max_tasks]
+    cfg = SimConfig(seed=args.seed, memory=args.memory)
+    results = simulate(tasks, nodes, args.policy, cfg, progress=not args.no_progress)
+    if args.saturate:
+        for r in results:
+            r.saturation = saturate(tasks, nodes, r.policy, config=cfg)
+    meta = {
+        "trace": args.trace,
+        "cluster": args.cluster,
+        "time_scale": args.time_scale,
+        "arrival_scale": args.arrival_scale,
+        "seed": args.seed,
+        "memory": args.memory,
+    }
+    if args.json:
+        json.dump(simreport.to_json(results, meta), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(simreport.render(results, meta))
+    if args.plot:
+        written = simreport.plot(results, args.plot)
+        if not written:
+            print("gpulb simulate: matplotlib is not installed; no plots written", file=sys.stderr)
+        else:
+            for path in written:
+                print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def trace_main(argv: Sequence[str] | None = None) -> int:
+    """``gpulb trace convert openb POD_CSV OUT_CSV`` and ``gpulb cluster ...``.
+
+    ``argv`` starts with the group: ``trace`` or ``cluster``.
+    """
+    p = argparse.ArgumentParser(prog="gpulb", description="Make trace and cluster files for the simulator.")
+    groups = p.add_subparsers(dest="group", required=True)
+
+    tr = groups.add_parser("trace", help="trace files")
+    tr_sub = tr.add_subparsers(dest="action", required=True)
+    conv = tr_sub.add_parser("convert", help="convert a public trace")
+    conv.add_argument("source", choices=("openb",))
+    conv.add_argument("pod_csv")
+    conv.add_argument("out_csv")
+    conv.add_argument("--time-scale", type=_positive, default=1.0, help="divide all times by this")
+    conv.add_argument("--times-from", help="reference pod list for lists without times")
+    conv.add_argument("--seed", type=int, default=0)
+
+    cl = groups.add_parser("cluster", help="cluster files")
+    cl_sub = cl.add_subparsers(dest="action", required=True)
+    cconv = cl_sub.add_parser("convert", help="convert a public node list")
+    cconv.add_argument("source", choices=("openb",))
+    cconv.add_argument("node_csv")
+    cconv.add_argument("out_csv")
+    cconv.add_argument("--no-normalize-speed", action="store_true",
+                       help="keep the table speeds (RTX 4090 = 1.0) instead of a mean of 1.0")
+    homo = cl_sub.add_parser("homogeneous", help="N identical hosts")
+    homo.add_argument("--hosts", type=int, default=8)
+    homo.add_argument("--gpus", type=int, default=4)
+    homo.add_argument("--model", default="RTX 4090")
+    homo.add_argument("out_csv")
+    args = p.parse_args(argv)
+    try:
+        if args.group == "trace":
+            tasks, stats = convert_openb(
+                args.pod_csv, args.out_csv, time_scale=args.time_scale, times_from=args.times_from, seed=args.seed
+            )
+            print(f"{args.out_csv}: {stats.summary()}")
+        elif args.action == "convert":
+            nodes = convert_openb_nodes(args.node_csv, args.out_csv, normalize_speed=not args.no_normalize_speed)
+            print(f"{args.out_csv}: {len(nodes)} nodes, {sum(n.gpus for n in nodes)} GPUs")
+        else:
+            nodes = homogeneous(args.hosts, args.gpus, args.model)
+            write_cluster(nodes, args.out_csv)
+            print(f"{args.out_csv}: {args.hosts} hosts x {args.gpus} {nodes[0].model}")
+    except (OSError, ValueError) as exc:
+        print(f"gpulb {args.group}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(simulate_main())
