@@ -31,12 +31,14 @@ GPUs win ties (and win outright unless they are loaded beyond ``w_stale``).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
 from scheduler.task import TaskSpec
-from scheduler.view import PlacementView
+
+if TYPE_CHECKING:  # the view imports the term functions below
+    from scheduler.view import PlacementView
 
 __all__ = [
     "LOAD_AWARE_WEIGHTS",

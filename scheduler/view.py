@@ -36,6 +36,7 @@ import numpy as np
 from scheduler.config import SchedulerConfig
 from scheduler.gpuspec import gpu_spec_mask
 from scheduler.reservations import Reservations, ReservedColumns
+from scheduler.scoring import response_time_term, temperature_penalty
 from scheduler.snapshot import ClusterSnapshot
 
 __all__ = ["PlacementView", "node_label_mask", "preferred_label_fraction"]
@@ -116,13 +117,9 @@ class PlacementView:
             )
 
             # ---- static score terms (unweighted, 0..1) ----
-            span = cfg.temperature_reject_c - cfg.temperature_penalty_start_c
-            t = np.clip((temp - cfg.temperature_penalty_start_c) / span, 0.0, 1.0)
-            self.temp_term = np.where(self.stale, 0.0, np.where(np.isnan(t), 1.0, t))
-            rt = np.asarray(s.node_response_time_s, dtype=np.float64)
-            known = rt[np.isfinite(rt)]
-            rt = np.where(np.isfinite(rt), rt, float(np.median(known)) if known.size else 0.0)
-            self.node_rt_term = np.clip(rt / cfg.response_time_ref_s, 0.0, 1.0)
+            t = temperature_penalty(temp, cfg.temperature_penalty_start_c, cfg.temperature_reject_c)
+            self.temp_term = np.where(self.stale, 0.0, t)
+            self.node_rt_term = response_time_term(s.node_response_time_s, cfg.response_time_ref_s)
             self.rt_term = self.node_rt_term[node]
             util = np.asarray(s.util_pct, dtype=np.float64)
             if cfg.use_forecast:

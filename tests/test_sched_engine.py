@@ -440,3 +440,15 @@ def test_a_wide_task_is_not_starved_by_a_stream_of_small_ones() -> None:
         backfill_max_head_wait_s=1e9, backfill_max_skips=10**9, promote_after_s=(1e9, 1e9, 1e9)
     )
     assert wide_task_wait(never) is None
+
+
+def test_a_stale_node_only_takes_tasks_on_its_idle_gpus() -> None:
+    sched, _ = make()
+    snap = ClusterSnapshot.build([NodeFacts("quiet", 2, stale=True)], memory_used_mib=[float("nan")] * 2)
+    for name in "abc":
+        sched.submit(spec(name, vram_mib=1 * GIB), snap)
+    placed = sched.dispatch(snap)
+    assert sorted(t.assignment.gpu_indices[0] for t in placed) == [0, 1]
+    assert placed[0].assignment.score.terms.keys() == {"stale"}
+    waiting = sched.get("c")
+    assert waiting.state == TaskState.QUEUED and "stale_busy 2" in waiting.reason
