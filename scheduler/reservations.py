@@ -49,7 +49,11 @@ __all__ = ["GpuReservation", "Reservations", "ReservedColumns", "Lease", "LeaseB
 
 @dataclass(slots=True)
 class GpuReservation:
-    """The reservation stack of one GPU (see module docstring for B, R, U)."""
+    """The reservation stack of one GPU (see module docstring for B, R, U).
+
+    Its fields are part of the interface: ``scheduler.simulator`` mirrors them
+    into arrays of its own.
+    """
 
     baseline_mib: float
     vram_mib: float = 0.0
@@ -150,16 +154,37 @@ class Reservations:
 
         ``row_of`` maps GPU uuid to row; reserved GPUs absent from the snapshot
         are skipped (their node is gone; ``node_removed`` ends their leases).
+        One Python pass gathers the reserved GPUs' stacks, the formula runs as
+        vector operations, and lowered baselines are written back.
         """
         cols = ReservedColumns.empty(used_mib.shape[0])
+        rows: list[int] = []
+        stacks: list[GpuReservation] = []
         for gpu_uuid, gpu in self._gpus.items():
             row = row_of.get(gpu_uuid)
-            if row is None:
-                continue
-            eff, util = gpu.effective(float(used_mib[row]), bool(fresh[row]))
-            cols.vram_mib[row] = eff
-            cols.util_pct[row] = util
-            cols.leases[row] = len(gpu.members)
+            if row is not None:
+                rows.append(row)
+                stacks.append(gpu)
+        if not rows:
+            return cols
+        n = len(rows)
+        r = np.asarray(rows, dtype=np.intp)
+        base = np.fromiter((g.baseline_mib for g in stacks), dtype=np.float64, count=n)
+        vram = np.fromiter((g.vram_mib for g in stacks), dtype=np.float64, count=n)
+        util = np.fromiter((g.util_pct for g in stacks), dtype=np.float64, count=n)
+        leases = np.fromiter((len(g.members) for g in stacks), dtype=np.int32, count=n)
+        used = np.asarray(used_mib, dtype=np.float64)[r]
+        seen = np.asarray(fresh, dtype=bool)[r] & np.isfinite(used)
+        lower = seen & (used < base)
+        for i in np.flatnonzero(lower):
+            stacks[i].baseline_mib = float(used[i])
+        base = np.where(lower, used, base)
+        with np.errstate(invalid="ignore"):
+            eff = np.where(seen, np.minimum(vram, np.maximum(0.0, base + vram - used)), vram)
+            eff = np.where(vram > 0, eff, 0.0)
+            cols.util_pct[r] = np.where(vram > 0, util * eff / np.where(vram > 0, vram, 1.0), 0.0)
+        cols.vram_mib[r] = eff
+        cols.leases[r] = leases
         return cols
 
 
