@@ -92,11 +92,17 @@ class Scheduler:
         clock: Callable[[], float],
         lease_ids: Callable[[], str] | None = None,
         on_change: Listener | None = None,
+        reservations: Reservations | None = None,
     ) -> None:
+        """``clock``: monotonic seconds; ``lease_ids``: lease id factory (random by
+        default); ``on_change``: a first listener; ``reservations``: an empty
+        ``Reservations`` (or subclass, e.g. the simulator's columnar one) to use."""
         self.config = (config or SchedulerConfig()).validate()
         self._clock = clock
         self._queue = AgingQueue.from_config(self.config)
-        self._reservations = Reservations()
+        if reservations is not None and len(reservations):
+            raise ValueError("reservations must start empty")
+        self._reservations = reservations if reservations is not None else Reservations()
         self._leases = LeaseBook(lease_ids)
         self._tasks: dict[str, Task] = {}
         self._finished: deque[str] = deque()
