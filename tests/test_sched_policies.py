@@ -267,3 +267,19 @@ def test_needs_nvlink_sets_are_connected_and_found_when_one_exists(size: int, k:
         assert len(choice.rows) == k and all(mask[list(choice.rows)])
         groups = nvlink_groups(snap.node_nvlink[0], list(choice.gpu_indices))
         assert len(groups) == 1
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_every_breakdown_adds_up_to_its_total(name: str, k: int) -> None:
+    snap = ClusterSnapshot.build(
+        [NodeFacts("a", 4, nvlink_pairs=[(0, 1), (2, 3)]), NodeFacts("b", 4, stale=True)],
+        util_pct=[10.0, 60.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        memory_used_mib=[2_000.0, 18_000.0, 9_000.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    )
+    view = PlacementView(snap)
+    task = spec(num_gpus=k, preferred_node_labels={"x": "y"})
+    choice = make_policy(name).choose(view, task, feasible(view, task))
+    assert choice is not None and len(choice.rows) == k
+    assert sum(choice.score.terms.values()) == pytest.approx(choice.score.total)
+    assert choice.score.policy == name and choice.score.candidates >= 1
