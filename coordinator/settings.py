@@ -593,6 +593,7 @@ def render_settings(settings: Settings, *, commented_defaults: bool = False) -> 
     ]
     if commented_defaults:
         out.append("# Every option is shown commented out at its default; uncomment to change it.")
+        out.append("# (Generated from the code by `python -m coordinator.settings`.)")
     else:
         out.append("# Effective values, printed by `gpulb-coordinator --print-config`; 'source' says where each came from.")
     for section in SECTIONS:

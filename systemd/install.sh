@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Install gpulb as systemd services on this host: the unprivileged gpulb
+# user, a virtual environment in /opt/gpulb with the entry points linked into
+# /usr/local/bin, the two units, and the configuration in /etc/gpulb.
+#
+# Idempotent: a re-run upgrades the package and the units, and keeps every
+# file an operator may have edited in /etc/gpulb. Nothing is enabled or
+# started; the last lines say how.
+#
+# usage: systemd/install.sh [--dry-run] [--source DIR|SPEC] [--python PYTHON] [--root DIR]
+#   --dry-run   print each step (as a shell command) instead of running it
+#   --source    what pip installs (default: the repository holding this script)
+#   --python    interpreter for the virtual environment, >= 3.11 (default: python3)
+#   --root      install into DIR as if it were / (packaging); skips the user,
+#               group and systemctl steps, which belong to the target host
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+dry_run=0
+source_spec=$(dirname "$here")
+python=python3
+root=""
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) dry_run=1 ;;
+        --source) source_spec=${2:?--source needs a value}; shift ;;
+        --python) python=${2:?--python needs a value}; shift ;;
+        --root) root=${2:?--root needs a value}; shift ;;
+        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "install.sh: unknown argument: $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+prefix=/opt/gpulb                      # where the units' binaries really live
+bin_dir=$root/usr/local/bin
+etc_dir=$root/etc/gpulb
+unit_dir=$root/etc/systemd/system
+venv=$root$prefix
+
+# Every change to the system goes through run, so --dry-run shows exactly the
+# commands a real run would execute, quoted so they can be pasted.
+run() {
+    if [ "$dry_run" = 1 ]; then
+        printf '+'
+        printf ' %q' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}
+
+note() { printf '# %s\n' "$*"; }
+
+if [ "$dry_run" = 0 ] && [ -z "$root" ] && [ "$(id -u)" != 0 ]; then
+    echo "install.sh: run as root (or with --dry-run to see the steps)" >&2
+    exit 1
+fi
+
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "install.sh: $python is missing or older than 3.11 (gpulb needs tomllib); pass --python" >&2
+    [ "$dry_run" = 1 ] || exit 1
+fi
+
+# ---- user and group -----------------------------------------------------------
+if [ -n "$root" ]; then
+    note "--root: the gpulb user and group are created on the target host"
+else
+    if getent group gpulb >/dev/null; then
+        note "group gpulb exists"
+    else
+        run groupadd --system gpulb
+    fi
+    if getent passwd gpulb >/dev/null; then
+        note "user gpulb exists"
+    else
+        run useradd --system --gid gpulb --home-dir /var/lib/gpulb --no-create-home \
+            --shell /usr/sbin/nologin --comment "gpulb daemons" gpulb
+    fi
+fi
+
+# ---- package ----------------------------------------------------------------------
+if [ -x "$venv/bin/python" ]; then
+    note "virtual environment $venv exists"
+else
+    run "$python" -m venv "$venv"
+fi
+run "$venv/bin/python" -m pip install --quiet --upgrade "$source_spec"
+run install -d -m 0755 "$bin_dir"
+for exe in gpulb gpulb-coordinator gpulb-agent; do
+    run ln -sfn "$prefix/bin/$exe" "$bin_dir/$exe"
+done
+
+# ---- configuration: installed once, then the operator's -------------------------
+run install -d -m 0755 "$etc_dir"
+group_opt=()
+[ -n "$root" ] || group_opt=(-g gpulb)
+for file in coordinator.toml agent.toml coordinator.env agent.env; do
+    if [ -e "$etc_dir/$file" ]; then
+        note "keeping $etc_dir/$file"
+        continue
+    fi
+    case "$file" in
+        # may hold tokens: readable by the daemons' group only
+        *.env) run install -m 0640 "${group_opt[@]}" "$here/$file" "$etc_dir/$file" ;;
+        *) run install -m 0644 "$here/$file" "$etc_dir/$file" ;;
+    esac
+done
+
+# ---- units: ours, replaced on upgrade (local changes belong in drop-ins) ---------
+run install -d -m 0755 "$unit_dir"
+for unit in gpulb-coordinator.service gpulb-agent.service; do
+    run install -m 0644 "$here/$unit" "$unit_dir/$unit"
+done
+if [ -n "$root" ]; then
+    note "--root: run 'systemctl daemon-reload' on the target host"
+elif [ "$dry_run" = 1 ] || [ -d /run/systemd/system ]; then
+    run systemctl daemon-reload
+else
+    note "systemd is not running here: run 'systemctl daemon-reload' once it is"
+fi
+
+note "installed. Next:"
+note "  coordinator host: systemctl enable --now gpulb-coordinator"
+note "  GPU hosts:        systemctl enable --now gpulb-agent   (set coordinator in $etc_dir/agent.toml first)"
+note "  effective config: $prefix/bin/gpulb-coordinator --config /etc/gpulb/coordinator.toml --print-config"
