@@ -8,21 +8,26 @@ configured (a terminal, a test, a container) every call is a no-op.
 
 ``WatchdogPinger`` pings from the asyncio event loop itself: when the loop is
 stuck, the pings stop and systemd restarts the service after ``WatchdogSec=``,
-which a pinger thread would hide.
+which a pinger thread would hide. ``NotifyListener`` is systemd's end of the
+socket, shipped for tests and demos that run a daemon under a fake systemd.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import math
 import os
 import socket
+import struct
+import threading
 import time
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import structlog
 
-__all__ = ["Notifier", "WatchdogPinger", "notify_address"]
+__all__ = ["Notifier", "NotifyListener", "NotifyMessage", "WatchdogPinger", "notify_address"]
 
 log = structlog.get_logger("gpulb.sdnotify")
 
@@ -215,3 +220,104 @@ class WatchdogPinger:
                 # and a transient error (ENOBUFS) must not end the pings for good.
                 log.warning("watchdog_ping_failed", error=str(exc))
             await asyncio.sleep(self.interval_s)
+
+
+@dataclass(frozen=True)
+class NotifyMessage:
+    """One datagram as systemd would see it."""
+
+    #: ``time.monotonic()`` when it was read
+    at: float
+    #: the sender's pid from SCM_CREDENTIALS (what ``NotifyAccess=main`` checks)
+    pid: int
+    text: str
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """``{"READY": "1", "STATUS": "..."}``."""
+        return dict(line.partition("=")[::2] for line in self.text.split("\n") if line)
+
+
+class NotifyListener:
+    """systemd's end of the protocol: a bound datagram socket and a reader thread.
+
+    Point a daemon's ``NOTIFY_SOCKET`` at ``address`` (``/path`` or ``@name``),
+    ``start()`` before it runs and ``stop()`` after; ``messages`` holds what
+    arrived, with arrival times and sender pids. A thread, not the event loop,
+    reads the socket, so a test can block its loop and still see the timing.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.messages: list[NotifyMessage] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._sock.bind(notify_address(address))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self._sock.settimeout(0.05)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="notify-listener", daemon=True)
+
+    def start(self) -> "NotifyListener":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._sock.close()
+
+    def __enter__(self) -> "NotifyListener":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _read(self) -> None:
+        creds = struct.calcsize("3i")  # struct ucred: pid, uid, gid
+        while not self._stop.is_set():
+            try:
+                data, ancdata, _flags, _addr = self._sock.recvmsg(65536, socket.CMSG_SPACE(creds))
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed under us by stop()
+            pid = -1
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = array.array("i", payload[:creds])[0]
+            with self._lock:
+                self.messages.append(NotifyMessage(time.monotonic(), pid, data.decode("utf-8", "replace")))
+
+    def snapshot(self) -> list[NotifyMessage]:
+        with self._lock:
+            return list(self.messages)
+
+    def texts(self) -> list[str]:
+        return [m.text for m in self.snapshot()]
+
+    def times_of(self, text: str) -> list[float]:
+        return [m.at for m in self.snapshot() if m.text == text]
+
+    def wait_for(self, predicate: Callable[[list[NotifyMessage]], bool], timeout: float = 10.0) -> list[NotifyMessage]:
+        """Block until ``predicate(messages)`` holds; AssertionError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.snapshot()
+            if predicate(got):
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"notify messages never matched; got {[m.text for m in got]!r}")
+            time.sleep(0.01)
+
+    async def until(self, predicate: Callable[[list[NotifyMessage]], bool], timeout: float = 10.0) -> list[NotifyMessage]:
+        """``wait_for`` that keeps the event loop running meanwhile."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.snapshot()
+            if predicate(got):
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"notify messages never matched; got {[m.text for m in got]!r}")
+            await asyncio.sleep(0.01)

@@ -3,12 +3,10 @@ an abstract one), and the watchdog pinger's timing on a real event loop."""
 
 from __future__ import annotations
 
-import array
 import asyncio
 import os
-import socket
-import struct
-import threading
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -16,74 +14,17 @@ from typing import Iterator
 
 import pytest
 
-from coordinator.sdnotify import Notifier, WatchdogPinger, notify_address
+from coordinator.sdnotify import Notifier, NotifyListener, NotifyMessage, WatchdogPinger, notify_address
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class Listener:
-    """A systemd stand-in: a bound AF_UNIX datagram socket and a reader thread
-    that records (monotonic arrival time, sender pid, message) per datagram."""
+def _count(n: int):
+    return lambda messages: len(messages) >= n
 
-    def __init__(self, env_value: str) -> None:
-        self.env_value = env_value
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(notify_address(env_value))
-        # systemd checks the sender's credentials (NotifyAccess=main); so do we.
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self.sock.settimeout(0.05)
-        self.messages: list[tuple[float, int, str]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="notify-listener", daemon=True)
 
-    def start(self) -> "Listener":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sock.close()
-
-    def _read(self) -> None:
-        creds_size = struct.calcsize("3i")
-        while not self._stop.is_set():
-            try:
-                data, ancdata, _flags, _addr = self.sock.recvmsg(4096, socket.CMSG_SPACE(creds_size))
-            except TimeoutError:
-                continue
-            pid = -1
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid = array.array("i", payload[:creds_size])[0]
-            with self._lock:
-                self.messages.append((time.monotonic(), pid, data.decode()))
-
-    def texts(self) -> list[str]:
-        with self._lock:
-            return [m for _, _, m in self.messages]
-
-    def times_of(self, text: str) -> list[float]:
-        with self._lock:
-            return [t for t, _, m in self.messages if m == text]
-
-    async def until(self, count: int, timeout: float = 5.0) -> list[str]:
-        """``wait_for`` that leaves the event loop running (the pinger lives on it)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(self.texts()) >= count:
-                return self.texts()
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"expected {count} messages, got {self.texts()!r}")
-
-    def wait_for(self, count: int, timeout: float = 5.0) -> list[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(self.texts()) >= count:
-                return self.texts()
-            time.sleep(0.01)
-        raise AssertionError(f"expected {count} messages, got {self.texts()!r}")
+def _texts(messages: list[NotifyMessage]) -> list[str]:
+    return [m.text for m in messages]
 
 
 def _filesystem(tmp_path: Path) -> str:
@@ -94,12 +35,12 @@ def _filesystem(tmp_path: Path) -> str:
 
 
 @pytest.fixture(params=["filesystem", "abstract"])
-def listener(request, tmp_path: Path) -> Iterator[Listener]:
+def listener(request, tmp_path: Path) -> Iterator[NotifyListener]:
     if request.param == "filesystem":
         value = _filesystem(tmp_path)
     else:
         value = f"@gpulb-test-{uuid.uuid4().hex}"
-    lst = Listener(value).start()
+    lst = NotifyListener(value).start()
     try:
         yield lst
     finally:
@@ -168,14 +109,14 @@ def test_disabled_notifier_is_a_no_op() -> None:
 # ---- messages on a real socket ---------------------------------------------------
 
 
-def test_lifecycle_messages_arrive_from_this_process(listener: Listener) -> None:
-    n = Notifier(listener.env_value)
+def test_lifecycle_messages_arrive_from_this_process(listener: NotifyListener) -> None:
+    n = Notifier(listener.address)
     assert n.enabled
     assert n.ready(status="listening on 127.0.0.1:50051")
     assert n.status("3 nodes, 12 GPUs, queue 0")
     assert n.watchdog()
     assert n.stopping()
-    texts = listener.wait_for(4)
+    texts = _texts(listener.wait_for(_count(4)))
     assert texts == [
         "READY=1\nSTATUS=listening on 127.0.0.1:50051",
         "STATUS=3 nodes, 12 GPUs, queue 0",
@@ -183,25 +124,45 @@ def test_lifecycle_messages_arrive_from_this_process(listener: Listener) -> None
         "STOPPING=1",
     ]
     # NotifyAccess=main only accepts datagrams whose sender is the main pid.
-    assert {pid for _, pid, _ in listener.messages} == {os.getpid()}
+    assert {m.pid for m in listener.snapshot()} == {os.getpid()}
 
 
-def test_status_is_one_line_and_bounded(listener: Listener) -> None:
-    n = Notifier(listener.env_value)
+def test_listener_sees_which_process_sent(listener: NotifyListener) -> None:
+    # What a daemon test relies on: another process's READY=1 arrives with its pid.
+    child = subprocess.run(
+        [sys.executable, "-c", f"import os; from coordinator.sdnotify import Notifier; Notifier({listener.address!r}).ready(); print(os.getpid())"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert child.returncode == 0, child.stderr
+    (msg,) = listener.wait_for(_count(1))
+    assert msg.fields == {"READY": "1"}
+    assert msg.pid == int(child.stdout) != os.getpid()
+
+
+def test_message_fields() -> None:
+    msg = NotifyMessage(0.0, 1, "READY=1\nSTATUS=a=b c")
+    assert msg.fields == {"READY": "1", "STATUS": "a=b c"}
+
+
+def test_status_is_one_line_and_bounded(listener: NotifyListener) -> None:
+    n = Notifier(listener.address)
     n.status("draining\nnode-1\r\n  and   node-2")
     n.status("x" * 5000)
-    first, second = listener.wait_for(2)
+    first, second = _texts(listener.wait_for(_count(2)))
     assert first == "STATUS=draining node-1 and node-2"
     assert second.startswith("STATUS=x") and "\n" not in second and len(second) == len("STATUS=") + 1024
 
 
-def test_reloading_carries_monotonic_usec(listener: Listener) -> None:
-    n = Notifier(listener.env_value)
+def test_reloading_carries_monotonic_usec(listener: NotifyListener) -> None:
+    n = Notifier(listener.address)
     before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     n.reloading()
     after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     n.ready()
-    reload_msg, ready_msg = listener.wait_for(2)
+    reload_msg, ready_msg = _texts(listener.wait_for(_count(2)))
     lines = reload_msg.split("\n")
     assert lines[0] == "RELOADING=1"
     key, _, value = lines[1].partition("=")
@@ -218,9 +179,9 @@ def test_send_to_a_missing_socket_raises(tmp_path: Path) -> None:
 # ---- the watchdog pinger -----------------------------------------------------------
 
 
-async def test_pinger_pings_at_half_the_watchdog_interval(listener: Listener) -> None:
+async def test_pinger_pings_at_half_the_watchdog_interval(listener: NotifyListener) -> None:
     # WatchdogSec=0.4s -> a ping every 0.2 s.
-    n = Notifier(listener.env_value, watchdog_usec="400000", watchdog_pid=str(os.getpid()))
+    n = Notifier(listener.address, watchdog_usec="400000", watchdog_pid=str(os.getpid()))
     pinger = WatchdogPinger(n)
     assert pinger.interval_s == pytest.approx(0.2)
     pinger.start()
@@ -240,8 +201,8 @@ async def test_pinger_pings_at_half_the_watchdog_interval(listener: Listener) ->
     assert pinger.pings == len(listener.times_of("WATCHDOG=1"))
 
 
-async def test_a_stuck_event_loop_stops_the_pings(listener: Listener) -> None:
-    n = Notifier(listener.env_value)
+async def test_a_stuck_event_loop_stops_the_pings(listener: NotifyListener) -> None:
+    n = Notifier(listener.address)
     pinger = WatchdogPinger(n, interval_s=0.05)
     pinger.start()
     await asyncio.sleep(0.2)
@@ -256,8 +217,8 @@ async def test_a_stuck_event_loop_stops_the_pings(listener: Listener) -> None:
     assert any(t < blocked_from for t in times) and any(t >= blocked_until for t in times)
 
 
-async def test_pinger_without_a_watchdog_does_nothing(listener: Listener) -> None:
-    pinger = WatchdogPinger(Notifier(listener.env_value))  # no WATCHDOG_USEC
+async def test_pinger_without_a_watchdog_does_nothing(listener: NotifyListener) -> None:
+    pinger = WatchdogPinger(Notifier(listener.address))  # no WATCHDOG_USEC
     assert pinger.interval_s is None
     pinger.start()
     assert not pinger.running
@@ -269,13 +230,13 @@ async def test_pinger_without_a_watchdog_does_nothing(listener: Listener) -> Non
     assert listener.texts() == []
 
 
-async def test_pinger_start_twice_is_an_error_and_stop_is_idempotent(listener: Listener) -> None:
-    pinger = WatchdogPinger(Notifier(listener.env_value), interval_s=1.0)
+async def test_pinger_start_twice_is_an_error_and_stop_is_idempotent(listener: NotifyListener) -> None:
+    pinger = WatchdogPinger(Notifier(listener.address), interval_s=1.0)
     await pinger.stop()  # never started
     pinger.start()
     with pytest.raises(RuntimeError):
         pinger.start()
-    assert await listener.until(1) == ["WATCHDOG=1"]
+    assert _texts(await listener.until(_count(1))) == ["WATCHDOG=1"]
     await pinger.stop()
     await pinger.stop()
     assert not pinger.running
@@ -283,17 +244,17 @@ async def test_pinger_start_twice_is_an_error_and_stop_is_idempotent(listener: L
 
 async def test_pinger_survives_a_vanished_socket(tmp_path: Path) -> None:
     path = _filesystem(tmp_path)
-    lst = Listener(path).start()
+    lst = NotifyListener(path).start()
     pinger = WatchdogPinger(Notifier(path), interval_s=0.05)
     pinger.start()
-    await lst.until(1)
+    await lst.until(_count(1))
     lst.stop()
     os.unlink(path)  # systemd's socket gone: sendto fails with ENOENT
     await asyncio.sleep(0.15)
     assert pinger.running, "a send error must not end the ping loop"
-    again = Listener(path).start()
+    again = NotifyListener(path).start()
     try:
-        await again.until(1)
+        await again.until(_count(1))
     finally:
         await pinger.stop()
         again.stop()
