@@ -608,11 +608,16 @@ def render_settings(settings: Settings, *, commented_defaults: bool = False) -> 
             facts = [f"unit: {opt.unit}" if opt.unit else f"type: {_type_name(opt.type)}"]
             if opt.choices:
                 facts.append(f"one of: {', '.join(opt.choices)}")
-            facts.append(f"default: {_toml_value(opt.default)}")
+            facts.append(f"default: {_toml_value(opt.default) if opt.default is not None else 'unset'}")
             facts.append(f"env: {opt.env}")
             if opt.flag:
                 facts.append(f"flag: {opt.flag}")
             out.append("# " + "; ".join(facts))
+            if value is None:
+                # TOML has no null: an unset optional value can only be left out.
+                out.append(f"# source: {source}")
+                out.append(f"# {opt.name} is unset")
+                continue
             assignment = f"{opt.name} = {_toml_value(value)}"
             if commented_defaults and source == "default":
                 out.append(f"# {assignment}")
@@ -662,7 +667,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
             continue
         for opt in options(section):
             unit = f" [{opt.unit}]" if opt.unit else ""
-            text = f"{opt.help}{unit} (default {_toml_value(opt.default)}; env {opt.env})".replace("%", "%%")
+            default = _toml_value(opt.default) if opt.default is not None else "unset"
+            text = f"{opt.help}{unit} (default {default}; env {opt.env})".replace("%", "%%")
             kwargs: dict[str, Any] = {"dest": opt.name, "default": None, "help": text}
             if opt.type is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
