@@ -54,6 +54,39 @@ def _opt(msg, name: str):
     return getattr(msg, name) if msg.HasField(name) else None
 
 
+def _gpu_rows(gpus, smoothed_pairs: dict | None = None) -> list[list]:
+    rows = []
+    for g in gpus:
+        mem = "-"
+        if g.HasField("memory_used_mib") and g.HasField("memory_total_mib"):
+            mem = f"{g.memory_used_mib / 1024:.1f}/{g.memory_total_mib / 1024:.1f}"
+        row = [
+            g.node_id,
+            g.index,
+            g.model.removeprefix("NVIDIA ").removeprefix("GeForce "),
+            _state_name(g.node_state),
+            _health_name(g.health),
+            fmt(_opt(g, "util_gpu_pct"), 0, "%"),
+        ]
+        if smoothed_pairs is not None:
+            s = smoothed_pairs.get((g.node_id, g.index))
+            row.append(fmt(_opt(s, "util_gpu_pct"), 1, "%") if s is not None else "-")
+            row.append(fmt(_opt(s, "util_trend_pct_per_min"), 1) if s is not None else "-")
+        row += [
+            mem,
+            fmt(_opt(g, "temperature_c"), 0),
+            fmt(_opt(g, "power_w"), 0),
+            g.active_tasks,
+            fmt(g.reading_age_s, 1) if g.reading_age_s >= 0 else "-",
+            ",".join(g.flags),
+        ]
+        rows.append(row)
+    return rows
+
+
+_GPU_HEADERS = ["NODE", "GPU", "MODEL", "STATE", "HEALTH", "UTIL", "MEM GiB", "TEMP C", "POWER W", "TASKS", "AGE s", "FLAGS"]
+
+
 @command("gpus")
 def cmd_gpus(args: argparse.Namespace) -> int:
     request = cpb.ListGpusRequest(
@@ -67,28 +100,57 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(gpus)
         return 0
-    rows = []
-    for g in gpus:
-        mem = "-"
-        if g.HasField("memory_used_mib") and g.HasField("memory_total_mib"):
-            mem = f"{g.memory_used_mib / 1024:.1f}/{g.memory_total_mib / 1024:.1f}"
-        rows.append(
-            [
-                g.node_id,
-                g.index,
-                g.model.removeprefix("NVIDIA ").removeprefix("GeForce "),
-                _state_name(g.node_state),
-                _health_name(g.health),
-                fmt(_opt(g, "util_gpu_pct"), 0, "%"),
-                mem,
-                fmt(_opt(g, "temperature_c"), 0),
-                fmt(_opt(g, "power_w"), 0),
-                fmt(g.reading_age_s, 1) if g.reading_age_s >= 0 else "-",
-                ",".join(g.flags) or ("stale" if g.stale else ""),
-            ]
-        )
-    print(render_table(["NODE", "GPU", "MODEL", "STATE", "HEALTH", "UTIL", "MEM GiB", "TEMP C", "POWER W", "AGE s", "FLAGS"], rows))
+    print(render_table(_GPU_HEADERS, _gpu_rows(gpus)))
     return 0
+
+
+@command("top")
+def cmd_top(args: argparse.Namespace) -> int:
+    """A live table of every GPU: raw and smoothed util, memory, temperature,
+    power, state and flags, refreshed every ``--interval`` seconds."""
+    import time
+
+    live = sys.stdout.isatty() and not args.no_clear
+    shown = 0
+    with _channel(args) as ch:
+        stub = cpb_grpc.ClusterOperatorStub(ch)
+        try:
+            while args.iterations <= 0 or shown < args.iterations:
+                raw = stub.ListGpus(cpb.ListGpusRequest(node_id=args.node or ""), timeout=args.timeout).gpus
+                smooth = stub.ListGpus(
+                    cpb.ListGpusRequest(node_id=args.node or "", values=cpb.VALUE_VIEW_SMOOTHED), timeout=args.timeout
+                ).gpus
+                pairs = {(g.node_id, g.index): g for g in smooth}
+                headers = _GPU_HEADERS[:6] + ["SMOOTHED", "TREND %/min"] + _GPU_HEADERS[6:]
+                table = render_table(headers, _gpu_rows(raw, pairs))
+                utils = [g.util_gpu_pct for g in raw if g.HasField("util_gpu_pct")]
+                spread = f"util mean {sum(utils) / len(utils):.1f}%  max-min {max(utils) - min(utils):.0f}%" if utils else "no readings yet"
+                if live:
+                    sys.stdout.write("\x1b[H\x1b[2J")
+                print(f"gpulb top - {args.coordinator} - {len(raw)} GPUs - {spread}")
+                print(table)
+                sys.stdout.flush()
+                shown += 1
+                if args.iterations <= 0 or shown < args.iterations:
+                    time.sleep(args.interval)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _node_action(args: argparse.Namespace, rpc: str) -> int:
+    with _channel(args) as ch:
+        stub = cpb_grpc.ClusterOperatorStub(ch)
+        node = getattr(stub, rpc)(cpb.NodeActionRequest(node_id=args.node, reason=args.reason or ""), timeout=args.timeout).node
+    if args.json:
+        _print_json([node])
+    else:
+        print(f"{node.node_id}: {_state_name(node.state)}")
+    return 0
+
+
+for _name, _rpc in (("cordon", "CordonNode"), ("drain", "DrainNode"), ("uncordon", "UncordonNode")):
+    COMMANDS[_name] = (lambda rpc: lambda args: _node_action(args, rpc))(_rpc)
 
 
 @command("nodes")
@@ -126,6 +188,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 @command("bench")
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "ingest":
+        from coordinator.ingestbench import run_ingest_bench
+
+        return run_ingest_bench(args)
     from agent.wirebench import run_bench
 
     return run_bench(args)
@@ -151,6 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = sub.add_parser("nodes", help="list nodes")
     nodes.add_argument("--json", action="store_true")
 
+    top = sub.add_parser("top", help="a live, refreshing table of every GPU")
+    top.add_argument("--node", help="only this node")
+    top.add_argument("--interval", type=float, default=1.0, help="s between refreshes")
+    top.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0 = until Ctrl-C)")
+    top.add_argument("--no-clear", action="store_true", help="append tables instead of redrawing the screen")
+
+    for name, text in (("cordon", "no new tasks on NODE"), ("drain", "no new tasks on NODE; running ones finish"), ("uncordon", "NODE takes tasks again")):
+        action = sub.add_parser(name, help=text)
+        action.add_argument("node", metavar="NODE")
+        action.add_argument("--reason", help="free text, logged by the coordinator")
+        action.add_argument("--json", action="store_true")
+
     demo = sub.add_parser("demo", help="run a coordinator and simulated agents on loopback")
     demo.add_argument("--agents", type=int, default=3, help="simulated hosts")
     demo.add_argument("--gpus-per-agent", type=int, default=4)
@@ -158,10 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-live", action="store_true", help="no live table (logs and CI)")
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=("wire",), help="wire: bytes per GPU-sample on the wire")
+    bench.add_argument("what", choices=("wire", "ingest"), help="wire: bytes per GPU-sample; ingest: coordinator throughput")
     bench.add_argument("--json", action="store_true")
-    bench.add_argument("--samples", type=int, default=600, help="sampling rounds per scenario")
+    bench.add_argument("--samples", type=int, default=600, help="wire: sampling rounds per scenario")
     bench.add_argument("--gpus", type=int, default=8, help="GPUs per host")
+    bench.add_argument("--hosts", type=int, default=2500, help="ingest: simulated hosts (one stream each)")
+    bench.add_argument("--interval", type=float, default=0.2, help="ingest: s between a host's envelopes")
+    bench.add_argument("--duration", type=float, default=20.0, help="ingest: measured s")
+    bench.add_argument("--warmup", type=float, default=10.0, help="ingest: s before measuring")
+    bench.add_argument("--channels", type=int, default=25, help="ingest: HTTP/2 connections the generator spreads streams over")
     return p
 
 

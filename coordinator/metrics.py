@@ -42,8 +42,15 @@ class _ViewCollector:
     def describe(self):
         return []
 
+    #: set per scrape by the HTTP handler: ``/metrics?per_gpu=0`` leaves out the
+    #: per-GPU families, which dominate scrape time on large clusters
+    per_gpu = True
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         c = self.c
+        if not self.per_gpu:
+            yield from self._cluster_families()
+            return
         now = c.clock()
         labels = ["node", "gpu", "uuid", "model"]
         fams = {
@@ -89,6 +96,11 @@ class _ViewCollector:
                     fams["reserved"].add_metric(lv, facts[0] * _MIB)
                     fams["tasks"].add_metric(lv, facts[1])
         yield from fams.values()
+        yield from self._cluster_families()
+
+    def _cluster_families(self) -> Iterator[GaugeMetricFamily]:
+        c = self.c
+        view = c.view
         states = GaugeMetricFamily("gpulb_nodes", "Nodes in the view by state", labels=["state"])
         counts = {name: 0 for name in cpb.NodeState.keys() if name != "NODE_STATE_UNSPECIFIED"}
         for node_id in list(view.nodes):
@@ -137,10 +149,15 @@ class CoordinatorMetrics:
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 30, 60, 300, 1800),
             registry=r,
         )
-        r.register(_ViewCollector(coordinator))
+        self._view_collector = _ViewCollector(coordinator)
+        r.register(self._view_collector)
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition(self, per_gpu: bool = True) -> bytes:
+        self._view_collector.per_gpu = per_gpu
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._view_collector.per_gpu = True
 
 
 class MetricsServer:
@@ -168,11 +185,12 @@ class MetricsServer:
             request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
             line = request.split(b"\r\n", 1)[0].decode("latin-1")
             parts = line.split()
-            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
+            path, _, query = (parts[1] if len(parts) >= 2 else "").partition("?")
             if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
                 status, body, ctype = "405 Method Not Allowed", b"only GET\n", "text/plain"
             elif path == "/metrics":
-                status, body, ctype = "200 OK", self.metrics.exposition(), CONTENT_TYPE_LATEST
+                per_gpu = "per_gpu=0" not in query.split("&")
+                status, body, ctype = "200 OK", self.metrics.exposition(per_gpu), CONTENT_TYPE_LATEST
             elif path in ("/healthz", "/"):
                 status, body, ctype = "200 OK", b"ok\n", "text/plain"
             else:

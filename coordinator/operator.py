@@ -3,11 +3,14 @@ request, asks the coordinator, and converts the answer."""
 
 from __future__ import annotations
 
+import asyncio
+from time import time_ns
 from typing import TYPE_CHECKING
 
 import grpc
 
-from coordinator.convert import UnknownMetric, gpu_messages, node_message, resolve_metrics
+from coordinator.convert import UnknownMetric, resolve_metrics
+from coordinator.liveness import UnknownNode
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
 
@@ -57,3 +60,42 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
             smoothed=request.values == cpb.VALUE_VIEW_SMOOTHED,
             metrics=metrics,
         ))
+
+    async def WatchView(self, request: cpb.WatchViewRequest, context):
+        """A snapshot now, then one update per interval while the view changes."""
+        self.c.authorize(context, admin=False)
+        if request.node_id and request.node_id not in self.c.view.nodes:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"node_id: no node {request.node_id!r}")
+        interval_ms = request.min_interval_ms or 1000
+        if interval_ms < 200:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_interval_ms: {interval_ms} is below the 200 ms floor")
+        metrics = resolve_metrics([])
+        last_version = -1
+        while True:
+            version = self.c.view.version
+            if version != last_version:
+                last_version = version
+                nodes = [self.c.node_message(n) for n in sorted(self.c.view.nodes.values(), key=lambda n: n.node_id)
+                         if not request.node_id or n.node_id == request.node_id]
+                gpus = self.c.gpu_messages(node_id=request.node_id, smoothed=request.values == cpb.VALUE_VIEW_SMOOTHED, metrics=metrics)
+                yield cpb.ViewUpdate(at_ns=time_ns(), nodes=nodes, gpus=gpus)
+            await asyncio.sleep(interval_ms / 1000)
+
+    async def _node_action(self, request: cpb.NodeActionRequest, context, action: str) -> cpb.NodeActionResponse:
+        self.c.authorize(context, admin=True)
+        if request.node_id not in self.c.view.nodes:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"node_id: no node {request.node_id!r}")
+        try:
+            self.c.node_admin(request.node_id, action, request.reason)
+        except UnknownNode:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"node_id: no node {request.node_id!r}")
+        return cpb.NodeActionResponse(node=self.c.node_message(self.c.view.nodes[request.node_id]))
+
+    async def CordonNode(self, request, context):
+        return await self._node_action(request, context, "cordon")
+
+    async def DrainNode(self, request, context):
+        return await self._node_action(request, context, "drain")
+
+    async def UncordonNode(self, request, context):
+        return await self._node_action(request, context, "uncordon")

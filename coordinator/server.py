@@ -12,6 +12,7 @@ import time
 from typing import Callable
 
 import grpc
+import numpy as np
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -19,8 +20,11 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import gpu_messages, node_message
 from coordinator.gateway import AgentGateway, AgentSession
+from coordinator.ingest import TelemetryIngest
+from coordinator.liveness import Liveness, LivenessEvent, LivenessSweeper, NodeLiveness, UnknownNode
+from coordinator.metrics import CoordinatorMetrics, MetricsServer
 from coordinator.operator import ClusterOperatorService
-from coordinator.view import ClusterView, NodeRecord
+from coordinator.view import SIGNALS, ClusterView, NodeRecord, SignalSettings
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
 from protos import tasks_pb2 as tpb
@@ -41,15 +45,28 @@ SERVICE_NAMES = (
 
 class Coordinator:
     def __init__(self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config or CoordinatorConfig()
+        self.config = cfg = config or CoordinatorConfig()
         self.clock = clock
-        self.view = ClusterView()
+        self.view = ClusterView(
+            signals=SignalSettings(window=cfg.signal_window, alpha=cfg.ewma_alpha, iqr_k=cfg.iqr_k, z_max=cfg.z_max, persist=cfg.persist)
+        )
+        self.liveness = NodeLiveness(clock, heartbeat_interval_s=cfg.heartbeat_interval_s, remove_after_intervals=cfg.remove_after_intervals)
+        self.ingest = TelemetryIngest(self.view)
+        self._arrivals: list[float] = []
+        self._envelopes_applied = 0
+        self._bytes_received = 0
         self.gateway = AgentGateway(self, clock=clock)
         self.operator = ClusterOperatorService(self)
-        self._keyframed: set[str] = set()
+        self.metrics = CoordinatorMetrics(self)
         self._server: grpc.aio.Server | None = None
+        self._metrics_server: MetricsServer | None = None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._sweeper = LivenessSweeper(self.liveness, self._on_liveness_events, interval_s=min(1.0, cfg.heartbeat_interval_s / 4))
+        self._smoother: asyncio.Task | None = None
+        self._anomalies_seen = self.view.signals.anomaly_counts.copy()
+        self._shifts_seen = self.view.signals.shift_counts.copy()
         self.port: int | None = None
+        self.metrics_port: int | None = None
         self.rejected_envelopes = 0
         self.resync_requests = 0
 
@@ -66,9 +83,10 @@ class Coordinator:
         server = grpc.aio.server(options=options)
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, server)
         cpb_grpc.add_ClusterOperatorServicer_to_server(self.operator, server)
+        self._add_services(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            SERVICE_NAMES[:2] + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.service_names() + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
         port = server.add_insecure_port(cfg.listen)
@@ -77,7 +95,15 @@ class Coordinator:
         await server.start()
         self._server = server
         self.port = port
-        for name in ("",) + SERVICE_NAMES[:2]:
+        if cfg.metrics_listen:
+            host, _, mport = cfg.metrics_listen.rpartition(":")
+            self._metrics_server = MetricsServer(self.metrics, host or "127.0.0.1", int(mport))
+            self.metrics_port = await self._metrics_server.start()
+            log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
+        self._sweeper.start()
+        self._smoother = asyncio.create_task(self._smoothing_loop(), name="gpulb-smoothing")
+        await self._started()
+        for name in ("",) + self.service_names():
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
         host = cfg.listen.rsplit(":", 1)[0]
         log.info("coordinator_listening", address=f"{host}:{port}", port=port)
@@ -86,13 +112,38 @@ class Coordinator:
     async def stop(self, grace_s: float | None = None) -> None:
         if self._server is None:
             return
-        for name in ("",) + SERVICE_NAMES[:2]:
+        for name in ("",) + self.service_names():
             await self._set_health(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for session in list(self.gateway.sessions.values()):
-            session.closing.set()
+            session.close(grpc.StatusCode.UNAVAILABLE, "coordinator is shutting down")
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         self._server = None
+        await self._sweeper.stop()
+        if self._smoother is not None:
+            self._smoother.cancel()
+            try:
+                await self._smoother
+            except asyncio.CancelledError:
+                pass
+            self._smoother = None
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+            self._metrics_server = None
+        await self._stopped()
         log.info("coordinator_stopped")
+
+    # Extension points the scheduler layer overrides.
+    def _add_services(self, server: grpc.aio.Server) -> None:
+        return None
+
+    def service_names(self) -> tuple[str, ...]:
+        return SERVICE_NAMES[:2]
+
+    async def _started(self) -> None:
+        return None
+
+    async def _stopped(self) -> None:
+        return None
 
     async def wait(self) -> None:
         if self._server is not None:
@@ -113,52 +164,189 @@ class Coordinator:
     # ---- agent stream hooks -------------------------------------------------
     def node_registered(self, reg: pb.Register, session: AgentSession) -> NodeRecord:
         now = self.clock()
+        self.ingest.forget_node(reg.node_id)  # deltas of the old stream are void
         node = self.view.register(reg, now)
-        self._keyframed.discard(reg.node_id)
+        self.liveness.register(reg.node_id)
         log.info("node_registered", node_id=reg.node_id, gpus=len(reg.gpus), backend=reg.backend, peer=session.peer)
         return node
 
-    def node_seen(self, node_id: str) -> None:
-        return None
+    def node_seen(self, node_id: str) -> bool:
+        """Any message from a node. False when the node was removed for silence
+        while its stream stayed open: it must register again."""
+        try:
+            return self.liveness.seen(node_id) is not Liveness.REMOVED
+        except UnknownNode:
+            return False
 
     def node_disconnected(self, node_id: str) -> None:
+        try:
+            self.liveness.disconnected(node_id)
+        except UnknownNode:
+            pass
         log.info("node_disconnected", node_id=node_id)
 
     def batch_applied(self, node: NodeRecord, result: DecodeResult, batch: pb.MetricBatch, now_s: float) -> None:
+        """An admitted envelope: keyframes apply now, deltas at the next tick."""
         if batch.keyframe:
-            self.view.mark_all_read(node, now_s)
-            self._keyframed.add(node.node_id)
+            outcome = self.ingest.apply_keyframe(node, result.rows, batch, now_s)
+            self._after_ingest(outcome)
+            if any(r.node_id == node.node_id for r in outcome.rejected):
+                return
+            self.liveness.keyframe_applied(node.node_id)
         else:
-            self.view.apply(node, result.rows, now_s)
+            self.ingest.add_delta(node, result.rows, batch, now_s)
         if batch.HasField("host_io"):
             io = batch.host_io
             node.disk_await_ms = io.disk_await_us / 1000 if io.HasField("disk_await_us") else None
             node.disk_util_pct = io.disk_util_permille / 10 if io.HasField("disk_util_permille") else None
+            self.view.set_disk_await(node, node.disk_await_ms, now_s)
         for entry in batch.processes:
             node.processes[entry.gpu_index] = [(p.pid, p.used_memory_mib) for p in entry.processes]
         node.sample_interval_ms = batch.sample_interval_ms
+        self._envelopes_applied += 1
+        self.view_changed(node)
+
+    def view_changed(self, node: NodeRecord) -> None:
+        """New readings arrived for ``node`` (the scheduler hooks dispatch here)."""
+        return None
 
     def task_event(self, node_id: str, event: pb.TaskEvent) -> None:
         log.info("task_event", node_id=node_id, task_id=event.task_id, kind=pb.TaskEventKind.Name(event.kind))
 
+    def node_admin(self, node_id: str, action: str, reason: str = "") -> None:
+        """Operator levers: cordon (no new tasks), drain (no new tasks, running
+        ones finish), uncordon."""
+        getattr(self.liveness, action)(node_id)
+        self.view.version += 1
+        log.info("node_admin", node_id=node_id, action=action, reason=reason)
+
+    def envelope_bytes(self, size: int) -> None:
+        # counted here, published per tick: a locked counter per envelope is
+        # measurable at 10k envelopes/s
+        self._bytes_received += size
+
+    async def _on_liveness_events(self, events: list[LivenessEvent]) -> None:
+        for event in events:
+            self.metrics.node_transitions.labels(event.new.name.lower()).inc()
+            log.info("node_state", node_id=event.node_id, old=event.old.name if event.old else None, new=event.new.name)
+            if event.new is Liveness.REMOVED:
+                self.node_removed(event.node_id)
+
+    def node_removed(self, node_id: str) -> None:
+        """Three missed heartbeat intervals: the node leaves the pool and the view."""
+        self.ingest.forget_node(node_id)
+        self.view.remove(node_id)
+        session = self.gateway.sessions.get(node_id)
+        if session is not None:
+            session.close(grpc.StatusCode.FAILED_PRECONDITION, f"node {node_id} was removed after missing heartbeats; register again")
+
+    async def _smoothing_loop(self) -> None:
+        """Applies queued readings to the anomaly filter and EWMA in one
+        vectorised pass per tick, and records the ingest delay."""
+        tick = self.config.smoothing_tick_s
+        histogram = self.metrics.ingest_latency
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                self.smooth_now(histogram)
+            except Exception:  # one bad tick must not stop smoothing for good
+                log.exception("smoothing_failed")
+
+    def _after_ingest(self, outcome) -> None:
+        """Close the streams whose telemetry was out of range; remember when
+        applied envelopes arrived, for the ingest delay."""
+        for rejection in outcome.rejected:
+            self.metrics_envelope_rejected(rejection.node_id, rejection.field)
+            session = self.gateway.sessions.get(rejection.node_id)
+            if session is not None:
+                session.close(grpc.StatusCode.INVALID_ARGUMENT, f"telemetry.{rejection.field}: {rejection.message}")
+        self._arrivals.extend(outcome.arrivals)
+
+    def smooth_now(self, histogram=None) -> None:
+        """Apply pending deltas to the view, then smooth every new reading."""
+        self._after_ingest(self.ingest.flush())
+        self.view.flush_signals()
+        if self._envelopes_applied:
+            self.metrics.envelopes.inc(self._envelopes_applied)
+            self._envelopes_applied = 0
+        if self._bytes_received:
+            self.metrics.envelope_bytes.inc(self._bytes_received)
+            self._bytes_received = 0
+        arrived, self._arrivals = self._arrivals, []
+        if not arrived:
+            return
+        now = self.clock()
+        if histogram is not None:
+            for t in arrived:
+                histogram.observe(max(0.0, now - t))
+        counts = self.view.signals.anomaly_counts
+        delta = counts - self._anomalies_seen
+        for i in np.flatnonzero(delta):
+            self.metrics.anomalies.labels(SIGNALS[i]).inc(float(delta[i]))
+        self._anomalies_seen = counts.copy()
+        shifts = self.view.signals.shift_counts
+        delta = shifts - self._shifts_seen
+        for i in np.flatnonzero(delta):
+            self.metrics.level_shifts.labels(SIGNALS[i]).inc(float(delta[i]))
+        self._shifts_seen = shifts.copy()
+
     def metrics_envelope_rejected(self, node_id: str, field: str) -> None:
         self.rejected_envelopes += 1
+        self.metrics.rejected.labels(field.split("[")[0]).inc()
 
     def metrics_resync(self, node_id: str) -> None:
         self.resync_requests += 1
+        self.metrics.resyncs.inc()
 
     # ---- views for the operator API -----------------------------------------
     def node_state(self, node_id: str) -> int:
-        if node_id not in self.view.nodes:
+        try:
+            effective = self.liveness.state(node_id).effective
+        except UnknownNode:
             return cpb.NODE_STATE_REMOVED
-        if node_id not in self._keyframed:
-            return cpb.NODE_STATE_CONNECTING
-        return cpb.NODE_STATE_HEALTHY
+        return cpb.NodeState.Value("NODE_STATE_" + effective.name)
 
     def node_message(self, node: NodeRecord) -> cpb.Node:
         return node_message(
-            self.view, node, now_s=self.clock(), staleness_s=self.config.staleness_s, state=self.node_state(node.node_id)
+            self.view,
+            node,
+            now_s=self.clock(),
+            staleness_s=self.config.staleness_s,
+            state=self.node_state(node.node_id),
+            extras=self.node_extras,
         )
+
+    def node_extras(self, node: NodeRecord, msg: cpb.Node) -> None:
+        """Scheduler facts about a node (active tasks); the scheduler layer fills them."""
+        return None
+
+    def smoothed_columns(self) -> dict[str, np.ndarray]:
+        return {name: self.view.smoothed(name) for name in ("util_gpu_pct", "memory_used_mib", "temperature_c", "power_w")}
+
+    def gpu_scheduler_facts(self) -> dict[str, tuple[float, int]]:
+        """GPU uuid -> (reserved MiB, active tasks); the scheduler layer fills it."""
+        return {}
+
+    def scheduler_metric_families(self):
+        return []
+
+    def gpu_flags(self, row: int, msg: cpb.Gpu) -> None:
+        flagged = self.view.signals.flagged[row]
+        for i, name in enumerate(SIGNALS):
+            if flagged[i]:
+                msg.flags.append(f"{name.split('_')[0]}_anomaly")
+        if msg.health == pb.GPU_HEALTH_FROZEN:
+            msg.flags.append("frozen")
+        elif msg.health == pb.GPU_HEALTH_READ_FAILED:
+            msg.flags.append("read_failed")
+        elif msg.health == pb.GPU_HEALTH_LOST:
+            msg.flags.append("lost")
+        if msg.stale:
+            msg.flags.append("stale")
+        facts = self.gpu_scheduler_facts().get(msg.uuid)
+        if facts is not None:
+            msg.reserved_vram_mib = int(facts[0])
+            msg.active_tasks = facts[1]
 
     def gpu_messages(self, *, node_id: str = "", model: str = "", node_state: int = 0, smoothed: bool = False, metrics) -> list[cpb.Gpu]:
         nodes = sorted(self.view.nodes.values(), key=lambda n: n.node_id)
@@ -166,6 +354,21 @@ class Coordinator:
             nodes = [n for n in nodes if n.node_id == node_id]
         if node_state:
             nodes = [n for n in nodes if self.node_state(n.node_id) == node_state]
+        if model:
+            needle = model.lower()
+            nodes = [n for n in nodes if any(needle in g.model.lower() for g in n.gpus)]
+        columns = self.smoothed_columns() if smoothed else None
+        trend = self.view.signals.trend_per_min[:, 0]
+        forecast = self.view.signals.forecast[:, 0]
+
+        def extras(row: int, msg: cpb.Gpu) -> None:
+            if smoothed:
+                if not np.isnan(forecast[row]):
+                    msg.util_forecast_pct = float(forecast[row])
+                if not np.isnan(trend[row]):
+                    msg.util_trend_pct_per_min = float(trend[row])
+            self.gpu_flags(row, msg)
+
         gpus = gpu_messages(
             self.view,
             nodes,
@@ -173,7 +376,8 @@ class Coordinator:
             staleness_s=self.config.staleness_s,
             node_state=self.node_state,
             metrics=metrics,
-            smoothed=None,
+            smoothed=columns,
+            extras=extras,
         )
         if model:
             needle = model.lower()

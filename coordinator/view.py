@@ -16,11 +16,37 @@ from typing import Iterable
 
 import numpy as np
 
+from coordinator.signals import SignalBank, min_spread_for
 from protos import telemetry_pb2 as pb
 from protos.codec import TelemetryDecoder
 from protos.fields import BY_NAME, FIELD_COUNT
 
-__all__ = ["ClusterView", "NodeRecord", "RegistrationError", "validate_register", "MAX_GPUS_PER_NODE"]
+__all__ = [
+    "ClusterView",
+    "NodeRecord",
+    "RegistrationError",
+    "validate_register",
+    "MAX_GPUS_PER_NODE",
+    "SIGNALS",
+    "SignalSettings",
+]
+
+#: signals that are anomaly-filtered and smoothed, in SignalBank column order;
+#: the last is the host's storage await, repeated on each of its GPU rows so the
+#: scheduler reads it as a column like the others.
+SIGNALS = ("util_gpu_pct", "memory_used_mib", "temperature_c", "power_w", "disk_await_ms")
+_SIGNAL_FIELDS = [BY_NAME[name] for name in SIGNALS[:-1]]
+_SIGNAL_COLS = np.asarray(_SIGNAL_FIELDS, dtype=np.intp)[None, :]
+_DISK = len(SIGNALS) - 1
+
+
+@dataclass(frozen=True)
+class SignalSettings:
+    window: int = 30
+    alpha: float = 0.3
+    iqr_k: float = 1.5
+    z_max: float = 3.0
+    persist: int = 3
 
 MAX_GPUS_PER_NODE = 64
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -97,9 +123,26 @@ class NodeRecord:
 class ClusterView:
     """Nodes plus per-GPU columns. Columns grow by doubling; freed rows are reused."""
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64, signals: SignalSettings | None = None) -> None:
         self.nodes: dict[str, NodeRecord] = {}
         self._capacity = capacity
+        sig = signals or SignalSettings()
+        spread = min_spread_for(list(SIGNALS[:-1]))
+        self.signals = SignalBank(
+            capacity,
+            len(SIGNALS),
+            window=sig.window,
+            alpha=sig.alpha,
+            iqr_k=sig.iqr_k,
+            z_max=sig.z_max,
+            persist=min(sig.persist, sig.window),
+            min_spread=np.append(spread, 2.0),  # 2 ms of disk await
+        )
+        # Readings waiting for the next smoothing tick: (view rows, values, arrival time).
+        self._pending_rows: list[np.ndarray] = []
+        self._pending_values: list[np.ndarray] = []
+        self._pending_at: list[float] = []
+        self.disk_await_ms = np.full(capacity, np.nan)  # per GPU row: its host's storage await
         self.raw = np.full((capacity, FIELD_COUNT), np.nan)
         self.reading_at_s = np.full(capacity, np.nan)  # coordinator monotonic time of last reading
         self.row_used = np.zeros(capacity, dtype=bool)
@@ -120,6 +163,8 @@ class ClusterView:
         self.reading_at_s = np.concatenate([self.reading_at_s, np.full(new - old, np.nan)])
         self.row_used = np.concatenate([self.row_used, np.zeros(new - old, dtype=bool)])
         self.row_gpu_index = np.concatenate([self.row_gpu_index, np.full(new - old, -1, dtype=np.int32)])
+        self.disk_await_ms = np.concatenate([self.disk_await_ms, np.full(new - old, np.nan)])
+        self.signals.grow(new)
         self.row_node.extend([None] * (new - old))
         self._free.extend(range(new - 1, old - 1, -1))
         self._capacity = new
@@ -137,7 +182,9 @@ class ClusterView:
             self.row_gpu_index[row] = -1
             self.raw[row] = np.nan
             self.reading_at_s[row] = np.nan
+            self.disk_await_ms[row] = np.nan
             self._free.append(int(row))
+        self._forget_pending(rows)
 
     # ---- nodes ------------------------------------------------------------
     def register(self, reg: pb.Register, now_s: float) -> NodeRecord:
@@ -146,13 +193,15 @@ class ClusterView:
         existing = self.nodes.get(reg.node_id)
         if existing is not None and [g.index for g in existing.gpus] == indices:
             rows = existing.rows
-            # Old readings are not fresh for the new stream: unknown until the keyframe.
+            # Old readings are not fresh for the new stream: unknown until the
+            # keyframe. The smoothing history is kept: it is the same GPU.
             self.raw[rows] = np.nan
             self.reading_at_s[rows] = np.nan
         else:
             if existing is not None:
                 self._release(existing.rows)
             rows = self._allocate(len(indices))
+            self.signals.reset_rows(rows)
         for row, index in zip(rows, indices):
             self.row_used[row] = True
             self.row_node[row] = reg.node_id
@@ -181,21 +230,58 @@ class ClusterView:
             self.version += 1
         return record
 
-    def apply(self, node: NodeRecord, rows: np.ndarray, now_s: float) -> np.ndarray:
-        """Copy the decoder's values for ``rows`` (decoder order) into the view.
-        Returns the view rows that changed."""
-        view_rows = node.rows[rows]
-        if rows.size:
-            self.raw[view_rows] = node.decoder.values[rows]
-            self.reading_at_s[view_rows] = now_s
-            self.version += 1
-        return view_rows
+    def set_disk_await(self, node: NodeRecord, await_ms: float | None, now_s: float) -> None:
+        value = np.nan if await_ms is None else float(await_ms)
+        self.disk_await_ms[node.rows] = value
+        if not np.isnan(value):
+            values = np.full((len(node.rows), len(SIGNALS) - 1), np.nan)
+            self._queue(node.rows, values, now_s, disk=value)
 
-    def mark_all_read(self, node: NodeRecord, now_s: float) -> None:
-        """A keyframe refreshes every GPU of the node, including ones with no values."""
-        self.raw[node.rows] = node.decoder.values
-        self.reading_at_s[node.rows] = now_s
-        self.version += 1
+    #: field columns of the GPU signals, and field column -> signal index (-1: not a signal)
+    signal_field_columns = np.asarray(_SIGNAL_FIELDS, dtype=np.intp)
+    signal_index_of_field = np.full(FIELD_COUNT, -1, dtype=np.intp)
+    signal_index_of_field[_SIGNAL_FIELDS] = np.arange(len(_SIGNAL_FIELDS))
+
+    def queue_signals(self, view_rows: np.ndarray, signal_values: np.ndarray, at_s) -> None:
+        """Queue readings of the GPU signals (NaN = no reading) for the next
+        smoothing tick; ``at_s`` is one time or one per row."""
+        self._queue(view_rows, signal_values, at_s)
+
+    def _queue(self, view_rows: np.ndarray, signal_values: np.ndarray, at_s, disk: float = np.nan) -> None:
+        values = np.full((len(view_rows), len(SIGNALS)), disk)
+        values[:, :_DISK] = signal_values
+        self._pending_rows.append(view_rows)
+        self._pending_values.append(values)
+        self._pending_at.append(np.broadcast_to(np.asarray(at_s, dtype=np.float64), (len(view_rows),)))
+
+    def _forget_pending(self, rows) -> None:
+        if not self._pending_rows:
+            return
+        gone = np.asarray(list(rows), dtype=np.intp)
+        kept = [(r, v, t) for r, v, t in zip(self._pending_rows, self._pending_values, self._pending_at) if not np.isin(r, gone).any()]
+        self._pending_rows = [k[0] for k in kept]
+        self._pending_values = [k[1] for k in kept]
+        self._pending_at = [k[2] for k in kept]
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending_rows)
+
+    def flush_signals(self) -> int:
+        """Run the anomaly filter and EWMA over every queued reading in one
+        vectorised pass. Returns how many readings were applied."""
+        if not self._pending_rows:
+            return 0
+        rows = np.concatenate(self._pending_rows)
+        values = np.concatenate(self._pending_values)
+        times = np.concatenate(self._pending_at)
+        self._pending_rows, self._pending_values, self._pending_at = [], [], []
+        self.signals.update(rows, values, times)
+        return int(rows.size)
+
+    def smoothed(self, name: str) -> np.ndarray:
+        """The smoothed column of a signal (NaN where unknown)."""
+        return self.signals.smoothed[:, SIGNALS.index(name)]
 
     # ---- queries ----------------------------------------------------------
     def node_reading_age_s(self, node: NodeRecord, now_s: float) -> float:

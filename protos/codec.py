@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -37,6 +38,8 @@ __all__ = [
     "TelemetryEncoder",
     "TelemetryDecoder",
     "MAX_RAW_BATCH_BYTES",
+    "check_columns",
+    "batch_cells",
     "DEADBANDS",
     "LOWER",
     "UPPER",
@@ -75,13 +78,6 @@ class InvalidReading(CodecError):
 
 def _pack_mask(mask: np.ndarray) -> bytes:
     return np.packbits(mask, bitorder="little").tobytes()
-
-
-def _unpack_mask(data: bytes, count: int, where: str) -> np.ndarray:
-    needed = (count + 7) // 8
-    if len(data) != needed:
-        raise CorruptEnvelope(where, f"presence has {len(data)} bytes, expected {needed} for {count} GPUs")
-    return np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count, bitorder="little").astype(bool)
 
 
 def _snappy_declared_length(data: bytes) -> int:
@@ -250,11 +246,6 @@ class TelemetryDecoder:
     def __init__(self, gpu_indices: Sequence[int], *, max_raw_bytes: int = MAX_RAW_BATCH_BYTES) -> None:
         self.gpu_indices = list(gpu_indices)
         self._row_of = {idx: row for row, idx in enumerate(self.gpu_indices)}
-        self._max_index = max(self.gpu_indices, default=-1)
-        # index -> row lookup as an array for vectorised mapping
-        self._row_lookup = np.full(self._max_index + 2, -1, dtype=np.intp)
-        for idx, row in self._row_of.items():
-            self._row_lookup[idx] = row
         self.max_raw_bytes = max_raw_bytes
         gpus = len(self.gpu_indices)
         self._state = np.zeros((gpus, FIELD_COUNT), dtype=np.int64)
@@ -310,11 +301,9 @@ class TelemetryDecoder:
             raise CorruptEnvelope("payload", "not a valid MetricBatch") from None
         return batch
 
-    def apply(self, env: pb.Envelope) -> DecodeResult:
-        """Apply one envelope. Raises CodecError without changing state on bad input."""
-        if env.seq == 0:
-            raise CorruptEnvelope("seq", "sequence numbers start at 1")
-        batch = self.parse(env)
+    def _sequence(self, env: pb.Envelope, batch: pb.MetricBatch) -> DecodeResult | None:
+        """The sequence check. Returns a result for an envelope that must not be
+        applied (and updates the gap state), None for one that is in order."""
         if env.seq != self.expected_seq and not (batch.keyframe and env.seq > self.expected_seq):
             if env.seq < self.expected_seq:
                 # An old envelope (duplicate or reordered): its content is
@@ -335,67 +324,163 @@ class TelemetryDecoder:
         if self.awaiting_keyframe and not batch.keyframe:
             self.expected_seq = env.seq + 1
             return DecodeResult(DecodeOutcome.IGNORED, batch, expected_seq=self.expected_seq)
-        rows = self._rows_of(batch)
-        if batch.keyframe:
-            state = np.zeros_like(self._state)
-            known = np.zeros_like(self._known)
-        else:
-            state = self._state.copy()
-            known = self._known.copy()
-        count = len(rows)
-        seen_fields: set[int] = set()
-        for position, col in enumerate(batch.columns):
-            where = f"columns[{position}]"
-            column = COLUMN.get(col.field)
-            if column is None:
-                raise CorruptEnvelope(f"{where}.field", f"unknown field {col.field}")
-            if column in seen_fields:
-                raise CorruptEnvelope(f"{where}.field", f"{FIELDS[column].name} appears twice")
-            seen_fields.add(column)
-            mask = _unpack_mask(col.presence, count, f"{where}.presence")
-            vals = np.asarray(col.values, dtype=np.int64)
-            if vals.shape[0] != int(mask.sum()):
-                raise CorruptEnvelope(
-                    f"{where}.values", f"{vals.shape[0]} values for {int(mask.sum())} present GPUs"
-                )
-            target = rows[mask]
-            if batch.keyframe:
-                state[target, column] = vals
-            else:
-                # A delta for a field the coordinator never had is an absolute value
-                # (the encoder sends it against zero).
-                state[target, column] = np.where(known[target, column], state[target, column], 0) + vals
-            known[target, column] = True
-            got = state[target, column]
-            bad = (got < LOWER[column]) | (got > UPPER[column])
-            if bad.any():
-                first = int(np.flatnonzero(bad)[0])
-                gpu = self.gpu_indices[int(target[first])]
-                spec = FIELDS[column]
-                raise InvalidReading(
-                    spec.name,
-                    f"GPU {gpu}: {int(got[first])} {spec.unit} outside {spec.lo}..{spec.hi}",
-                )
-        self._state = state
-        self._known = known
+        return None
+
+    def _commit_sequence(self, env: pb.Envelope, batch: pb.MetricBatch) -> None:
         self.expected_seq = env.seq + 1
         self.applied += 1
         if batch.keyframe:
             self.awaiting_keyframe = False
             self.keyframes += 1
+
+    def admit(self, env: pb.Envelope) -> DecodeResult:
+        """Parse, check the sequence and the batch's structure, and advance the
+        sequence - without applying values. The coordinator applies the values
+        of many admitted envelopes at once (``coordinator.ingest``); range
+        checks happen there. Raises CodecError on malformed input."""
+        if env.seq == 0:
+            raise CorruptEnvelope("seq", "sequence numbers start at 1")
+        batch = self.parse(env)
+        result = self._sequence(env, batch)
+        if result is not None:
+            return result
+        rows = self._rows_of(batch)
+        check_columns(batch, len(rows))
+        self._commit_sequence(env, batch)
+        return DecodeResult(DecodeOutcome.APPLIED, batch, rows=rows)
+
+    def apply(self, env: pb.Envelope) -> DecodeResult:
+        """Admit and apply one envelope to this decoder's own state. Raises
+        CodecError without changing state on bad input."""
+        if env.seq == 0:
+            raise CorruptEnvelope("seq", "sequence numbers start at 1")
+        batch = self.parse(env)
+        result = self._sequence(env, batch)
+        if result is not None:
+            return result
+        rows = self._rows_of(batch)
+        check_columns(batch, len(rows))
+        target_rows, target_cols, values = batch_cells([(rows, batch)])[:3]
+        if batch.keyframe:
+            new = values
+        else:
+            # A delta for a field the coordinator never had is an absolute value
+            # (the encoder sends it against zero).
+            base = np.where(self._known[target_rows, target_cols], self._state[target_rows, target_cols], 0)
+            new = base + values
+        bad = (new < LOWER[target_cols]) | (new > UPPER[target_cols])
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            spec = FIELDS[int(target_cols[first])]
+            gpu = self.gpu_indices[int(target_rows[first])]
+            raise InvalidReading(spec.name, f"GPU {gpu}: {int(new[first])} {spec.unit} outside {spec.lo}..{spec.hi}")
+        # Validated: only now does the state change.
+        if batch.keyframe:
+            self._state[:] = 0
+            self._known[:] = False
+        self._state[target_rows, target_cols] = new
+        self._known[target_rows, target_cols] = True
+        self._commit_sequence(env, batch)
         return DecodeResult(DecodeOutcome.APPLIED, batch, rows=rows)
 
     def _rows_of(self, batch: pb.MetricBatch) -> np.ndarray:
-        idx = np.asarray(batch.gpu_index, dtype=np.int64)
-        if idx.size == 0:
-            return np.zeros(0, dtype=np.intp)
-        out_of_range = (idx < 0) | (idx > self._max_index)
-        rows = np.full(idx.shape, -1, dtype=np.intp)
-        in_range = ~out_of_range
-        rows[in_range] = self._row_lookup[idx[in_range]]
-        if (rows < 0).any():
-            first = int(np.flatnonzero(rows < 0)[0])
-            raise InvalidReading(f"gpu_index[{first}]", f"GPU {int(idx[first])} was never registered")
-        if np.unique(rows).size != rows.size:
+        row_of = self._row_of
+        try:
+            rows = [row_of[index] for index in batch.gpu_index]
+        except KeyError:
+            first = next(i for i, index in enumerate(batch.gpu_index) if index not in row_of)
+            raise InvalidReading(f"gpu_index[{first}]", f"GPU {batch.gpu_index[first]} was never registered") from None
+        if len(set(rows)) != len(rows):
             raise CorruptEnvelope("gpu_index", "a GPU appears twice in one batch")
-        return rows
+        return np.asarray(rows, dtype=np.intp)
+
+
+def check_columns(batch: pb.MetricBatch, count: int) -> None:
+    """Structural checks of a batch's columns, in plain Python (a handful of
+    columns per batch): known and unique fields, presence bitmaps of the right
+    width with no bits past the last GPU, one value per set bit."""
+    width = (count + 7) // 8
+    limit = 1 << count
+    fields = []
+    for col in batch.columns:
+        presence = col.presence
+        bits = int.from_bytes(presence, "little")
+        if len(presence) != width or bits >= limit or bits.bit_count() != len(col.values) or col.field not in COLUMN:
+            _column_error(batch, count)
+        fields.append(col.field)
+    if len(set(fields)) != len(fields):
+        _column_error(batch, count)
+
+
+def _column_error(batch: pb.MetricBatch, count: int) -> None:
+    """Find and report the first structural fault (the slow path)."""
+    width = (count + 7) // 8
+    seen: set[int] = set()
+    for position, col in enumerate(batch.columns):
+        column = COLUMN.get(col.field)
+        if column is None:
+            raise CorruptEnvelope(f"columns[{position}].field", f"unknown field {col.field}")
+        if column in seen:
+            raise CorruptEnvelope(f"columns[{position}].field", f"{FIELDS[column].name} appears twice")
+        seen.add(column)
+        if len(col.presence) != width:
+            raise CorruptEnvelope(
+                f"columns[{position}].presence", f"presence has {len(col.presence)} bytes, expected {width} for {count} GPUs"
+            )
+        bits = int.from_bytes(col.presence, "little")
+        if bits >> count:
+            raise CorruptEnvelope(f"columns[{position}].presence", f"bits set past the {count} GPUs of the batch")
+        if bits.bit_count() != len(col.values):
+            raise CorruptEnvelope(
+                f"columns[{position}].values", f"{len(col.values)} values for {bits.bit_count()} present GPUs"
+            )
+
+
+def batch_cells(
+    items: Sequence[tuple[np.ndarray, pb.MetricBatch]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (row, column, value, item) cell carried by checked batches.
+
+    ``items`` pairs each batch with the rows its ``gpu_index`` entries map to.
+    However many batches and columns there are, this is a fixed number of
+    numpy operations: all presence bitmaps are unpacked in one call. Cells come
+    out in wire order: batch by batch, column by column, GPU by GPU.
+    """
+    presence: list[bytes] = []
+    seg_column: list[int] = []
+    seg_item: list[int] = []
+    seg_count: list[int] = []
+    seg_width: list[int] = []
+    value_lists = []
+    row_parts: list[np.ndarray] = []
+    for item, (rows, batch) in enumerate(items):
+        count = len(rows)
+        width = (count + 7) // 8
+        row_parts.append(rows)
+        for col in batch.columns:
+            presence.append(col.presence)
+            seg_column.append(COLUMN[col.field])
+            seg_item.append(item)
+            seg_count.append(count)
+            seg_width.append(width)
+            value_lists.append(col.values)
+    if not presence:
+        empty = np.zeros(0, dtype=np.intp)
+        return empty, empty, np.zeros(0, dtype=np.int64), empty
+    counts = np.asarray(seg_count, dtype=np.intp)
+    widths = np.asarray(seg_width, dtype=np.intp)
+    bits = np.unpackbits(np.frombuffer(b"".join(presence), dtype=np.uint8), bitorder="little")
+    seg_bit_start = np.cumsum(widths * 8) - widths * 8
+    total = int(counts.sum())
+    seg_of = np.repeat(np.arange(len(counts)), counts)
+    gpu_pos = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    present = bits[seg_bit_start[seg_of] + gpu_pos].astype(bool)
+    item_lengths = np.asarray([len(r) for r in row_parts], dtype=np.intp)
+    item_offset = np.cumsum(item_lengths) - item_lengths
+    all_rows = np.concatenate(row_parts) if len(row_parts) > 1 else np.asarray(row_parts[0], dtype=np.intp)
+    seg_item_arr = np.asarray(seg_item, dtype=np.intp)
+    rows = all_rows[item_offset[seg_item_arr[seg_of]] + gpu_pos][present]
+    columns = np.asarray(seg_column, dtype=np.intp)[seg_of][present]
+    items_of = seg_item_arr[seg_of][present]
+    values = np.fromiter(chain.from_iterable(value_lists), dtype=np.int64, count=len(rows))
+    return rows, columns, values, items_of

@@ -1,0 +1,171 @@
+"""Applies admitted telemetry to the view's columns, many envelopes at a time.
+
+Per envelope the stream handler does only what must happen at once: parse,
+sequence check, structural checks (``TelemetryDecoder.admit``). Delta values
+wait here until the next tick, when every pending envelope of every node is
+applied with a fixed number of numpy operations (``protos.codec.batch_cells``
+plus a grouped cumulative sum), so ingest costs a few microseconds of Python
+per envelope instead of dozens of numpy calls.
+
+Deltas are differences from the last value sent, so several envelopes for the
+same GPU field in one tick add up in order: value after envelope k = the value
+before the tick + the sum of that cell's deltas up to k (a cumulative sum
+within each (row, field) group, in arrival order). Every intermediate value is
+a reading the anomaly filter sees in order.
+
+A value out of its field's range rejects its envelope and every later one of
+the same node in the tick; the node's stream is closed with a status naming
+the field, and nothing of those envelopes is applied. Keyframes are applied
+at once (after flushing what is pending, to keep order), validated before
+they replace anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from protos import telemetry_pb2 as pb
+from protos.codec import LOWER, UPPER, batch_cells
+from protos.fields import FIELD_COUNT, FIELDS
+
+if TYPE_CHECKING:
+    from coordinator.view import ClusterView, NodeRecord
+
+__all__ = ["TelemetryIngest", "Rejection"]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    node_id: str
+    field: str
+    message: str
+
+
+@dataclass
+class _Pending:
+    node: "NodeRecord"
+    rows: np.ndarray  # view rows, in the batch's gpu_index order
+    batch: pb.MetricBatch
+    arrived_s: float
+
+
+@dataclass
+class FlushResult:
+    arrivals: list[float] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+class TelemetryIngest:
+    def __init__(self, view: "ClusterView") -> None:
+        self.view = view
+        self._pending: list[_Pending] = []
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def add_delta(self, node: "NodeRecord", decoder_rows: np.ndarray, batch: pb.MetricBatch, arrived_s: float) -> None:
+        if batch.columns:
+            self._pending.append(_Pending(node, node.rows[decoder_rows], batch, arrived_s))
+
+    def forget_node(self, node_id: str) -> None:
+        self._pending = [p for p in self._pending if p.node.node_id != node_id]
+
+    def apply_keyframe(self, node: "NodeRecord", decoder_rows: np.ndarray, batch: pb.MetricBatch, arrived_s: float) -> FlushResult:
+        """Flush what is pending (it came first), then replace the node's
+        values with the keyframe's. Raises ValueError-free: an out-of-range
+        keyframe comes back as a rejection and changes nothing."""
+        result = self.flush()
+        rows = node.rows[decoder_rows]
+        cell_rows, cell_cols, values, _ = batch_cells([(rows, batch)])
+        bad = (values < LOWER[cell_cols]) | (values > UPPER[cell_cols])
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            result.rejected.append(self._rejection(node, int(cell_rows[first]), int(cell_cols[first]), float(values[first])))
+            return result
+        view = self.view
+        view.raw[node.rows] = np.nan
+        view.raw[cell_rows, cell_cols] = values
+        view.reading_at_s[node.rows] = arrived_s
+        view.version += 1
+        # everything in a keyframe is a fresh reading
+        view.queue_signals(node.rows, view.raw[node.rows][:, view.signal_field_columns], arrived_s)
+        result.arrivals.append(arrived_s)
+        return result
+
+    def flush(self) -> FlushResult:
+        result = FlushResult()
+        while self._pending:
+            pending, self._pending = self._pending, []
+            rejected = self._apply(pending, result)
+            if not rejected:
+                break
+            # Drop every envelope of a failing node from its first bad one on,
+            # then apply the rest again (rare: only malformed agents get here).
+            result.rejected.extend(rejected)
+            bad_nodes = {r.node_id for r in rejected}
+            self._pending = [p for p in pending if p.node.node_id not in bad_nodes]
+            result.arrivals.clear()
+        return result
+
+    def _rejection(self, node: "NodeRecord", row: int, column: int, value: float) -> Rejection:
+        spec = FIELDS[column]
+        gpu = int(self.view.row_gpu_index[row])
+        return Rejection(node.node_id, spec.name, f"GPU {gpu}: {value:.0f} {spec.unit} outside {spec.lo}..{spec.hi}")
+
+    def _apply(self, pending: list[_Pending], result: FlushResult) -> list[Rejection]:
+        view = self.view
+        rows, cols, deltas, items = batch_cells([(p.rows, p.batch) for p in pending])
+        if rows.size == 0:
+            result.arrivals.extend(p.arrived_s for p in pending)
+            return []
+        key = rows * FIELD_COUNT + cols
+        order = np.argsort(key, kind="stable")  # stable: arrival order inside a cell
+        ks = key[order]
+        ds = deltas[order].astype(np.float64)
+        start = np.ones(ks.size, dtype=bool)
+        start[1:] = ks[1:] != ks[:-1]
+        group = np.cumsum(start) - 1
+        firsts = np.flatnonzero(start)
+        csum = np.cumsum(ds)
+        running = csum - (csum[firsts] - ds[firsts])[group]
+        flat = view.raw.reshape(-1)
+        base = flat[ks]
+        # An unknown value (NaN) is zero for a delta: the encoder sends a field's
+        # first value against zero.
+        new = np.where(np.isnan(base), 0.0, base) + running
+        col_sorted = cols[order]
+        bad = (new < LOWER[col_sorted]) | (new > UPPER[col_sorted])
+        if bad.any():
+            out: dict[str, Rejection] = {}
+            for i in np.flatnonzero(bad):
+                p = pending[int(items[order[i]])]
+                if p.node.node_id not in out:
+                    out[p.node.node_id] = self._rejection(p.node, int(rows[order[i]]), int(col_sorted[i]), float(new[i]))
+            return list(out.values())
+        lasts = np.append(firsts[1:] - 1, ks.size - 1)
+        flat[ks[lasts]] = new[lasts]
+        arrived = np.asarray([p.arrived_s for p in pending])
+        # cells are in arrival order, so the last assignment per row wins
+        view.reading_at_s[rows] = arrived[items]
+        view.version += 1
+        # Readings for the anomaly filter: one row of signals per (envelope, GPU),
+        # holding the value after that envelope.
+        signal_index = view.signal_index_of_field[cols]
+        selected = signal_index >= 0
+        if selected.any():
+            new_in_order = np.empty_like(new)
+            new_in_order[order] = new
+            capacity = view.capacity
+            pair = items[selected].astype(np.int64) * capacity + rows[selected]
+            pairs, inverse = np.unique(pair, return_inverse=True)
+            matrix = np.full((pairs.size, view.signal_field_columns.size), np.nan)
+            matrix[inverse, signal_index[selected]] = new_in_order[selected]
+            pair_rows = (pairs % capacity).astype(np.intp)
+            pair_items = pairs // capacity
+            view.queue_signals(pair_rows, matrix, arrived[pair_items])
+        result.arrivals.extend(arrived.tolist())
+        return []
