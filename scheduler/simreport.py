@@ -1,0 +1,328 @@
+"""Figures of simulation runs, per policy and side by side: a plain-text table,
+a JSON dict, and PNG plots when matplotlib is installed.
+
+Definitions (every figure is computed from ``SimResult`` alone):
+
+* **wait**: time a task spent queued, summed over its runs (a task killed for
+  memory queues again); over every task placed at least once, per spec
+  priority class and overall: mean, p50, p95, p99.
+* **response time / JCT**: completion minus submission, completed tasks only.
+* **slowdown**: JCT / max(duration_s, 10 s), the reference duration being the
+  task alone on a speed-1.0 GPU; the 10 s floor keeps a 4-second task that
+  waited a minute from dominating the mean (the usual bounded slowdown).
+* **utilisation**: true per-GPU utilisation, time-weighted over the run's
+  window (``SimResult.window_s``, see ``scheduler.simulator``). ``util_mean``
+  is the mean over GPUs; ``util_var`` / ``util_std`` the variance and standard
+  deviation across GPUs of their window means; ``util_std_inst`` the
+  time-mean of the instantaneous standard deviation across GPUs (imbalance
+  at each moment, which per-GPU means average away).
+* **hottest**: the GPU (node) with the highest window-mean utilisation, and
+  the largest share of the window any GPU spent at 90 % or more.
+* **oom_kills**, **sla_misses** (P0 tasks queued past the SLA, from the
+  scheduler's own counter), **throughput** (completed tasks per hour of
+  makespan), **makespan** (last completion).
+* **saturation** (when run): share of GPU capacity left unallocated when the
+  first task does not fit, and when the arrived demand equals the GPU count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from coordinator.tables import fmt, render_table
+from scheduler.simulator import SimResult
+
+__all__ = ["figures", "to_json", "render", "ratios", "plot", "RATIO_KEYS", "SEED_CLAIMS"]
+
+_CLASSES = ("P0", "P1", "P2", "P3")
+
+# The seeds' reported load_aware vs round_robin results, as (round_robin, load_aware).
+SEED_CLAIMS: dict[str, tuple[float, float]] = {
+    "jct_mean_s": (1.0, 0.66),  # mean response time -34 %
+    "oom_kills": (1.0, 0.14),  # -86 %
+    "util_mean": (1.0, 1.28),  # +28 %
+    "hottest_node_util": (98.0, 67.0),
+    "util_std": (38.2, 12.7),
+    "util_std_inst": (38.2, 12.7),  # the seeds do not say which std they meant
+}
+# figure -> (label, lower is better)
+RATIO_KEYS: dict[str, tuple[str, bool]] = {
+    "jct_mean_s": ("mean response time", True),
+    "oom_kills": ("OOM kills", True),
+    "util_mean": ("mean GPU util", False),
+    "hottest_node_util": ("hottest node load", True),
+    "util_std": ("GPU util std across GPUs", True),
+    "util_std_inst": ("GPU util std, instantaneous", True),
+}
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else math.nan
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=np.float64)
+    return {
+        "n": int(a.size),
+        "mean": float(a.mean()) if a.size else math.nan,
+        "p50": _pct(a, 50),
+        "p95": _pct(a, 95),
+        "p99": _pct(a, 99),
+    }
+
+
+def figures(r: SimResult) -> dict[str, Any]:
+    """Every figure of one run as a flat-ish dict (see the module docstring)."""
+    recs = r.records
+    placed = [x for x in recs if x.runs > 0]
+    done = [x for x in recs if x.state == "completed"]
+    wait = {"all": _stats([x.wait_s for x in placed])}
+    for c, name in enumerate(_CLASSES):
+        wait[name] = _stats([x.wait_s for x in placed if x.priority == c])
+    jct = _stats([x.jct_s for x in done])
+    slowdown = _stats([x.jct_s / max(x.duration_s, 10.0) for x in done])
+    util = np.asarray(r.gpu_mean_util, dtype=np.float64)
+    node_util = (
+        np.bincount(r.gpu_node, weights=util, minlength=r.nodes) / np.maximum(np.bincount(r.gpu_node, minlength=r.nodes), 1)
+        if util.size
+        else np.zeros(0)
+    )
+    makespan = r.makespan_s
+    out: dict[str, Any] = {
+        "policy": r.policy,
+        "tasks": len(recs),
+        "completed": len(done),
+        "dropped": sum(1 for x in recs if x.state == "dropped"),
+        "rejected": sum(1 for x in recs if x.state == "rejected"),
+        "unfinished": sum(1 for x in recs if x.state in ("unfinished", "pending")),
+        "wait_s": wait,
+        "jct_s": jct,
+        "jct_mean_s": jct["mean"],
+        "slowdown": slowdown,
+        "window_s": r.window_s,
+        "util_mean": float(util.mean()) if util.size else math.nan,
+        "util_var": float(util.var()) if util.size else math.nan,
+        "util_std": float(util.std()) if util.size else math.nan,
+        "util_std_inst": r.util_std_time_mean,
+        "hottest_gpu_util": float(util.max()) if util.size else math.nan,
+        "hottest_node_util": float(node_util.max()) if node_util.size else math.nan,
+        "hottest_gpu_time_above_90": float(np.max(r.gpu_hot_share)) if r.gpu_hot_share.size else math.nan,
+        "oom_kills": r.oom_kills,
+        "sla_misses": r.sla_misses,
+        "throughput_per_h": len(done) / (makespan / 3600.0) if makespan > 0 else math.nan,
+        "makespan_s": makespan,
+        "sim": {
+            "wall_s": r.wall_s,
+            "tasks_per_min": len(recs) / r.wall_s * 60.0 if r.wall_s > 0 else math.nan,
+            "events": r.events,
+            "dispatches": r.dispatches,
+            "snapshots": r.snapshots,
+        },
+    }
+    if r.saturation is not None:
+        s = r.saturation
+        out["saturation"] = {
+            "arrived_at_first_failure": s.arrived_at_first_failure,
+            "unallocated_at_first_failure": s.unallocated_at_first_failure,
+            "unallocated_at_full": s.unallocated_at_full,
+            "idle_gpus_at_full": s.idle_gpus_at_full,
+            "placed": s.placed,
+            "failed": s.failed,
+            "rejected": s.rejected,
+            "first_failure_task": s.first_failure_task,
+        }
+    return out
+
+
+def ratios(
+    figs: Sequence[dict[str, Any]], base: str = "round_robin", other: str = "load_aware"
+) -> dict[str, dict[str, float]]:
+    """``other`` against ``base`` for the headline figures, next to the seeds' claim.
+
+    ``ratio`` is other / base; ``seed_ratio`` what the seeds reported;
+    ``beats_seed`` whether ours is the better of the two in the figure's
+    direction (lower or higher is better). Empty if a policy is missing.
+    """
+    by = {f["policy"]: f for f in figs}
+    if base not in by or other not in by:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for key, (label, lower_better) in RATIO_KEYS.items():
+        b, o = by[base][key], by[other][key]
+        ratio = o / b if b not in (0, 0.0) and b == b and o == o else math.nan
+        entry: dict[str, Any] = {"label": label, base: b, other: o, "ratio": ratio}
+        claim = SEED_CLAIMS.get(key)
+        if claim is not None:
+            seed = claim[1] / claim[0]
+            entry["seed_ratio"] = seed
+            if ratio == ratio:
+                entry["beats_seed"] = ratio < seed if lower_better else ratio > seed
+        out[key] = entry
+    return out
+
+
+def to_json(results: Sequence[SimResult], meta: dict | None = None) -> dict[str, Any]:
+    """The figures of every run, plus ratios and run metadata; JSON-safe (NaN -> None)."""
+    figs = [figures(r) for r in results]
+    doc = {"meta": dict(meta or {}), "policies": figs, "load_aware_vs_round_robin": ratios(figs)}
+    return _clean(doc)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return v if math.isfinite(v) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def _dur(seconds: float) -> str:
+    if seconds != seconds:
+        return "-"
+    if abs(seconds) < 120:
+        return f"{seconds:,.1f}s"
+    if abs(seconds) < 7200:
+        return f"{seconds / 60:,.1f}m"
+    if abs(seconds) < 172_800:
+        return f"{seconds / 3600:,.1f}h"
+    return f"{seconds / 86400:,.1f}d"
+
+
+def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
+    """A side-by-side table (one column per policy), then load_aware vs round_robin."""
+    figs = [figures(r) for r in results]
+    headers = ["figure", *[f["policy"] for f in figs]]
+    rows: list[list[str]] = []
+
+    def row(label: str, cells: Sequence[str]) -> None:
+        rows.append([label, *cells])
+
+    row("tasks completed", [f"{f['completed']:,}/{f['tasks']:,}" for f in figs])
+    row("dropped / rejected / unfinished", [f"{f['dropped']}/{f['rejected']}/{f['unfinished']}" for f in figs])
+    for cls in ("all", *_CLASSES):
+        if all(f["wait_s"][cls]["n"] == 0 for f in figs):
+            continue
+        for q in ("mean", "p50", "p95", "p99"):
+            row(f"wait {cls} {q}", [_dur(f["wait_s"][cls][q]) for f in figs])
+    for q in ("mean", "p50", "p95", "p99"):
+        row(f"response time (JCT) {q}", [_dur(f["jct_s"][q]) for f in figs])
+    row("slowdown mean", [fmt(f["slowdown"]["mean"], 2) for f in figs])
+    row("slowdown p95", [fmt(f["slowdown"]["p95"], 2) for f in figs])
+    row("GPU util mean %", [fmt(f["util_mean"], 2) for f in figs])
+    row("GPU util var across GPUs", [fmt(f["util_var"], 1) for f in figs])
+    row("GPU util std across GPUs %", [fmt(f["util_std"], 2) for f in figs])
+    row("GPU util std, instantaneous %", [fmt(f["util_std_inst"], 2) for f in figs])
+    row("hottest GPU mean util %", [fmt(f["hottest_gpu_util"], 1) for f in figs])
+    row("hottest node mean util %", [fmt(f["hottest_node_util"], 1) for f in figs])
+    row("hottest GPU time >= 90 %", [fmt(100 * f["hottest_gpu_time_above_90"], 1, "%") for f in figs])
+    row("OOM kills", [fmt(f["oom_kills"]) for f in figs])
+    row("P0 SLA misses", [fmt(f["sla_misses"]) for f in figs])
+    row("throughput tasks/h", [fmt(f["throughput_per_h"], 1) for f in figs])
+    row("makespan", [_dur(f["makespan_s"]) for f in figs])
+    if any("saturation" in f for f in figs):
+        row(
+            "saturation: unallocated at 1st failure",
+            [fmt(100 * f["saturation"]["unallocated_at_first_failure"], 1, "%") if "saturation" in f else "-" for f in figs],
+        )
+        row(
+            "saturation: arrived at 1st failure",
+            [fmt(100 * f["saturation"]["arrived_at_first_failure"], 1, "%") if "saturation" in f else "-" for f in figs],
+        )
+        row(
+            "saturation: unallocated at 100% arrived",
+            [fmt(100 * f["saturation"]["unallocated_at_full"], 1, "%") if "saturation" in f else "-" for f in figs],
+        )
+    row("sim wall time", [f"{f['sim']['wall_s']:.1f}s" for f in figs])
+    row("sim tasks/min", [fmt(f["sim"]["tasks_per_min"], 0) for f in figs])
+    parts = []
+    if meta:
+        parts.append("  ".join(f"{k}={v}" for k, v in meta.items()))
+    if figs:
+        parts.append(f"utilisation window: {_dur(figs[0]['window_s'])}")
+    parts.append(render_table(headers, rows, align="l" + "r" * len(figs)))
+    rat = ratios(figs)
+    if rat:
+        rrows = []
+        for key, e in rat.items():
+            rrows.append(
+                [
+                    e["label"],
+                    fmt(e["round_robin"], 2),
+                    fmt(e["load_aware"], 2),
+                    fmt(e["ratio"], 3),
+                    fmt(e.get("seed_ratio"), 3) if "seed_ratio" in e else "-",
+                    {True: "yes", False: "no"}.get(e.get("beats_seed"), "-"),
+                ]
+            )
+        parts.append("load_aware vs round_robin (ratio = load_aware / round_robin)")
+        parts.append(
+            render_table(
+                ["figure", "round_robin", "load_aware", "ratio", "seeds' ratio", "beats seeds"],
+                rrows,
+                align="lrrrrl",
+            )
+        )
+    return "\n\n".join(parts)
+
+
+def plot(results: Sequence[SimResult], out_dir: str | os.PathLike[str]) -> list[str]:
+    """Heat maps of per-GPU utilisation over time (one per policy) and wait-time
+    CDFs; returns the files written, [] when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    written: list[str] = []
+    for r in results:
+        if r.heatmap.size == 0:
+            continue
+        heat = r.heatmap.T  # GPUs x time
+        if heat.shape[0] > 400:
+            # average neighbouring GPUs (same or adjacent nodes) into 400 bands
+            edges = np.linspace(0, heat.shape[0], 401).astype(int)
+            heat = np.add.reduceat(heat, edges[:-1], axis=0) / np.diff(edges)[:, None]
+        fig, ax = plt.subplots(figsize=(10, 5))
+        t_end = float(r.heatmap_t[-1]) if r.heatmap_t.size else 1.0
+        im = ax.imshow(
+            heat, aspect="auto", origin="lower", cmap="inferno", vmin=0, vmax=100,
+            extent=(0, t_end / 3600.0, 0, r.gpus), interpolation="nearest",
+        )
+        ax.set_xlabel("virtual time (h)")
+        ax.set_ylabel("GPU (in cluster order)")
+        ax.set_title(f"GPU utilisation - {r.policy}")
+        fig.colorbar(im, ax=ax, label="util %")
+        path = os.path.join(out_dir, f"heatmap_{r.policy}.png")
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        waits = np.sort([x.wait_s for x in r.records if x.runs > 0])
+        if waits.size == 0:
+            continue
+        y = np.arange(1, waits.size + 1) / waits.size
+        ax.step(np.maximum(waits, 1e-2), y, where="post", label=r.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("wait (s, log)")
+    ax.set_ylabel("share of tasks")
+    ax.set_title("Wait time CDF")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path = os.path.join(out_dir, "wait_cdf.png")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    written.append(path)
+    return written

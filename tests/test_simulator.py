@@ -1,0 +1,407 @@
+"""The simulator on small hand-made traces whose right answers are worked out
+by hand, its engine adapter, its figures and its command line.
+
+Timing rules used below (SimConfig defaults): a change on a GPU is sampled
+2.0 s later and, being a level shift, shows in the view after two more
+readings 0.2 s apart, i.e. 2.4 s after it happened; the simulator dispatches
+on submission, on completion and when a release becomes visible.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from scheduler.cluster import ClusterNode, homogeneous, write_cluster
+from scheduler.config import SchedulerConfig
+from scheduler.reservations import Reservations
+from scheduler.simreport import figures, ratios, render, to_json
+from scheduler.simulator import (
+    AskedMemory,
+    ColumnarReservations,
+    GenAIMemory,
+    RatioMemory,
+    SimConfig,
+    Simulation,
+    saturate,
+    simulate,
+    simulate_main,
+    trace_main,
+)
+from scheduler.snapshot import NodeFacts
+from scheduler.task import Priority
+from scheduler.traces import TraceTask, write_trace
+
+VISIBLE = 2.4  # s from a release to the view showing it (see the module docstring)
+
+
+def task(task_id, submit, duration, vram, share=1.0, priority=Priority.P2, kind="batch", gpus=1, util=None):
+    return TraceTask(task_id, float(submit), float(duration), gpus, float(vram), share, priority, kind, util=util)
+
+
+def run(tasks, nodes, policy="load_aware", memory=None, **cfg):
+    config = SimConfig(memory=memory or AskedMemory(), **cfg)
+    return Simulation(tasks, nodes, policy, config).run()
+
+
+def rec(result, task_id):
+    return next(r for r in result.records if r.task_id == task_id)
+
+
+ONE_4090 = homogeneous(1, 1)  # 24,564 MiB; the filter admits up to 85 % = 20,879 MiB
+TWO_4090 = homogeneous(1, 2)
+
+
+# ---- hand-worked cases ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "load_aware", "binpack", "least_connections", "weighted_round_robin"])
+def test_a_task_that_must_wait(policy):
+    # A (15,000 MiB) holds the only GPU from 0 to 100; B (15,000 MiB) arrives at
+    # 10 and cannot fit beside it (30,000 > 20,879). A's end is visible at 102.4,
+    # so B starts then and ends 50 s later.
+    tasks = [task("A", 0, 100, 15_000), task("B", 10, 50, 15_000)]
+    r = run(tasks, ONE_4090, policy)
+    a, b = rec(r, "A"), rec(r, "B")
+    assert (a.first_start_s, a.finish_s, a.wait_s) == (0.0, 100.0, 0.0)
+    assert b.first_start_s == pytest.approx(100 + VISIBLE)
+    assert b.wait_s == pytest.approx(100 + VISIBLE - 10)
+    assert b.finish_s == pytest.approx(100 + VISIBLE + 50)
+    assert r.oom_kills == 0 and all(x.state == "completed" for x in r.records)
+    assert r.makespan_s == pytest.approx(152.4)
+
+
+def test_exact_telemetry_removes_the_lag():
+    cfg = dict(sample_delay_s=0.0, persist=1)
+    r = run([task("A", 0, 100, 15_000), task("B", 10, 50, 15_000)], ONE_4090, **cfg)
+    assert rec(r, "B").first_start_s == 100.0 and rec(r, "B").wait_s == 90.0
+
+
+def test_oom_under_round_robin_but_not_load_aware():
+    # Two GPUs. A (8,000 MiB, 50 %) doubles... to 1.9x its ask halfway through
+    # (15,200 MiB). B (8,000 MiB, 20 %) is light. C (10,000 MiB, 30 %) arrives third.
+    # round_robin: A -> GPU0, B -> GPU1, C -> GPU0 (its turn); at t = 500 A grows
+    #   to 15,200 + 10,000 = 25,200 > 24,564 MiB: A is killed, resubmitted asking
+    #   15,200, which fits nowhere (GPU0: 10,000 + 15,200; GPU1: 8,000 + 15,200 >
+    #   20,879) until B ends at 1,010 and that shows at 1,012.4.
+    # load_aware: C goes to the lighter GPU1 (20 % + 30 % < 50 % + 30 %); A grows
+    #   alone on GPU0 (15,200 MiB): no kill.
+    tasks = [
+        task("A", 0, 1000, 8_000, share=0.5),
+        task("B", 10, 1000, 8_000, share=0.2),
+        task("C", 20, 1000, 10_000, share=0.3),
+    ]
+    memory = RatioMemory({"A": (1.0, 1.9)})
+    rr = run(tasks, TWO_4090, "round_robin", memory)
+    la = run(tasks, TWO_4090, "load_aware", memory)
+    assert rr.oom_kills == 1 and la.oom_kills == 0
+    a = rec(rr, "A")
+    assert (a.oom_kills, a.runs, a.state) == (1, 2, "completed")
+    assert a.first_start_s == 0.0
+    # queued from 500 to 1,012.4, then the whole 1,000 s again
+    assert a.wait_s == pytest.approx(1010 + VISIBLE - 500)
+    assert a.finish_s == pytest.approx(1010 + VISIBLE + 1000)
+    assert all(x.state == "completed" and x.runs == 1 for x in la.records)
+    assert rec(la, "A").finish_s == 1000.0
+
+
+def test_aging_lets_an_old_background_task_pass_a_new_interactive_one():
+    # X fills the GPU until 2,000. L (P3) waits from 1; H (P1) arrives at 1,500.
+    # Only one of them fits at a time. By 2,002.4 L has aged P3 -> P2 (600 s)
+    # -> P1 (300 s) -> P0 (30 s): it goes first, and H waits for L's end.
+    tasks = [
+        task("X", 0, 2000, 15_000, priority=Priority.P0),
+        task("L", 1, 100, 15_000, priority=Priority.P3),
+        task("H", 1500, 100, 15_000, priority=Priority.P1),
+    ]
+    aged = run(tasks, ONE_4090)
+    assert rec(aged, "L").first_start_s == pytest.approx(2000 + VISIBLE)
+    assert rec(aged, "H").first_start_s == pytest.approx(2000 + VISIBLE + 100 + VISIBLE)
+    # without aging (thresholds out of reach), the weighted rounds favour P1
+    frozen = run(tasks, ONE_4090, scheduler=SchedulerConfig(promote_after_s=(1e9, 1e9, 1e9)))
+    assert rec(frozen, "H").first_start_s == pytest.approx(2000 + VISIBLE)
+    assert rec(frozen, "L").first_start_s == pytest.approx(2000 + VISIBLE + 100 + VISIBLE)
+
+
+def test_p0_sla_miss_is_counted_once():
+    # P waits from 10 to 102.4 > 5 s: one SLA miss; the P0 blocker did not wait.
+    tasks = [task("X", 0, 100, 15_000, priority=Priority.P0), task("P", 10, 10, 15_000, priority=Priority.P0)]
+    r = run(tasks, ONE_4090)
+    assert r.sla_misses == 1
+    assert figures(r)["sla_misses"] == 1
+
+
+def test_speed_and_sharing_stretch_durations():
+    slow = [NodeFacts("slow", 1, model="X", memory_total_mib=24_000, speed=0.5)]
+    r = run([task("A", 0, 100, 1_000)], slow)
+    assert rec(r, "A").finish_s == 200.0
+    # two tasks asking 100 % each share one GPU: both progress at half rate
+    r = run([task("A", 0, 100, 1_000), task("B", 0, 100, 1_000)], ONE_4090)
+    assert rec(r, "A").finish_s == 200.0 and rec(r, "B").finish_s == 200.0
+    # 60 % + 40 % fits in 100 %: no slowdown
+    r = run([task("A", 0, 100, 1_000, share=0.6), task("B", 0, 100, 1_000, share=0.4)], ONE_4090)
+    assert rec(r, "A").finish_s == 100.0 and rec(r, "B").finish_s == 100.0
+
+
+def test_oom_at_start_raises_the_ask_until_it_cannot_fit():
+    # A really uses 1.25 x 20,000 = 25,000 MiB > 24,564: it dies the moment it
+    # starts; resubmitted asking 25,000 MiB it can fit no GPU (REJECTED): dropped.
+    r = run([task("A", 0, 100, 20_000)], ONE_4090, "load_aware", RatioMemory({"A": (1.25,)}))
+    a = rec(r, "A")
+    assert (r.oom_kills, a.oom_kills, a.state) == (1, 1, "dropped")
+    assert "vram_mib" in a.reason
+
+
+def test_oom_kills_stop_at_max_attempts():
+    # the round-robin case above with one run allowed: A is dropped at its kill
+    tasks = [
+        task("A", 0, 1000, 8_000, share=0.5),
+        task("B", 10, 1000, 8_000, share=0.2),
+        task("C", 20, 1000, 10_000, share=0.3),
+    ]
+    r = run(tasks, TWO_4090, "round_robin", RatioMemory({"A": (1.0, 1.9)}), max_attempts=1)
+    a = rec(r, "A")
+    assert (a.state, a.oom_kills, a.runs, a.reason) == ("dropped", 1, 1, "out of memory 1 times")
+    assert math.isnan(a.finish_s)
+    assert figures(r)["dropped"] == 1 and figures(r)["completed"] == 2
+
+
+def test_unplaceable_task_is_rejected():
+    r = run([task("big", 0, 10, 1_000, gpus=8)], homogeneous(2, 4))
+    assert rec(r, "big").state == "rejected"
+    assert figures(r)["rejected"] == 1
+
+
+def test_utilisation_figures_by_hand():
+    # Two GPUs, one task at 50 % for 100 s, all submitted at 0: window [0, 100].
+    r = run([task("A", 0, 100, 1_000, share=0.5)], TWO_4090)
+    f = figures(r)
+    assert r.window_s == 100.0
+    assert f["util_mean"] == pytest.approx(25.0)
+    assert f["util_std"] == pytest.approx(25.0) and f["util_var"] == pytest.approx(625.0)
+    assert f["util_std_inst"] == pytest.approx(25.0)
+    assert f["hottest_gpu_util"] == pytest.approx(50.0)
+    assert f["hottest_node_util"] == pytest.approx(25.0)
+    assert f["hottest_gpu_time_above_90"] == 0.0
+    r = run([task("A", 0, 100, 1_000, share=1.0)], TWO_4090)
+    assert figures(r)["hottest_gpu_time_above_90"] == 1.0
+
+
+def test_window_runs_from_first_percentile_to_last_submission():
+    # 200 tasks: the window opens at the 2nd task's submission (index 200 // 100)
+    tasks = [task(f"t{i}", 10 * i, 5, 1_000, share=1.0) for i in range(200)]
+    r = run(tasks, ONE_4090)
+    assert r.window_s == pytest.approx(1990 - 20)
+    # busy 5 s of every 10 s
+    assert figures(r)["util_mean"] == pytest.approx(50.0, abs=0.3)
+
+
+def test_wait_figures_by_class():
+    tasks = [task("A", 0, 100, 15_000), task("B", 10, 50, 15_000, priority=Priority.P0)]
+    f = figures(run(tasks, ONE_4090))
+    assert f["wait_s"]["P0"]["n"] == 1 and f["wait_s"]["P0"]["mean"] == pytest.approx(92.4)
+    assert f["wait_s"]["P2"]["mean"] == 0.0
+    assert f["wait_s"]["all"]["p50"] == pytest.approx(46.2)
+    assert f["jct_s"]["mean"] == pytest.approx((100 + 142.4) / 2)
+    assert f["slowdown"]["mean"] == pytest.approx((1 + 142.4 / 50) / 2)
+
+
+# ---- determinism and the memory model --------------------------------------------------------
+
+
+def _openb_like(n=300, seed=3):
+    rng = random.Random(seed)
+    out = []
+    t = 0.0
+    for i in range(n):
+        t += rng.expovariate(1 / 20)
+        share = rng.choice([1.0, 1.0, 0.46, 0.25, 0.81])
+        out.append(task(f"t{i}", t, rng.choice([30, 300, 3000]), 13_107.2 * share, share=share,
+                        priority=Priority(rng.randrange(4))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def genai():
+    try:
+        return GenAIMemory()
+    except FileNotFoundError:
+        pytest.skip("GenAI trace not available")
+
+
+def test_genai_ratios_are_seeded_and_plausible(genai):
+    t = task("x", 0, 3600, 10_000)
+    a = [genai.ratios(t, 0, np.random.default_rng(7)) for _ in range(3)]
+    assert a[0] == a[1] == a[2] and len(a[0]) == 4
+    short = genai.ratios(task("y", 0, 30, 10_000), 0, np.random.default_rng(1))
+    assert len(short) == 1
+    pooled = np.concatenate(genai.pods)
+    assert np.median(pooled) == pytest.approx(1.0, abs=0.01)
+    assert 1.05 < np.percentile(pooled, 95) < 1.3
+
+
+def test_same_seed_same_result_other_seed_other_draws(genai):
+    tasks = _openb_like()
+    nodes = homogeneous(2, 4)
+
+    def outcome(seed):
+        r = simulate(tasks, nodes, ["load_aware"], SimConfig(seed=seed, memory=genai))[0]
+        return [(x.task_id, x.first_start_s, x.finish_s, x.oom_kills) for x in r.records], r.oom_kills
+
+    assert outcome(1) == outcome(1)
+    assert outcome(1)[0] != outcome(2)[0]
+
+
+def test_every_policy_replays_the_same_memory_draws(genai):
+    tasks = _openb_like(100)
+    results = simulate(tasks, homogeneous(2, 4), ["round_robin", "load_aware"], SimConfig(memory=genai))
+    assert [r.policy for r in results] == ["round_robin", "load_aware"]
+    assert all(len(r.records) == 100 for r in results)
+
+
+# ---- the engine adapter -----------------------------------------------------------------------------
+
+
+def test_columnar_reservations_match_the_engine_on_random_sequences():
+    rng = random.Random(11)
+    uuids = [f"GPU-{i}" for i in range(12)]
+    base, fast = Reservations(), ColumnarReservations(uuids)
+    row_of = {u: i for i, u in enumerate(uuids)}
+    live: list[str] = []
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.4 or not live:
+            key = f"k{step}"
+            gpus = rng.sample(uuids, rng.choice([1, 1, 2, 4]))
+            used = [rng.choice([math.nan, rng.uniform(0, 20_000)]) for _ in gpus]
+            vram, util = rng.uniform(100, 8_000), rng.uniform(0, 100)
+            base.add(key, gpus, vram, util, used)
+            fast.add(key, gpus, vram, util, used)
+            live.append(key)
+        elif op < 0.7:
+            key = live.pop(rng.randrange(len(live)))
+            assert base.release(key) == fast.release(key)
+        elif op < 0.85:
+            # what the view's refresh does: effective() on one GPU
+            u = rng.choice(uuids)
+            reading, fresh = rng.uniform(0, 20_000), rng.random() < 0.8
+            gb, gf = base.gpu(u), fast.gpu(u)
+            assert (gb is None) == (gf is None)
+            if gb is not None:
+                assert gb.effective(reading, fresh) == gf.effective(reading, fresh)
+        else:
+            used = np.array([rng.choice([math.nan, rng.uniform(0, 20_000)]) for _ in uuids])
+            fresh = np.array([rng.random() < 0.8 for _ in uuids])
+            a, b = base.columns(row_of, used, fresh), fast.columns(row_of, used, fresh)
+            np.testing.assert_allclose(a.vram_mib, b.vram_mib, rtol=1e-12, atol=1e-9)
+            np.testing.assert_allclose(a.util_pct, b.util_pct, rtol=1e-12, atol=1e-9)
+            np.testing.assert_array_equal(a.leases, b.leases)
+    # a snapshot in another row order falls back to the base class's gather
+    shuffled = list(reversed(uuids))
+    other = {u: i for i, u in enumerate(shuffled)}
+    used = np.full(len(uuids), 1_000.0)
+    fresh = np.ones(len(uuids), dtype=bool)
+    np.testing.assert_allclose(base.columns(other, used, fresh).vram_mib, fast.columns(other, used, fresh).vram_mib)
+
+
+def test_adapter_does_not_change_the_outcome():
+    tasks = _openb_like(150)
+    nodes = homogeneous(2, 4)
+    a = simulate(tasks, nodes, ["load_aware"], SimConfig(memory="asked"))[0]
+    b = simulate(tasks, nodes, ["load_aware"], SimConfig(memory="asked", columnar_reservations=False))[0]
+    assert [(x.first_start_s, x.finish_s) for x in a.records] == [(x.first_start_s, x.finish_s) for x in b.records]
+
+
+# ---- saturation --------------------------------------------------------------------------------------
+
+
+def test_saturation_by_hand():
+    # Two 4090s; half-GPU tasks of 10,000 MiB: two fit a GPU (20,000 < 20,879),
+    # so four are placed and the fifth fails with 100 % arrived, nothing left over.
+    tasks = [task(f"h{i}", i, 10, 10_000, share=0.5) for i in range(3)]
+    s = saturate(tasks, TWO_4090, "binpack")
+    assert (s.placed, s.first_failure_task) == (4, "h1~c1")
+    assert s.arrived_at_first_failure == pytest.approx(1.0)
+    assert s.unallocated_at_first_failure == pytest.approx(0.0)
+    # 0.3-share tasks of 9,000 MiB: two a GPU (memory), 0.6 allocated: 40 % left unallocated
+    tasks = [task(f"s{i}", i, 10, 9_000, share=0.3) for i in range(5)]
+    s = saturate(tasks, TWO_4090, "load_aware")
+    assert s.placed == 4 and s.unallocated_at_first_failure == pytest.approx(0.4)
+    assert s.arrived_at_first_failure == pytest.approx(0.6)
+
+
+# ---- report and command line -----------------------------------------------------------------------
+
+
+def test_report_table_json_and_ratios():
+    tasks = [
+        task("A", 0, 1000, 8_000, share=0.5),
+        task("B", 10, 1000, 8_000, share=0.2),
+        task("C", 20, 1000, 10_000, share=0.3),
+    ]
+    results = simulate(tasks, TWO_4090, ["round_robin", "load_aware"], SimConfig(memory=RatioMemory({"A": (1.0, 1.9)})))
+    text = render(results, {"trace": "hand-made"})
+    assert "round_robin" in text and "load_aware" in text and "OOM kills" in text
+    doc = to_json(results, {"trace": "hand-made"})
+    json.dumps(doc, allow_nan=False)  # strictly valid JSON
+    rat = ratios([figures(r) for r in results])
+    assert rat["oom_kills"]["round_robin"] == 1 and rat["oom_kills"]["load_aware"] == 0
+    assert rat["oom_kills"]["beats_seed"] is True
+
+
+def test_command_line(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    write_trace([task("A", 0, 100, 15_000), task("B", 10, 50, 15_000)], trace)
+    cluster = tmp_path / "cluster.csv"
+    assert trace_main(["cluster", "homogeneous", "--hosts", "1", "--gpus", "1", str(cluster)]) == 0
+    capsys.readouterr()
+    code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "round_robin,load_aware",
+                          "--memory", "asked", "--json", "--no-progress", "--saturate"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [p["policy"] for p in doc["policies"]] == ["round_robin", "load_aware"]
+    assert doc["policies"][0]["wait_s"]["all"]["mean"] == pytest.approx(92.4 / 2)
+    assert "saturation" in doc["policies"][0]
+    # time scale halves every time
+    code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "load_aware",
+                          "--memory", "asked", "--json", "--no-progress", "--time-scale", "2"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["policies"][0]["makespan_s"] == pytest.approx(50 + VISIBLE + 25)
+    # bad input: a precise message, exit 2
+    bad = tmp_path / "bad.csv"
+    bad.write_text("task_id,submit_s\n")
+    assert simulate_main(["--trace", str(bad), "--cluster", str(cluster), "--no-progress"]) == 2
+    assert "required column is missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "fastest"])
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from scheduler.simreport import plot
+
+    tasks = [task(f"t{i}", 5 * i, 20, 6_000, share=0.5) for i in range(20)]
+    results = simulate(tasks, TWO_4090, ["round_robin", "load_aware"], SimConfig(memory="asked"))
+    written = plot(results, tmp_path / "plots")
+    assert sorted(p.split("/")[-1] for p in written) == ["heatmap_load_aware.png", "heatmap_round_robin.png", "wait_cdf.png"]
+
+
+def test_cluster_convert_and_trace_convert_commands(tmp_path):
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,2,T4\nn1,1,1,8,G2\n")
+    out = tmp_path / "cluster.csv"
+    assert trace_main(["cluster", "convert", "openb", str(nodes), str(out)]) == 0
+    assert out.read_text().startswith("node_id,gpus,model,vram_mib_per_gpu,speed\nn0,2,T4,15360,")
+    pods = tmp_path / "pods.csv"
+    pods.write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
+        "p0,1,1,1,500,,LS,Succeeded,10,110,20\n"
+    )
+    trace = tmp_path / "trace.csv"
+    assert trace_main(["trace", "convert", "openb", str(pods), str(trace), "--time-scale", "10"]) == 0
+    assert trace.read_text().splitlines()[1] == "p0,0,9,1,6553.6,0.5,P0,inference"
+    assert trace_main(["trace", "convert", "openb", str(tmp_path / "missing.csv"), str(trace)]) == 2
