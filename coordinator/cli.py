@@ -188,6 +188,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 @command("bench")
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "schedule":
+        from coordinator.schedbench import run_sched_bench
+
+        return run_sched_bench(args)
     if args.what == "ingest":
         from coordinator.ingestbench import run_ingest_bench
 
@@ -229,14 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("--reason", help="free text, logged by the coordinator")
         action.add_argument("--json", action="store_true")
 
-    demo = sub.add_parser("demo", help="run a coordinator and simulated agents on loopback")
-    demo.add_argument("--agents", type=int, default=3, help="simulated hosts")
-    demo.add_argument("--gpus-per-agent", type=int, default=4)
-    demo.add_argument("--duration", type=float, default=4.0, help="s to stream before the summary")
-    demo.add_argument("--no-live", action="store_true", help="no live table (logs and CI)")
+    from coordinator.demo import add_demo_arguments
+
+    add_demo_arguments(sub.add_parser("demo", help="run a coordinator and simulated agents on loopback, and balance a workload"))
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=("wire", "ingest"), help="wire: bytes per GPU-sample; ingest: coordinator throughput")
+    bench.add_argument(
+        "what",
+        choices=("wire", "ingest", "schedule"),
+        help="wire: bytes per GPU-sample; ingest: telemetry throughput; schedule: placements/s and latency",
+    )
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--samples", type=int, default=600, help="wire: sampling rounds per scenario")
     bench.add_argument("--gpus", type=int, default=8, help="GPUs per host")
@@ -245,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--duration", type=float, default=20.0, help="ingest: measured s")
     bench.add_argument("--warmup", type=float, default=10.0, help="ingest: s before measuring")
     bench.add_argument("--channels", type=int, default=25, help="ingest: HTTP/2 connections the generator spreads streams over")
+    bench.add_argument("--nodes", default="1000,5000", help="schedule: comma-separated synthetic cluster sizes (8 GPUs each)")
+    bench.add_argument("--clients", type=int, default=16, help="schedule: concurrent submitting clients")
+    bench.add_argument("--requests", type=int, default=3000, help="schedule: ScheduleTask calls per size")
     return p
 
 

@@ -21,7 +21,14 @@ from coordinator.tables import fmt, render_table
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
 
-__all__ = ["run_demo", "free_port", "ProcessGroup"]
+__all__ = ["run_demo", "free_port", "ProcessGroup", "add_demo_arguments"]
+
+
+def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
+    demo.add_argument("--agents", type=int, default=3, help="simulated hosts")
+    demo.add_argument("--gpus-per-agent", type=int, default=4)
+    demo.add_argument("--duration", type=float, default=4.0, help="s to stream before the summary")
+    demo.add_argument("--no-live", action="store_true", help="no live table (logs and CI)")
 
 
 def free_port() -> int:

@@ -24,13 +24,16 @@ from coordinator.ingest import TelemetryIngest
 from coordinator.liveness import Liveness, LivenessEvent, LivenessSweeper, NodeLiveness, UnknownNode
 from coordinator.metrics import CoordinatorMetrics, MetricsServer
 from coordinator.operator import ClusterOperatorService
+from coordinator.scheduling import Dispatcher, SchedulerService
 from coordinator.view import SIGNALS, ClusterView, NodeRecord, SignalSettings
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
 from protos import tasks_pb2 as tpb
+from protos import tasks_pb2_grpc as tpb_grpc
 from protos import telemetry_pb2 as pb
 from protos import telemetry_pb2_grpc as pb_grpc
 from protos.codec import DecodeResult
+from scheduler.config import SchedulerConfig
 
 __all__ = ["Coordinator"]
 
@@ -44,7 +47,13 @@ SERVICE_NAMES = (
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = cfg = config or CoordinatorConfig()
         self.clock = clock
         self.view = ClusterView(
@@ -58,6 +67,8 @@ class Coordinator:
         self.gateway = AgentGateway(self, clock=clock)
         self.operator = ClusterOperatorService(self)
         self.metrics = CoordinatorMetrics(self)
+        self.dispatcher = Dispatcher(self, scheduler_config or SchedulerConfig(), clock)
+        self.scheduler_service = SchedulerService(self)
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -102,7 +113,7 @@ class Coordinator:
             log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
         self._sweeper.start()
         self._smoother = asyncio.create_task(self._smoothing_loop(), name="gpulb-smoothing")
-        await self._started()
+        self.dispatcher.start()
         for name in ("",) + self.service_names():
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
         host = cfg.listen.rsplit(":", 1)[0]
@@ -119,6 +130,7 @@ class Coordinator:
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         self._server = None
         await self._sweeper.stop()
+        await self.dispatcher.stop()
         if self._smoother is not None:
             self._smoother.cancel()
             try:
@@ -129,21 +141,13 @@ class Coordinator:
         if self._metrics_server is not None:
             await self._metrics_server.stop()
             self._metrics_server = None
-        await self._stopped()
         log.info("coordinator_stopped")
 
-    # Extension points the scheduler layer overrides.
     def _add_services(self, server: grpc.aio.Server) -> None:
-        return None
+        tpb_grpc.add_SchedulerServicer_to_server(self.scheduler_service, server)
 
     def service_names(self) -> tuple[str, ...]:
-        return SERVICE_NAMES[:2]
-
-    async def _started(self) -> None:
-        return None
-
-    async def _stopped(self) -> None:
-        return None
+        return SERVICE_NAMES
 
     async def wait(self) -> None:
         if self._server is not None:
@@ -154,11 +158,34 @@ class Coordinator:
         if asyncio.iscoroutine(result):
             await result
 
-    # ---- security hooks (tokens and mTLS come later) -----------------------
-    def authorize(self, context, *, admin: bool) -> None:
+    # ---- security and durability hooks ---------------------------------------
+    def authorize(self, context, *, admin: bool):
+        """The caller's identity (None: no authentication configured)."""
         return None
 
     def authorize_node(self, node_id: str, context) -> None:
+        return None
+
+    def tenant_spec(self, identity, spec):
+        """A tenant's token fixes the task's tenant."""
+        return spec
+
+    def admit_submission(self, identity, spec) -> None:
+        return None
+
+    async def check_owner(self, identity, task, context) -> None:
+        return None
+
+    def visible_tenant(self, identity, requested: str) -> str:
+        return requested
+
+    def task_accepted(self, task) -> None:
+        return None
+
+    def task_changed_durably(self, task) -> None:
+        return None
+
+    def policy_changed(self, info) -> None:
         return None
 
     # ---- agent stream hooks -------------------------------------------------
@@ -167,6 +194,7 @@ class Coordinator:
         self.ingest.forget_node(reg.node_id)  # deltas of the old stream are void
         node = self.view.register(reg, now)
         self.liveness.register(reg.node_id)
+        self.dispatcher.snapshots.liveness_changed()
         log.info("node_registered", node_id=reg.node_id, gpus=len(reg.gpus), backend=reg.backend, peer=session.peer)
         return node
 
@@ -183,6 +211,7 @@ class Coordinator:
             self.liveness.disconnected(node_id)
         except UnknownNode:
             pass
+        self.dispatcher.snapshots.liveness_changed()
         log.info("node_disconnected", node_id=node_id)
 
     def batch_applied(self, node: NodeRecord, result: DecodeResult, batch: pb.MetricBatch, now_s: float) -> None:
@@ -193,6 +222,8 @@ class Coordinator:
             if any(r.node_id == node.node_id for r in outcome.rejected):
                 return
             self.liveness.keyframe_applied(node.node_id)
+            self.dispatcher.snapshots.liveness_changed()
+            self.dispatcher.request()
         else:
             self.ingest.add_delta(node, result.rows, batch, now_s)
         if batch.HasField("host_io"):
@@ -207,17 +238,21 @@ class Coordinator:
         self.view_changed(node)
 
     def view_changed(self, node: NodeRecord) -> None:
-        """New readings arrived for ``node`` (the scheduler hooks dispatch here)."""
-        return None
+        """New readings arrived for ``node``: they may have freed room."""
+        self.dispatcher.view_changed()
 
     def task_event(self, node_id: str, event: pb.TaskEvent) -> None:
         log.info("task_event", node_id=node_id, task_id=event.task_id, kind=pb.TaskEventKind.Name(event.kind))
+        self.dispatcher.task_event(node_id, event)
 
     def node_admin(self, node_id: str, action: str, reason: str = "") -> None:
         """Operator levers: cordon (no new tasks), drain (no new tasks, running
         ones finish), uncordon."""
         getattr(self.liveness, action)(node_id)
+        self.dispatcher.snapshots.liveness_changed()
         self.view.version += 1
+        if action == "uncordon":
+            self.dispatcher.request()
         log.info("node_admin", node_id=node_id, action=action, reason=reason)
 
     def envelope_bytes(self, size: int) -> None:
@@ -226,6 +261,7 @@ class Coordinator:
         self._bytes_received += size
 
     async def _on_liveness_events(self, events: list[LivenessEvent]) -> None:
+        self.dispatcher.snapshots.liveness_changed()
         for event in events:
             self.metrics.node_transitions.labels(event.new.name.lower()).inc()
             log.info("node_state", node_id=event.node_id, old=event.old.name if event.old else None, new=event.new.name)
@@ -236,6 +272,7 @@ class Coordinator:
         """Three missed heartbeat intervals: the node leaves the pool and the view."""
         self.ingest.forget_node(node_id)
         self.view.remove(node_id)
+        self.dispatcher.node_removed(node_id)
         session = self.gateway.sessions.get(node_id)
         if session is not None:
             session.close(grpc.StatusCode.FAILED_PRECONDITION, f"node {node_id} was removed after missing heartbeats; register again")
@@ -317,18 +354,18 @@ class Coordinator:
         )
 
     def node_extras(self, node: NodeRecord, msg: cpb.Node) -> None:
-        """Scheduler facts about a node (active tasks); the scheduler layer fills them."""
-        return None
+        facts = self.gpu_scheduler_facts()
+        msg.active_tasks = sum(facts[g.uuid][1] for g in node.gpus if g.uuid in facts)
 
     def smoothed_columns(self) -> dict[str, np.ndarray]:
         return {name: self.view.smoothed(name) for name in ("util_gpu_pct", "memory_used_mib", "temperature_c", "power_w")}
 
     def gpu_scheduler_facts(self) -> dict[str, tuple[float, int]]:
-        """GPU uuid -> (reserved MiB, active tasks); the scheduler layer fills it."""
-        return {}
+        """GPU uuid -> (reserved MiB, tasks leased on it)."""
+        return self.dispatcher.gpu_facts()
 
     def scheduler_metric_families(self):
-        return []
+        return self.dispatcher.metric_families()
 
     def gpu_flags(self, row: int, msg: cpb.Gpu) -> None:
         flagged = self.view.signals.flagged[row]

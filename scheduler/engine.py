@@ -171,6 +171,20 @@ class Scheduler:
     def last_snapshot(self) -> ClusterSnapshot | None:
         return self._last_snapshot
 
+    @property
+    def reservations(self) -> Reservations:
+        """The live reservation stack (read it; change it only through the scheduler)."""
+        return self._reservations
+
+    def queued(self) -> int:
+        """Tasks waiting in the queue, all classes."""
+        return sum(self._queue.depths())
+
+    @property
+    def sla_misses(self) -> int:
+        """P0 tasks that waited past the SLA bound, since start."""
+        return self._queue.sla_misses
+
     # ---- submit -------------------------------------------------------------------------
     def submit(self, spec: TaskSpec, snapshot: ClusterSnapshot | None = None) -> Task:
         """Queue a task, or return the existing one for a repeat of the same spec.

@@ -1,0 +1,427 @@
+"""Scheduling inside the coordinator: the dispatcher that runs the scheduler
+library over the live view, and the thin ``gpulb.v1.Scheduler`` servicer.
+
+Dispatch runs on the coordinator's event loop whenever something may have
+freed or added work - a submission, a completion or release, new readings -
+and at least every ``dispatch_interval_s``; requests coalesce, so a burst of
+100 submissions is placed in one pass whose reservations keep any two
+placements off the same free memory. Placed tasks are sent to their node's
+agent over its stream, with a request for fast sampling so the reservation
+gives way to real readings quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Callable
+
+import grpc
+import structlog
+from prometheus_client.core import GaugeMetricFamily
+
+from coordinator.snapshots import SnapshotBuilder
+from coordinator.taskconvert import WallClock, priority_to_proto, spec_from_proto, task_to_proto
+from protos import tasks_pb2 as tpb
+from protos import tasks_pb2_grpc as tpb_grpc
+from protos import telemetry_pb2 as pb
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Scheduler
+from scheduler.errors import (
+    InvalidArgument,
+    InvalidTask,
+    NotLeaseHolder,
+    SchedulerError,
+    TaskConflict,
+    TaskFinished,
+    UnknownTask,
+)
+from scheduler.task import Priority, Task, TaskState
+
+if TYPE_CHECKING:
+    from coordinator.server import Coordinator
+
+__all__ = ["Dispatcher", "SchedulerService", "status_of"]
+
+log = structlog.get_logger("gpulb.scheduler")
+
+_CODES: list[tuple[type, grpc.StatusCode]] = [
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (TaskConflict, grpc.StatusCode.ALREADY_EXISTS),
+    (UnknownTask, grpc.StatusCode.NOT_FOUND),
+    (NotLeaseHolder, grpc.StatusCode.FAILED_PRECONDITION),
+    (TaskFinished, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def status_of(exc: SchedulerError) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status for a scheduler error, its message naming the field."""
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            message = str(exc)
+            if isinstance(exc, InvalidTask):
+                message = f"spec.{message}"
+            return code, message
+    return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+
+
+class Dispatcher:
+    """Owns the scheduler engine inside the coordinator."""
+
+    def __init__(self, coordinator: "Coordinator", config: SchedulerConfig, clock: Callable[[], float]) -> None:
+        self.c = coordinator
+        self.clock = clock
+        self.wall = WallClock(clock)
+        self.engine = Scheduler(config, clock=clock)
+        self.snapshots = SnapshotBuilder(
+            coordinator.view,
+            schedulable=coordinator.liveness.schedulable,
+            staleness_s=coordinator.config.staleness_s,
+            clock=clock,
+        )
+        self.engine.add_listener(self._on_change)
+        self._waiters: dict[str, list[asyncio.Future]] = {}
+        self._watchers: dict[str, set[asyncio.Queue]] = {}
+        self._last_state: dict[str, TaskState] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self.interval_s = coordinator.config.dispatch_interval_s
+        self._last_view_dispatch = 0.0
+        self._sla_misses_seen = 0
+
+    # ---- lifecycle ---------------------------------------------------------
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._loop(), name="gpulb-dispatch")
+
+    async def stop(self) -> None:
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    def request(self) -> None:
+        """Ask for a dispatch pass soon (coalesces with other requests)."""
+        self._wake.set()
+
+    def view_changed(self) -> None:
+        # New readings may free room, but a pass per envelope would be wasted:
+        # at most every 100 ms, and only when something waits.
+        now = self.clock()
+        if now - self._last_view_dispatch >= 0.1 and self.engine.queued() > 0:
+            self._last_view_dispatch = now
+            self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self.dispatch_now()
+            except Exception:  # a bad pass must not stop scheduling for good
+                log.exception("dispatch_failed")
+
+    def dispatch_now(self) -> list[Task]:
+        started = time.perf_counter()
+        snapshot = self.snapshots.snapshot()
+        placed = self.engine.dispatch(snapshot)
+        self.engine.expire_leases()
+        self.c.metrics.decision_seconds.observe(time.perf_counter() - started)
+        misses = self.engine.sla_misses
+        if misses > self._sla_misses_seen:
+            self.c.metrics.sla_misses.inc(misses - self._sla_misses_seen)
+            self._sla_misses_seen = misses
+        return placed
+
+    # ---- listener: every task change ---------------------------------------
+    def _on_change(self, task: Task) -> None:
+        previous = self._last_state.get(task.task_id)
+        state = task.state
+        if state != previous:
+            self._transition(task, previous)
+        if task.terminal:
+            self._last_state.pop(task.task_id, None)
+        else:
+            self._last_state[task.task_id] = state
+        for queue in list(self._watchers.get(task.task_id, ())):
+            try:
+                queue.put_nowait(task)
+            except asyncio.QueueFull:
+                pass
+        if state != TaskState.QUEUED:
+            for future in self._waiters.pop(task.task_id, []):
+                if not future.done():
+                    future.set_result(task)
+
+    def _transition(self, task: Task, previous: TaskState | None) -> None:
+        metrics = self.c.metrics
+        a = task.assignment
+        if task.state == TaskState.LEASED and a is not None:
+            metrics.tasks_placed.labels(a.score.policy, task.spec.priority.name).inc()
+            metrics.queue_wait.labels(task.spec.priority.name).observe(max(0.0, a.placed_at - task.queued_at))
+            self._send_placement(task)
+            log.info("task_placed", task_id=task.task_id, node_id=a.node_id, gpus=list(a.gpu_indices),
+                     policy=a.score.policy, score=round(a.score.total, 4))
+        if task.terminal:
+            metrics.tasks_finished.labels(task.state.name.lower()).inc()
+        if previous == TaskState.LEASED and task.state != TaskState.LEASED and a is not None:
+            session = self.c.gateway.sessions.get(a.node_id)
+            if session is not None and task.state != TaskState.LOST:
+                session.send(pb.CoordinatorMessage(release=pb.TaskRelease(task_id=task.task_id, reason=task.state.name.lower())))
+            self.request()  # room was freed
+
+    def _send_placement(self, task: Task) -> None:
+        a = task.assignment
+        session = self.c.gateway.sessions.get(a.node_id)
+        if session is None:
+            return
+        spec = task.spec
+        session.send(
+            pb.CoordinatorMessage(
+                place=pb.TaskPlacement(
+                    task_id=spec.task_id,
+                    gpu_index=list(a.gpu_indices),
+                    vram_mib=int(spec.vram_mib),
+                    gpu_share=spec.gpu_share,
+                    duration_s=spec.duration_s,
+                    kind=spec.kind,
+                )
+            )
+        )
+        # Sample fast for a while so the reservation meets real readings soon.
+        session.send(pb.CoordinatorMessage(sampling_hint=pb.SamplingHint(interval_ms=200, duration_ms=10_000)))
+
+    # ---- agent events --------------------------------------------------------
+    def task_event(self, node_id: str, event: pb.TaskEvent) -> None:
+        try:
+            task = self.engine.get(event.task_id)
+        except UnknownTask:
+            return
+        a = task.assignment
+        if a is None or a.node_id != node_id or task.state != TaskState.LEASED:
+            return  # a late event for a task that moved on, or from the wrong node
+        if event.kind == pb.TASK_EVENT_KIND_STARTED:
+            observed = max(0.0, self.clock() - a.placed_at)
+            old = self.snapshots.response_time_s.get(node_id)
+            self.snapshots.response_time_s[node_id] = observed if old is None else 0.8 * old + 0.2 * observed
+        elif event.kind in (pb.TASK_EVENT_KIND_FINISHED, pb.TASK_EVENT_KIND_FAILED, pb.TASK_EVENT_KIND_OOM_KILLED):
+            failed = event.kind != pb.TASK_EVENT_KIND_FINISHED
+            self.engine.complete(task.task_id, a.lease_id, failed=failed)
+            if event.kind == pb.TASK_EVENT_KIND_OOM_KILLED:
+                self.oom_kills += 1
+            log.info("task_ended_on_node", task_id=task.task_id, node_id=node_id, kind=pb.TaskEventKind.Name(event.kind), detail=event.detail)
+
+    oom_kills = 0
+
+    def node_removed(self, node_id: str) -> None:
+        lost = self.engine.node_removed(node_id)
+        if lost:
+            log.warning("tasks_lost", node_id=node_id, tasks=[t.task_id for t in lost])
+        self.request()
+
+    # ---- waiting and watching ------------------------------------------------
+    async def wait_placed(self, task_id: str, timeout_s: float | None) -> Task:
+        task = self.engine.get(task_id)
+        if task.state != TaskState.QUEUED:
+            return task
+        future = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(task_id, []).append(future)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            return self.engine.get(task_id)
+        finally:
+            waiters = self._waiters.get(task_id)
+            if waiters is not None and future in waiters:
+                waiters.remove(future)
+                if not waiters:
+                    del self._waiters[task_id]
+
+    def watch(self, task_id: str) -> tuple[asyncio.Queue, Callable[[], None]]:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=256)
+        self._watchers.setdefault(task_id, set()).add(queue)
+
+        def unsubscribe() -> None:
+            watchers = self._watchers.get(task_id)
+            if watchers is not None:
+                watchers.discard(queue)
+                if not watchers:
+                    del self._watchers[task_id]
+
+        return queue, unsubscribe
+
+    # ---- facts for the operator API and metrics ------------------------------
+    def gpu_facts(self) -> dict[str, tuple[float, int]]:
+        reservations = self.engine.reservations
+        out: dict[str, tuple[float, int]] = {}
+        for uuid in reservations.reserved_gpus():
+            gpu = reservations.gpu(uuid)
+            if gpu is not None and gpu.members:
+                out[uuid] = (gpu.vram_mib, len(gpu.members))
+        return out
+
+    def metric_families(self):
+        summary = self.engine.queue_summary()
+        depth = GaugeMetricFamily("gpulb_queue_depth", "Queued tasks by priority class", labels=["priority"])
+        oldest = GaugeMetricFamily("gpulb_queue_oldest_wait_seconds", "Wait of the oldest queued task by class", labels=["priority"])
+        for cls in summary.classes:
+            depth.add_metric([cls.priority.name], cls.depth)
+            oldest.add_metric([cls.priority.name], cls.oldest_wait_s if cls.depth else 0.0)
+        counts: dict[str, int] = {state.name.lower(): 0 for state in TaskState}
+        for task in self.engine.tasks(limit=10**9):
+            counts[task.state.name.lower()] += 1
+        tasks = GaugeMetricFamily("gpulb_tasks", "Tasks the coordinator knows, by state", labels=["state"])
+        for state, count in counts.items():
+            tasks.add_metric([state], count)
+        return [depth, oldest, tasks]
+
+
+class SchedulerService(tpb_grpc.SchedulerServicer):
+    """gpulb.v1.Scheduler: decode, call the dispatcher's engine, encode."""
+
+    def __init__(self, coordinator: "Coordinator") -> None:
+        self.c = coordinator
+
+    @property
+    def d(self) -> Dispatcher:
+        return self.c.dispatcher
+
+    def _proto(self, task: Task) -> tpb.Task:
+        return task_to_proto(task, self.d.wall)
+
+    async def _fail(self, context, exc: SchedulerError):
+        code, message = status_of(exc)
+        await context.abort(code, message)
+
+    async def ScheduleTask(self, request: tpb.ScheduleTaskRequest, context) -> tpb.ScheduleTaskResponse:
+        identity = self.c.authorize(context, admin=False)
+        try:
+            spec = spec_from_proto(request.spec)
+            spec = self.c.tenant_spec(identity, spec)
+            self.c.admit_submission(identity, spec)
+            task = self.d.engine.submit(spec, self.d.snapshots.snapshot())
+        except SchedulerError as exc:
+            await self._fail(context, exc)
+        if task.state == TaskState.REJECTED:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"spec: rejected, {task.reason}")
+        self.c.task_accepted(task)
+        self.d.request()
+        wait = request.wait if request.HasField("wait") else True
+        if wait and task.state == TaskState.QUEUED:
+            remaining = context.time_remaining()
+            timeout = None if remaining is None else max(0.0, remaining - 0.05)
+            if spec.deadline_s > 0:
+                timeout = spec.deadline_s + 0.05 if timeout is None else min(timeout, spec.deadline_s + 0.05)
+            task = await self.d.wait_placed(spec.task_id, timeout)
+        return tpb.ScheduleTaskResponse(task=self._proto(task))
+
+    async def GetTask(self, request: tpb.GetTaskRequest, context) -> tpb.Task:
+        identity = self.c.authorize(context, admin=False)
+        try:
+            task = self.d.engine.get(request.task_id)
+        except SchedulerError as exc:
+            await self._fail(context, exc)
+        await self.c.check_owner(identity, task, context)
+        return self._proto(task)
+
+    async def ListTasks(self, request: tpb.ListTasksRequest, context) -> tpb.ListTasksResponse:
+        identity = self.c.authorize(context, admin=False)
+        if request.state not in tpb.TaskState.values():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"state: unknown task state {request.state}")
+        state = TaskState(request.state) if request.state else None
+        tenant = self.c.visible_tenant(identity, request.tenant)
+        tasks = self.d.engine.tasks(state=state, tenant=tenant, limit=request.limit or 1000)
+        return tpb.ListTasksResponse(tasks=[self._proto(t) for t in tasks])
+
+    async def WatchTask(self, request: tpb.WatchTaskRequest, context):
+        identity = self.c.authorize(context, admin=False)
+        try:
+            task = self.d.engine.get(request.task_id)
+        except SchedulerError as exc:
+            await self._fail(context, exc)
+        await self.c.check_owner(identity, task, context)
+        queue, unsubscribe = self.d.watch(request.task_id)
+        try:
+            yield self._proto(self.d.engine.get(request.task_id))
+            if task.terminal:
+                return
+            while True:
+                update = await queue.get()
+                yield self._proto(update)
+                if update.terminal:
+                    return
+        finally:
+            unsubscribe()
+
+    async def _owned(self, identity, task_id: str, context) -> Task:
+        try:
+            task = self.d.engine.get(task_id)
+        except SchedulerError as exc:
+            await self._fail(context, exc)
+        await self.c.check_owner(identity, task, context)
+        return task
+
+    async def CompleteTask(self, request: tpb.CompleteTaskRequest, context) -> tpb.CompleteTaskResponse:
+        identity = self.c.authorize(context, admin=False)
+        await self._owned(identity, request.task_id, context)
+        try:
+            task = self.d.engine.complete(request.task_id, request.lease_id, failed=request.failed)
+        except SchedulerError as exc:
+            await self._fail(context, exc)
+        self.c.task_changed_durably(task)
+        return tpb.CompleteTaskResponse(task=self._proto(task))
+
+    async def CancelTask(self, request: tpb.CancelTaskRequest, context) -> tpb.CancelTaskResponse:
+        identity = self.c.authorize(context, admin=False)
+        await self._owned(identity, request.task_id, context)
+        try:
+            task = self.d.engine.cancel(request.task_id, request.reason)
+        except SchedulerError as exc:
+            await self._fail(context, exc)
+        self.c.task_changed_durably(task)
+        return tpb.CancelTaskResponse(task=self._proto(task))
+
+    async def RenewLease(self, request: tpb.RenewLeaseRequest, context) -> tpb.RenewLeaseResponse:
+        identity = self.c.authorize(context, admin=False)
+        await self._owned(identity, request.task_id, context)
+        try:
+            task = self.d.engine.renew(request.task_id, request.lease_id, request.extend_s)
+        except SchedulerError as exc:
+            await self._fail(context, exc)
+        self.c.task_changed_durably(task)
+        return tpb.RenewLeaseResponse(task=self._proto(task))
+
+    async def GetQueue(self, request: tpb.GetQueueRequest, context) -> tpb.GetQueueResponse:
+        self.c.authorize(context, admin=False)
+        summary = self.d.engine.queue_summary()
+        return tpb.GetQueueResponse(
+            classes=[
+                tpb.QueueClass(priority=priority_to_proto(c.priority), depth=c.depth, oldest_wait_s=c.oldest_wait_s if c.depth else 0.0)
+                for c in summary.classes
+            ],
+            head=[self._proto(t) for t in summary.head],
+            sla_misses=summary.sla_misses,
+            placed=summary.placed,
+        )
+
+    async def GetPolicy(self, request: tpb.GetPolicyRequest, context) -> tpb.Policy:
+        self.c.authorize(context, admin=False)
+        info = self.d.engine.get_policy()
+        return tpb.Policy(name=info.name, weights=dict(info.weights), available=list(info.available))
+
+    async def SetPolicy(self, request: tpb.SetPolicyRequest, context) -> tpb.Policy:
+        self.c.authorize(context, admin=True)
+        try:
+            info = self.d.engine.set_policy(request.name, dict(request.weights))
+        except SchedulerError as exc:
+            await self._fail(context, exc)
+        self.c.policy_changed(info)
+        log.info("policy_set", policy=info.name, weights=dict(info.weights))
+        self.d.request()
+        return tpb.Policy(name=info.name, weights=dict(info.weights), available=list(info.available))
