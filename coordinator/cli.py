@@ -19,6 +19,8 @@ from google.protobuf.json_format import MessageToDict
 from coordinator.tables import fmt, render_table
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
+from protos import tasks_pb2 as tpb
+from protos import tasks_pb2_grpc as tpb_grpc
 from protos import telemetry_pb2 as pb
 
 __all__ = ["main", "build_parser"]
@@ -179,6 +181,175 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _task_state(state: int) -> str:
+    return tpb.TaskState.Name(state).removeprefix("TASK_STATE_").lower()
+
+
+def _priority(value: int) -> str:
+    return tpb.Priority.Name(value).removeprefix("PRIORITY_") if value else "P2"
+
+
+def _task_rows(tasks) -> list[list]:
+    import time
+
+    now = time.time_ns()
+    rows = []
+    for t in tasks:
+        a = t.assignment
+        placed = a.node_id and a.placed_at_ns
+        wait = ((a.placed_at_ns if placed else now) - t.submitted_at_ns) / 1e9 if t.submitted_at_ns else None
+        rows.append([
+            t.spec.task_id,
+            t.spec.tenant or "-",
+            _priority(t.spec.priority),
+            _priority(t.effective_priority),
+            t.spec.kind or "-",
+            _task_state(t.state),
+            t.spec.num_gpus,
+            f"{t.spec.vram_mib / 1024:.1f}",
+            f"{a.node_id}:{','.join(map(str, a.gpu_index))}" if a.node_id else "-",
+            fmt(wait, 2),
+            t.reason or "",
+        ])
+    return rows
+
+
+_TASK_HEADERS = ["TASK", "TENANT", "PRIO", "EFF", "KIND", "STATE", "GPUS", "GiB/GPU", "PLACED ON", "WAIT s", "REASON"]
+
+
+def _labels(pairs: list[str] | None, flag: str) -> dict[str, str]:
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"gpulb: {flag} takes KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
+@command("submit")
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Submit a task; by default wait for its placement and print the assignment."""
+    import uuid
+
+    spec = tpb.TaskSpec(
+        task_id=args.id or f"task-{uuid.uuid4().hex[:12]}",
+        tenant=args.tenant or "",
+        priority=tpb.Priority.Value(f"PRIORITY_{args.priority.upper()}"),
+        kind=args.kind or "",
+        num_gpus=args.gpus,
+        vram_mib=int(round(args.vram_gib * 1024)) if args.vram_gib is not None else args.vram_mib,
+        gpu_share=args.share,
+        duration_s=args.duration,
+        gpu_spec=args.gpu_spec or "",
+        needs_nvlink=args.nvlink,
+        io_heavy=args.io_heavy,
+        movable=args.movable,
+        deadline_s=args.deadline,
+        labels=_labels(args.label, "--label"),
+        required_node_labels=_labels(args.require_label, "--require-label"),
+        preferred_node_labels=_labels(args.prefer_label, "--prefer-label"),
+    )
+    with _channel(args) as ch:
+        task = tpb_grpc.SchedulerStub(ch).ScheduleTask(
+            tpb.ScheduleTaskRequest(spec=spec, wait=not args.no_wait), timeout=args.timeout
+        ).task
+    if args.json:
+        _print_json([task])
+        return 0
+    print(render_table(_TASK_HEADERS, _task_rows([task])))
+    a = task.assignment
+    if a.node_id:
+        print(f"lease {a.lease_id}, expires in {(a.lease_expires_at_ns - a.placed_at_ns) / 1e9:.0f} s; "
+              f"GPU uuids {', '.join(a.gpu_uuid)}")
+        terms = ", ".join(f"{k}={v:.3f}" for k, v in sorted(a.score.terms.items()))
+        print(f"chosen by {a.score.policy}: score {a.score.total:.3f} ({terms}) among {a.score.candidates} candidates")
+    return 0
+
+
+@command("tasks")
+def cmd_tasks(args: argparse.Namespace) -> int:
+    state = tpb.TaskState.Value(f"TASK_STATE_{args.state.upper()}") if args.state else 0
+    with _channel(args) as ch:
+        tasks = tpb_grpc.SchedulerStub(ch).ListTasks(
+            tpb.ListTasksRequest(state=state, tenant=args.tenant or "", limit=args.limit), timeout=args.timeout
+        ).tasks
+    if args.json:
+        _print_json(tasks)
+    else:
+        print(render_table(_TASK_HEADERS, _task_rows(tasks)))
+    return 0
+
+
+@command("queue")
+def cmd_queue(args: argparse.Namespace) -> int:
+    with _channel(args) as ch:
+        queue = tpb_grpc.SchedulerStub(ch).GetQueue(tpb.GetQueueRequest(), timeout=args.timeout)
+    if args.json:
+        print(json.dumps(MessageToDict(queue, preserving_proto_field_name=True), indent=2))
+        return 0
+    print(render_table(["CLASS", "DEPTH", "OLDEST WAIT s"], [[_priority(c.priority), c.depth, fmt(c.oldest_wait_s, 1)] for c in queue.classes]))
+    print(f"placed since start: {queue.placed}; P0 SLA misses: {queue.sla_misses}")
+    if queue.head:
+        print("\nnext in dispatch order:")
+        print(render_table(_TASK_HEADERS, _task_rows(queue.head)))
+    return 0
+
+
+@command("policy")
+def cmd_policy(args: argparse.Namespace) -> int:
+    with _channel(args) as ch:
+        stub = tpb_grpc.SchedulerStub(ch)
+        if args.action == "set":
+            weights = {}
+            for pair in (args.weights or "").split(","):
+                if not pair:
+                    continue
+                key, sep, value = pair.partition("=")
+                try:
+                    weights[key] = float(value)
+                except ValueError:
+                    raise SystemExit(f"gpulb: --weights takes TERM=NUMBER pairs, got {pair!r}") from None
+            policy = stub.SetPolicy(tpb.SetPolicyRequest(name=args.name or "", weights=weights), timeout=args.timeout)
+        else:
+            policy = stub.GetPolicy(tpb.GetPolicyRequest(), timeout=args.timeout)
+    if args.json:
+        print(json.dumps(MessageToDict(policy, preserving_proto_field_name=True), indent=2))
+        return 0
+    print(f"policy: {policy.name}   (available: {', '.join(policy.available)})")
+    if policy.weights:
+        print(render_table(["TERM", "WEIGHT"], [[k, f"{v:g}"] for k, v in sorted(policy.weights.items())]))
+    return 0
+
+
+@command("complete")
+def cmd_complete(args: argparse.Namespace) -> int:
+    with _channel(args) as ch:
+        stub = tpb_grpc.SchedulerStub(ch)
+        lease = args.lease or stub.GetTask(tpb.GetTaskRequest(task_id=args.task), timeout=args.timeout).assignment.lease_id
+        task = stub.CompleteTask(tpb.CompleteTaskRequest(task_id=args.task, lease_id=lease, failed=args.failed), timeout=args.timeout).task
+    print(f"{task.spec.task_id}: {_task_state(task.state)}")
+    return 0
+
+
+@command("cancel")
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _channel(args) as ch:
+        task = tpb_grpc.SchedulerStub(ch).CancelTask(tpb.CancelTaskRequest(task_id=args.task, reason=args.reason or ""), timeout=args.timeout).task
+    print(f"{task.spec.task_id}: {_task_state(task.state)}")
+    return 0
+
+
+@command("watch")
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Print a task's state changes until it ends."""
+    with _channel(args) as ch:
+        for task in tpb_grpc.SchedulerStub(ch).WatchTask(tpb.WatchTaskRequest(task_id=args.task)):
+            where = f" on {task.assignment.node_id}:{','.join(map(str, task.assignment.gpu_index))}" if task.assignment.node_id else ""
+            print(f"{task.spec.task_id}: {_task_state(task.state)}{where} {task.reason}".rstrip(), flush=True)
+    return 0
+
+
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
     from coordinator.demo import run_demo
@@ -232,6 +403,55 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("node", metavar="NODE")
         action.add_argument("--reason", help="free text, logged by the coordinator")
         action.add_argument("--json", action="store_true")
+
+    submit = sub.add_parser("submit", help="submit a task and wait for its placement")
+    submit.add_argument("--id", help="task id (default: a random one); resubmitting the same id and spec is idempotent")
+    submit.add_argument("--tenant")
+    submit.add_argument("--priority", default="P2", choices=("P0", "P1", "P2", "P3", "p0", "p1", "p2", "p3"))
+    submit.add_argument("--kind", help="inference, training, batch, background or free text")
+    submit.add_argument("--gpus", type=int, default=1, help="GPUs on one node")
+    mem = submit.add_mutually_exclusive_group()
+    mem.add_argument("--vram-mib", type=int, default=1024, help="MiB per GPU")
+    mem.add_argument("--vram-gib", type=float, help="GiB per GPU")
+    submit.add_argument("--share", type=float, default=0.5, help="expected utilisation share per GPU, 0..1")
+    submit.add_argument("--duration", type=float, default=0.0, help="estimated run time, s (0 = unknown)")
+    submit.add_argument("--gpu-spec", help="allowed models, e.g. 'V100M16|V100M32' or 'RTX 4090'")
+    submit.add_argument("--nvlink", action="store_true", help="needs NVLink-connected GPUs")
+    submit.add_argument("--io-heavy", action="store_true", help="storage-bound: avoid nodes with slow disks")
+    submit.add_argument("--movable", action="store_true", help="may be migrated by the rebalance advisor")
+    submit.add_argument("--deadline", type=float, default=0.0, help="s to wait for a placement (0 = no deadline)")
+    submit.add_argument("--label", action="append", help="task label KEY=VALUE (repeatable)")
+    submit.add_argument("--require-label", action="append", help="node must carry KEY=VALUE (repeatable)")
+    submit.add_argument("--prefer-label", action="append", help="prefer nodes carrying KEY=VALUE (repeatable)")
+    submit.add_argument("--no-wait", action="store_true", help="return at once with the queued task")
+    submit.add_argument("--json", action="store_true")
+
+    tasks = sub.add_parser("tasks", help="list tasks")
+    tasks.add_argument("--state", choices=[n.removeprefix("TASK_STATE_").lower() for n in tpb.TaskState.keys()[1:]])
+    tasks.add_argument("--tenant")
+    tasks.add_argument("--limit", type=int, default=1000)
+    tasks.add_argument("--json", action="store_true")
+
+    queue = sub.add_parser("queue", help="queue depth per class and the next tasks in dispatch order")
+    queue.add_argument("--json", action="store_true")
+
+    policy = sub.add_parser("policy", help="show or switch the placement policy (no restart)")
+    policy.add_argument("action", choices=("get", "set"))
+    policy.add_argument("name", nargs="?", help="round_robin, weighted_round_robin, least_connections, load_aware, binpack")
+    policy.add_argument("--weights", help="TERM=NUMBER,... e.g. load=1.0,memory=0.5")
+    policy.add_argument("--json", action="store_true")
+
+    complete = sub.add_parser("complete", help="report a leased task finished")
+    complete.add_argument("task")
+    complete.add_argument("--lease", help="lease id (default: the task's current lease)")
+    complete.add_argument("--failed", action="store_true")
+
+    cancel = sub.add_parser("cancel", help="cancel a queued or leased task")
+    cancel.add_argument("task")
+    cancel.add_argument("--reason")
+
+    watch = sub.add_parser("watch", help="follow a task's state changes until it ends")
+    watch.add_argument("task")
 
     from coordinator.demo import add_demo_arguments
 

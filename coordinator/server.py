@@ -233,7 +233,9 @@ class Coordinator:
             self.view.set_disk_await(node, node.disk_await_ms, now_s)
         for entry in batch.processes:
             node.processes[entry.gpu_index] = [(p.pid, p.used_memory_mib) for p in entry.processes]
-        node.sample_interval_ms = batch.sample_interval_ms
+        if batch.sample_interval_ms != node.sample_interval_ms:
+            node.sample_interval_ms = batch.sample_interval_ms
+            self.view.set_sample_interval(node, batch.sample_interval_ms)
         self._envelopes_applied += 1
         self.view_changed(node)
 
@@ -302,7 +304,7 @@ class Coordinator:
     def smooth_now(self, histogram=None) -> None:
         """Apply pending deltas to the view, then smooth every new reading."""
         self._after_ingest(self.ingest.flush())
-        self.view.flush_signals()
+        self.view.flush_signals(self.clock())
         if self._envelopes_applied:
             self.metrics.envelopes.inc(self._envelopes_applied)
             self._envelopes_applied = 0

@@ -9,8 +9,8 @@ scheduler's per-snapshot caches stay warm between changes.
 
 What the scheduler sees, per GPU (NaN = unknown):
 - util: the anomaly-filtered EWMA (raw reading until the filter has one);
-- memory used: the larger of the smoothed and the last raw reading, because a
-  real allocation must count at once, not after the filter accepts it;
+- memory used: the last raw reading, because a real allocation or release
+  must count at once, not after the filter catches up;
 - temperature: smoothed; health: the agent's last GPU health (OK or not);
 - NVLink competition: the mean utilisation of the GPU's NVLink peers (0..1).
 """
@@ -121,8 +121,10 @@ class SnapshotBuilder:
         signals = view.signals
         smoothed = signals.smoothed[rows]
         util = np.where(np.isnan(smoothed[:, 0]), raw[:, _UTIL], smoothed[:, 0])
-        memory = np.fmax(raw[:, _MEM], smoothed[:, 1])
-        memory = np.where(np.isnan(raw[:, _MEM]), np.nan, memory)  # unknown now is unknown
+        # Memory is not a noisy signal: what the agent last read (within its
+        # 1 MiB deadband) is what a new task must fit next to. Smoothing would
+        # keep freed memory looking busy for seconds.
+        memory = raw[:, _MEM]
         temperature = np.where(np.isnan(smoothed[:, 2]), raw[:, _TEMP], smoothed[:, 2])
         forecast = signals.forecast[rows, 0]
         forecast = np.where(np.isnan(forecast), util, forecast)

@@ -143,6 +143,7 @@ class ClusterView:
         self._pending_values: list[np.ndarray] = []
         self._pending_at: list[float] = []
         self.disk_await_ms = np.full(capacity, np.nan)  # per GPU row: its host's storage await
+        self.sample_interval_s = np.full(capacity, 2.0)  # per GPU row: its agent's sampling period
         self.raw = np.full((capacity, FIELD_COUNT), np.nan)
         self.reading_at_s = np.full(capacity, np.nan)  # coordinator monotonic time of last reading
         self.row_used = np.zeros(capacity, dtype=bool)
@@ -164,6 +165,7 @@ class ClusterView:
         self.row_used = np.concatenate([self.row_used, np.zeros(new - old, dtype=bool)])
         self.row_gpu_index = np.concatenate([self.row_gpu_index, np.full(new - old, -1, dtype=np.int32)])
         self.disk_await_ms = np.concatenate([self.disk_await_ms, np.full(new - old, np.nan)])
+        self.sample_interval_s = np.concatenate([self.sample_interval_s, np.full(new - old, 2.0)])
         self.signals.grow(new)
         self.row_node.extend([None] * (new - old))
         self._free.extend(range(new - 1, old - 1, -1))
@@ -267,9 +269,52 @@ class ClusterView:
     def pending(self) -> int:
         return len(self._pending_rows)
 
-    def flush_signals(self) -> int:
+    def _reread_quiet_signals(self, now_s: float) -> None:
+        """Feed again the signals whose filter has not caught up with a value
+        that stopped moving.
+
+        Agents send a value only when it changes, so a real step (a 20 GiB
+        allocation) arrives once and then goes quiet. Without re-reading, the
+        filter would wait forever for the ``persist`` readings that accept a
+        flagged step, and the EWMA would stay wherever its last update left it.
+        Silence for two of the node's sampling periods means the agent sampled
+        again and saw the same value, so that value is fed again as a reading,
+        once per such period, while the signal is flagged or its smoothed value
+        is further from the reading than the filter's spread floor. A
+        one-sample spike is undone by the agent's next sample (moving readings
+        make it sample fast) before that, and stays rejected.
+        """
+        bank = self.signals
+        used = self.row_used[:, None]
+        current = np.empty((self._capacity, len(SIGNALS)))
+        current[:, :_DISK] = self.raw[:, self.signal_field_columns]
+        current[:, _DISK] = self.disk_await_ms
+        with np.errstate(invalid="ignore"):
+            behind = np.abs(bank.smoothed - current) > bank.min_spread
+        pending = used & ~np.isnan(current) & (bank.flagged | behind)
+        if not pending.any():
+            return
+        rows, sigs = np.nonzero(pending)
+        due = now_s - self.signals.last_reading_s[rows, sigs] >= np.maximum(2.0 * self.sample_interval_s[rows], 0.2)
+        if not due.any():
+            return
+        rows, sigs = rows[due], sigs[due]
+        unique_rows, inverse = np.unique(rows, return_inverse=True)
+        values = np.full((unique_rows.size, len(SIGNALS)), np.nan)
+        values[inverse, sigs] = current[rows, sigs]
+        self._pending_rows.append(unique_rows)
+        self._pending_values.append(values)
+        self._pending_at.append(np.full(unique_rows.size, now_s))
+
+    def set_sample_interval(self, node: NodeRecord, interval_ms: int) -> None:
+        if interval_ms > 0:
+            self.sample_interval_s[node.rows] = interval_ms / 1000.0
+
+    def flush_signals(self, now_s: float | None = None) -> int:
         """Run the anomaly filter and EWMA over every queued reading in one
         vectorised pass. Returns how many readings were applied."""
+        if now_s is not None:
+            self._reread_quiet_signals(now_s)
         if not self._pending_rows:
             return 0
         rows = np.concatenate(self._pending_rows)

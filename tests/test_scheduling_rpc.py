@@ -1,0 +1,258 @@
+"""The Scheduler gRPC API against a real coordinator and simulated agents on
+loopback: no double-booking under concurrency, precise statuses for bad
+input, policy swaps under load, and tasks lost with their node."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+
+from agent.fleet import SimFleet
+from coordinator.config import CoordinatorConfig
+from coordinator.server import Coordinator
+from protos import tasks_pb2 as tpb
+from protos import tasks_pb2_grpc as tpb_grpc
+
+pytestmark = pytest.mark.timeout(90)
+
+GIB = 1024
+
+
+async def _start(**config) -> tuple[Coordinator, int]:
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1, **config))
+    port = await coord.start()
+    return coord, port
+
+
+async def _until(predicate, timeout: float = 15.0, what: str = "condition"):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def _spec(task_id: str, **kw) -> tpb.TaskSpec:
+    base = dict(task_id=task_id, num_gpus=1, vram_mib=2 * GIB, gpu_share=0.3, kind="batch", priority=tpb.PRIORITY_P2)
+    base.update(kw)
+    return tpb.TaskSpec(**base)
+
+
+async def test_hundred_concurrent_submissions_never_double_book_fifty_gpus():
+    coord, port = await _start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=10, gpus=5, workload="idle"):
+            await _until(lambda: len(coord.dispatcher.snapshots.snapshot().gpu_uuid) == 50 and coord.dispatcher.snapshots.snapshot().healthy.all(), what="50 healthy GPUs")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                calls = [
+                    asyncio.ensure_future(
+                        stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(f"big-{i:03d}", vram_mib=20 * GIB, kind="training")), timeout=60)
+                    )
+                    for i in range(100)
+                ]
+                await _until(lambda: sum(c.done() for c in calls) >= 50, what="first 50 placements")
+                await asyncio.sleep(1.0)  # readings of the placed tasks arrive; nothing more may fit
+                first = [c.result().task for c in calls if c.done()]
+                assert len(first) == 50
+                assert all(t.state == tpb.TASK_STATE_LEASED for t in first)
+                uuids = [t.assignment.gpu_uuid[0] for t in first]
+                assert len(set(uuids)) == 50, "a GPU holds two 20 GiB tasks"
+                queue = await stub.GetQueue(tpb.GetQueueRequest())
+                assert sum(c.depth for c in queue.classes) == 50
+                # The leases complete; the queued half takes the freed GPUs.
+                for t in first:
+                    await stub.CompleteTask(tpb.CompleteTaskRequest(task_id=t.spec.task_id, lease_id=t.assignment.lease_id))
+                await _until(lambda: all(c.done() for c in calls), timeout=30, what="second 50 placements")
+                second = [c.result().task for c in calls if c.result().task.spec.task_id not in {t.spec.task_id for t in first}]
+                assert len(second) == 50 and all(t.state == tpb.TASK_STATE_LEASED for t in second)
+                assert len({t.assignment.gpu_uuid[0] for t in second}) == 50
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+@pytest.mark.parametrize(
+    "spec, code, needle",
+    [
+        (_spec("zero-vram", vram_mib=0), grpc.StatusCode.INVALID_ARGUMENT, "spec.vram_mib"),
+        (_spec("nan-share", gpu_share=math.nan), grpc.StatusCode.INVALID_ARGUMENT, "spec.gpu_share"),
+        (_spec("bad-prio", priority=9), grpc.StatusCode.INVALID_ARGUMENT, "spec.priority"),
+        (_spec("no-gpus", num_gpus=0), grpc.StatusCode.INVALID_ARGUMENT, "spec.num_gpus"),
+        (_spec("", vram_mib=10), grpc.StatusCode.INVALID_ARGUMENT, "spec.task_id"),
+        (_spec("too-wide", num_gpus=9), grpc.StatusCode.FAILED_PRECONDITION, "num_gpus"),
+        (_spec("too-big", vram_mib=80 * GIB), grpc.StatusCode.FAILED_PRECONDITION, "rejected"),
+        (_spec("no-such-model", gpu_spec="V100M32"), grpc.StatusCode.FAILED_PRECONDITION, "rejected"),
+        (_spec("queued-1", vram_mib=3 * GIB), grpc.StatusCode.ALREADY_EXISTS, "vram_mib"),
+    ],
+)
+async def test_bad_submissions_get_precise_status_and_leave_the_queue_alone(spec, code, needle):
+    coord, port = await _start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=4, workload="idle"):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.any(), what="a healthy GPU")
+                kept = await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("queued-1"), wait=True), timeout=10)
+                assert kept.task.state == tpb.TASK_STATE_LEASED
+                before = await stub.ListTasks(tpb.ListTasksRequest())
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)
+                assert info.value.code() == code
+                assert needle in info.value.details()
+                after = await stub.GetTask(tpb.GetTaskRequest(task_id="queued-1"))
+                assert after.state == tpb.TASK_STATE_LEASED
+                assert after.assignment.lease_id == kept.task.assignment.lease_id
+                listed = await stub.ListTasks(tpb.ListTasksRequest(state=tpb.TASK_STATE_LEASED))
+                assert [t.spec.task_id for t in listed.tasks] == ["queued-1"]
+                assert len(before.tasks) >= 1
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def test_lease_policy_and_task_errors_name_what_is_wrong():
+    coord, port = await _start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=2, workload="idle"):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.any(), what="a healthy GPU")
+                t = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("a")), timeout=10)).task
+                cases = [
+                    (stub.CompleteTask(tpb.CompleteTaskRequest(task_id="a", lease_id="not-it")), grpc.StatusCode.FAILED_PRECONDITION, "not the task's current lease"),
+                    (stub.CompleteTask(tpb.CompleteTaskRequest(task_id="ghost", lease_id="x")), grpc.StatusCode.NOT_FOUND, "ghost"),
+                    (stub.SetPolicy(tpb.SetPolicyRequest(name="fastest")), grpc.StatusCode.INVALID_ARGUMENT, "fastest"),
+                    (stub.SetPolicy(tpb.SetPolicyRequest(name="load_aware", weights={"luck": 1.0})), grpc.StatusCode.INVALID_ARGUMENT, "weights[luck]"),
+                    (stub.RenewLease(tpb.RenewLeaseRequest(task_id="a", lease_id=t.assignment.lease_id, extend_s=-1)), grpc.StatusCode.INVALID_ARGUMENT, "extend_s"),
+                ]
+                for call, code, needle in cases:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call
+                    assert info.value.code() == code, info.value.details()
+                    assert needle in info.value.details()
+                policy = await stub.GetPolicy(tpb.GetPolicyRequest())
+                assert policy.name == "load_aware"  # nothing changed by the failed SetPolicy calls
+                done = await stub.CompleteTask(tpb.CompleteTaskRequest(task_id="a", lease_id=t.assignment.lease_id))
+                assert done.task.state == tpb.TASK_STATE_COMPLETED
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.CancelTask(tpb.CancelTaskRequest(task_id="a"))
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def test_set_policy_under_load_changes_the_next_decisions_and_fails_no_call():
+    coord, port = await _start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=3, gpus=4, workload="idle"):
+            await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.sum() == 12, what="12 GPUs")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                policies = ["round_robin", "binpack", "least_connections", "weighted_round_robin", "load_aware"]
+                seen: list[tuple[str, str]] = []
+
+                switching = asyncio.Event()
+                calls = [0]
+
+                async def client(n: int) -> None:
+                    i = 0
+                    while not switching.is_set():
+                        i += 1
+                        calls[0] += 1
+                        r = await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(f"c{n}-{i}", vram_mib=512)), timeout=20)
+                        assert r.task.state == tpb.TASK_STATE_LEASED
+                        seen.append((policy_now[0], r.task.assignment.score.policy))
+                        await stub.CompleteTask(tpb.CompleteTaskRequest(task_id=r.task.spec.task_id, lease_id=r.task.assignment.lease_id))
+
+                policy_now = ["load_aware"]
+
+                async def switcher() -> None:
+                    for name in policies:
+                        await asyncio.sleep(0.3)
+                        await stub.SetPolicy(tpb.SetPolicyRequest(name=name))
+                        policy_now[0] = name
+                    await asyncio.sleep(0.2)
+                    switching.set()
+
+                await asyncio.gather(switcher(), *(client(n) for n in range(4)))
+                assert len(seen) == calls[0]  # every call came back placed: none failed
+                used = {p for _, p in seen}
+                assert used == set(policies), used
+                # After the last switch completed, every decision uses it.
+                r = await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("after", vram_mib=512)), timeout=10)
+                assert r.task.assignment.score.policy == "load_aware"
+                await stub.SetPolicy(tpb.SetPolicyRequest(name="binpack"))
+                r = await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("after-2", vram_mib=512)), timeout=10)
+                assert r.task.assignment.score.policy == "binpack"
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def test_node_removed_with_leases_loses_or_requeues_its_tasks():
+    coord, port = await _start(heartbeat_interval_s=0.3)
+    labels = {"sim-01": {"rack": "a"}, "sim-02": {"rack": "b"}}
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=2, gpus=2, workload="idle", labels=labels, heartbeat_interval_s=0.1) as fleet:
+            await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.sum() == 4, what="4 GPUs")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                infer = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("infer", kind="inference", priority=tpb.PRIORITY_P0, required_node_labels={"rack": "a"})), timeout=10)).task
+                train = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("train", kind="training", preferred_node_labels={"rack": "a"}, gpu_spec="RTX 4090")), timeout=10)).task
+                assert infer.assignment.node_id == "sim-01"
+                assert train.assignment.node_id == "sim-01"
+                reserved_before = coord.gpu_scheduler_facts()
+                assert {uuid for uuid in reserved_before} & set(infer.assignment.gpu_uuid)
+                watch = stub.WatchTask(tpb.WatchTaskRequest(task_id="infer"))
+                first = await watch.read()
+                assert first.state == tpb.TASK_STATE_LEASED
+                await fleet.stop_agent("sim-01")
+                update = await asyncio.wait_for(watch.read(), 15)
+                assert update.state == tpb.TASK_STATE_LOST
+                assert "sim-01" in update.reason
+                # the retryable training task is placed again on the surviving node
+                moved = await _until(lambda: _leased_on(stub, "train", "sim-02"), what="training task re-placed on sim-02")
+                assert moved.attempts == 2
+                assert "sim-01" not in coord.view.nodes
+                assert not set(coord.gpu_scheduler_facts()) & set(infer.assignment.gpu_uuid)
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def _leased_on(stub, task_id: str, node_id: str):
+    task = await stub.GetTask(tpb.GetTaskRequest(task_id=task_id))
+    return task if task.state == tpb.TASK_STATE_LEASED and task.assignment.node_id == node_id else None
+
+
+async def test_sim_agent_runs_the_placed_task_and_its_lease_completes():
+    coord, port = await _start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=2, workload="idle"):
+            await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.any(), what="a healthy GPU")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                placed = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("short", duration_s=0.5, vram_mib=6 * GIB)), timeout=10)).task
+                assert placed.state == tpb.TASK_STATE_LEASED
+                node = coord.view.nodes[placed.assignment.node_id]
+                row = node.rows[placed.assignment.gpu_index[0]]
+
+                def memory_shows_task():
+                    return coord.view.raw[row, 2] >= 6 * GIB
+
+                await _until(memory_shows_task, what="the GPU's readings show the task's VRAM")
+                done = await _until(lambda: _state(stub, "short", tpb.TASK_STATE_COMPLETED), what="the sim finished the task")
+                assert done.finished_at_ns >= placed.assignment.placed_at_ns
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def _state(stub, task_id: str, state: int):
+    task = await stub.GetTask(tpb.GetTaskRequest(task_id=task_id))
+    return task if task.state == state else None
