@@ -18,7 +18,7 @@ import asyncio
 import math
 from typing import TYPE_CHECKING, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["CoordinatorMetrics", "MetricsServer", "EXPORTED_METRIC_NAMES"]
 
 _MIB = 1024.0 * 1024.0
+
+# The *_created series double the exposition for no alerting or dashboard use.
+disable_created_metrics()
 
 
 class _ViewCollector:

@@ -33,7 +33,7 @@ def spec_from_proto(spec: tpb.TaskSpec) -> TaskSpec:
         tenant=spec.tenant,
         priority=priority_from_proto(spec.priority),
         kind=spec.kind,
-        num_gpus=spec.num_gpus,
+        num_gpus=spec.num_gpus or 1,  # proto3 cannot tell unset from 0: unset means one GPU
         vram_mib=float(spec.vram_mib),
         gpu_share=spec.gpu_share,
         duration_s=spec.duration_s,

@@ -86,7 +86,7 @@ async def test_hundred_concurrent_submissions_never_double_book_fifty_gpus():
         (_spec("zero-vram", vram_mib=0), grpc.StatusCode.INVALID_ARGUMENT, "spec.vram_mib"),
         (_spec("nan-share", gpu_share=math.nan), grpc.StatusCode.INVALID_ARGUMENT, "spec.gpu_share"),
         (_spec("bad-prio", priority=9), grpc.StatusCode.INVALID_ARGUMENT, "spec.priority"),
-        (_spec("no-gpus", num_gpus=0), grpc.StatusCode.INVALID_ARGUMENT, "spec.num_gpus"),
+        (_spec("too-many-gpus", num_gpus=65), grpc.StatusCode.INVALID_ARGUMENT, "spec.num_gpus"),
         (_spec("", vram_mib=10), grpc.StatusCode.INVALID_ARGUMENT, "spec.task_id"),
         (_spec("too-wide", num_gpus=9), grpc.StatusCode.FAILED_PRECONDITION, "num_gpus"),
         (_spec("too-big", vram_mib=80 * GIB), grpc.StatusCode.FAILED_PRECONDITION, "rejected"),

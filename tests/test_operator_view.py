@@ -1,0 +1,189 @@
+"""The operator surface over a real coordinator and simulated agents: node and
+GPU listings with filters and smoothed values, cordon/drain, the view watch,
+liveness driven by a fake clock, and the Prometheus exposition checked by
+prometheus-client's parser (and promtool where installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.fleet import SimFleet
+from coordinator.config import CoordinatorConfig
+from coordinator.liveness import ManualClock
+from coordinator.metrics import EXPORTED_METRIC_NAMES
+from coordinator.server import Coordinator
+from protos import cluster_pb2 as cpb
+from protos import cluster_pb2_grpc as cpb_grpc
+from protos import tasks_pb2 as tpb
+from protos import tasks_pb2_grpc as tpb_grpc
+from protos import telemetry_pb2 as pb
+from protos import telemetry_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _until(predicate, timeout: float = 10.0, what: str = "condition"):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_list_filters_smoothing_cordon_and_watch():
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0"))
+    port = await coord.start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=2, gpus=2, workload="synthetic", labels={"sim-01": {"rack": "r1"}}):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                op = cpb_grpc.ClusterOperatorStub(ch)
+
+                async def healthy():
+                    nodes = (await op.ListNodes(cpb.ListNodesRequest(state=cpb.NODE_STATE_HEALTHY))).nodes
+                    return len(nodes) == 2
+
+                await _until(healthy, what="both nodes HEALTHY")
+                nodes = (await op.ListNodes(cpb.ListNodesRequest())).nodes
+                assert [n.node_id for n in nodes] == ["sim-01", "sim-02"]
+                assert nodes[0].labels["rack"] == "r1" and nodes[0].gpu_count == 2
+                assert any(link.kind == pb.LINK_KIND_NVLINK for link in nodes[0].topology)
+
+                only = (await op.ListGpus(cpb.ListGpusRequest(node_id="sim-02", metrics=["util", "temp"]))).gpus
+                assert {(g.node_id, g.index) for g in only} == {("sim-02", 0), ("sim-02", 1)}
+                assert all(g.HasField("util_gpu_pct") and g.HasField("temperature_c") for g in only)
+                assert not any(g.HasField("power_w") or g.HasField("memory_used_mib") for g in only)
+                assert len((await op.ListGpus(cpb.ListGpusRequest(model="4090"))).gpus) == 4
+                assert len((await op.ListGpus(cpb.ListGpusRequest(model="A100"))).gpus) == 0
+
+                async def smoothed_ready():
+                    gpus = (await op.ListGpus(cpb.ListGpusRequest(values=cpb.VALUE_VIEW_SMOOTHED))).gpus
+                    return gpus if all(g.HasField("util_gpu_pct") and g.smoothed for g in gpus) else None
+
+                smoothed = await _until(smoothed_ready, what="smoothed values")
+                assert all(0 <= g.util_gpu_pct <= 100 for g in smoothed)
+                assert any(g.HasField("util_forecast_pct") for g in smoothed)
+
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await op.ListGpus(cpb.ListGpusRequest(metrics=["util", "vibes"]))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "metrics[1]" in info.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await op.CordonNode(cpb.NodeActionRequest(node_id="nope"))
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+                # Cordon: no new tasks on the node; uncordon: back in the pool.
+                cordoned = await op.CordonNode(cpb.NodeActionRequest(node_id="sim-01", reason="maintenance"))
+                assert cordoned.node.state == cpb.NODE_STATE_CORDONED
+                sched = tpb_grpc.SchedulerStub(ch)
+                for i in range(3):
+                    t = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=tpb.TaskSpec(task_id=f"t{i}", vram_mib=256, gpu_share=0.1)), timeout=10)).task
+                    assert t.assignment.node_id == "sim-02"
+                drained = await op.DrainNode(cpb.NodeActionRequest(node_id="sim-02"))
+                assert drained.node.state == cpb.NODE_STATE_DRAINING
+                queued = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=tpb.TaskSpec(task_id="waits", vram_mib=256), wait=False))).task
+                assert queued.state == tpb.TASK_STATE_QUEUED
+                await asyncio.sleep(0.6)
+                assert (await sched.GetTask(tpb.GetTaskRequest(task_id="waits"))).state == tpb.TASK_STATE_QUEUED
+                back = await op.UncordonNode(cpb.NodeActionRequest(node_id="sim-01"))
+                assert back.node.state == cpb.NODE_STATE_HEALTHY
+                placed = await _until(lambda: _placed(sched, "waits"), what="task placed after uncordon")
+                assert placed.assignment.node_id == "sim-01"
+
+                # WatchView: a snapshot, then updates as readings change.
+                watch = op.WatchView(cpb.WatchViewRequest(min_interval_ms=200))
+                first = await watch.read()
+                second = await asyncio.wait_for(watch.read(), 5)
+                assert len(first.gpus) == 4 and second.at_ns > first.at_ns
+                watch.cancel()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await op.WatchView(cpb.WatchViewRequest(min_interval_ms=50)).read()
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            # Prometheus exposition, parsed by prometheus-client's own parser.
+            body = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{coord.metrics_port}/metrics", timeout=5).read().decode()
+            )
+            families = {f.name: f for f in text_string_to_metric_families(body)}
+            util = families["gpulb_gpu_utilization_ratio"]
+            assert {s.labels["node"] for s in util.samples} == {"sim-01", "sim-02"}
+            assert all(0.0 <= s.value <= 1.0 for s in util.samples)
+            memory_total = families["gpulb_gpu_memory_total_bytes"].samples[0].value
+            assert memory_total == 24564 * 1024 * 1024
+            assert families["gpulb_agent_streams"].samples[0].value == 2
+            states = {s.labels["state"]: s.value for s in families["gpulb_nodes"].samples}
+            assert states["healthy"] + states["cordoned"] + states["draining"] == 2
+            placed_total = sum(s.value for s in families["gpulb_tasks_placed"].samples if s.name.endswith("_total"))
+            assert placed_total == 4
+            assert families["gpulb_envelopes_received"].samples[0].value > 0
+            exported = set(EXPORTED_METRIC_NAMES)
+            for name in families:
+                base = name.removesuffix("_total")
+                assert name in exported or base in exported or f"{base}_total" in exported, name
+            if shutil.which("promtool"):
+                check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True)
+                assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def _placed(stub, task_id: str):
+    task = await stub.GetTask(tpb.GetTaskRequest(task_id=task_id))
+    return task if task.state == tpb.TASK_STATE_LEASED else None
+
+
+def _register(node_id: str) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        register=pb.Register(node_id=node_id, gpus=[pb.GpuInfo(index=0, uuid=f"GPU-{node_id}", model="M", memory_total_mib=1000)])
+    )
+
+
+async def test_liveness_transitions_through_the_server_on_a_fake_clock():
+    """A node that stays connected but silent goes UNREACHABLE after one
+    heartbeat interval and REMOVED after three, with no real waiting: the
+    coordinator runs on a manual clock."""
+    from protos.codec import LOWER, TelemetryEncoder
+
+    import numpy as np
+
+    clock = ManualClock(1000.0)
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", heartbeat_interval_s=10.0), clock=clock)
+    port = await coord.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = pb_grpc.AgentGatewayStub(ch).Connect()
+            await call.write(_register("quiet"))
+            enc = TelemetryEncoder([0])
+            v = np.maximum(LOWER, 1)[None, :]
+            env, _ = enc.encode(v, np.ones_like(v, bool), now_s=0, sampled_at_ns=0)
+            await call.write(pb.AgentMessage(telemetry=env))
+            await _until(lambda: coord.node_state("quiet") == cpb.NODE_STATE_HEALTHY, what="HEALTHY after keyframe")
+            clock.advance(11.5)
+            await _until(lambda: coord.node_state("quiet") == cpb.NODE_STATE_UNREACHABLE, what="UNREACHABLE")
+            # A heartbeat brings it back.
+            await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat()))
+            await _until(lambda: coord.node_state("quiet") == cpb.NODE_STATE_HEALTHY, what="HEALTHY after heartbeat")
+            clock.advance(40.0)
+            await _until(lambda: "quiet" not in coord.view.nodes, what="REMOVED from the view")
+            assert coord.node_state("quiet") == cpb.NODE_STATE_REMOVED
+            # The removed node's stream is told to register again.
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                while True:
+                    msg = await asyncio.wait_for(call.read(), 5)
+                    if msg is grpc.aio.EOF:
+                        break
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "register again" in info.value.details()
+    finally:
+        await coord.stop(grace_s=0.1)
