@@ -17,6 +17,7 @@ import structlog
 
 from agent.backend import BackendUnavailable, GpuBackend
 from agent.client import Agent, AgentConfig
+from coordinator.sdnotify import Notifier, WatchdogPinger
 from protos.runtime import LOG_LEVELS, configure_logging
 
 __all__ = ["main", "build_backend", "parse_args"]
@@ -116,16 +117,51 @@ async def _run(settings: dict[str, Any]) -> int:
         interval_max_s=settings["interval_max"],
     )
     agent = Agent(config, backend, io_monitor=DiskIoMonitor())
+    notifier = Notifier.from_environ(os.environ)
+    pinger = WatchdogPinger(notifier)
     loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        notifier.stopping(status="stopping")
+        asyncio.ensure_future(agent.stop())
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(agent.stop()))
+        loop.add_signal_handler(sig, stop)
     log.info("agent_starting", node_id=config.node_id, backend=backend.name, gpus=len(agent.gpu_order), coordinator=config.coordinator, pid=os.getpid())
+    pinger.start()
+    status = asyncio.create_task(_report_status(agent, notifier, backend.name))
     try:
         await agent.run()
     finally:
+        status.cancel()
+        await pinger.stop()
         backend.close()
     log.info("agent_stopped", node_id=config.node_id, envelopes=agent.stats.envelopes, bytes=agent.stats.bytes_sent)
     return 0
+
+
+async def _report_status(agent: Agent, notifier: Notifier, backend: str) -> None:
+    """READY=1 once streaming - or after a bound, so that a coordinator that is
+    down does not make systemd kill every agent at its start timeout (the
+    agent keeps retrying, and says so in STATUS)."""
+    try:
+        await asyncio.wait_for(agent.connected.wait(), timeout=_READY_BOUND_S)
+    except asyncio.TimeoutError:
+        pass
+    gpus = len(agent.gpu_order)
+    notifier.ready(status=_status(agent, backend, gpus))
+    while True:
+        await asyncio.sleep(10)
+        notifier.status(_status(agent, backend, gpus))
+
+
+def _status(agent: Agent, backend: str, gpus: int) -> str:
+    if agent.connected.is_set():
+        return f"streaming {gpus} {backend} GPUs to {agent.config.coordinator}: {agent.stats.envelopes} envelopes, {agent.stats.bytes_sent} bytes"
+    return f"{gpus} {backend} GPUs; coordinator {agent.config.coordinator} unreachable, retrying"
+
+
+_READY_BOUND_S = 10.0
 
 
 def main(argv: list[str] | None = None) -> int:

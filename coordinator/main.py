@@ -1,58 +1,141 @@
 """``gpulb-coordinator``: the cluster daemon. Serves agents, clients and
-operators on one gRPC port until SIGTERM, then stops gracefully."""
+operators on one gRPC port until SIGTERM, then stops gracefully.
+
+Configuration: one TOML file (``--config``), ``GPULB_*`` environment variables
+and flags, validated before anything starts (``--print-config`` shows the
+result). Under systemd it speaks sd_notify: READY=1 once listening, WATCHDOG=1
+pings from the event loop, STATUS= lines, RELOADING=1 on SIGHUP (which
+re-reads the configuration and applies what can change live) and STOPPING=1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
 import structlog
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import LIVE_RELOADABLE
+from coordinator.sdnotify import Notifier, WatchdogPinger
 from coordinator.server import Coordinator
-from protos.runtime import LOG_LEVELS, configure_logging
+from coordinator.settings import (
+    ConfigError,
+    Settings,
+    add_settings_flags,
+    diff_settings,
+    flag_overrides,
+    load_settings,
+    render_settings,
+)
+from protos.runtime import configure_logging
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 log = structlog.get_logger("gpulb.coordinator")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpulb-coordinator", description="The gpulb coordinator: global GPU view and scheduler.")
-    p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT for gRPC; port 0 picks a free one (logged)")
-    p.add_argument("--metrics-listen", default="", help="HOST:PORT for Prometheus metrics over HTTP (default off)")
-    p.add_argument("--heartbeat-interval", type=float, default=10.0, help="s of silence before a node is UNREACHABLE")
-    p.add_argument("--staleness", type=float, default=10.0, help="s after which readings are stale")
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
-    return p.parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpulb-coordinator", description="The gpulb coordinator: global GPU view and scheduler.")
+    add_settings_flags(parser)
+    return parser
 
 
-async def _run(config: CoordinatorConfig) -> int:
-    coordinator = Coordinator(config)
-    await coordinator.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("coordinator_stopping", grace_s=config.grace_s)
-    await coordinator.stop()
-    return 0
+class _Daemon:
+    def __init__(self, settings: Settings, config_path: str | None, overrides: dict) -> None:
+        self.settings = settings
+        self.config_path = config_path
+        self.overrides = overrides
+        self.notifier = Notifier.from_environ(os.environ)
+        self.coordinator = Coordinator(settings.coordinator, settings.scheduler)
+        self.stop_requested = asyncio.Event()
+        self._status_task: asyncio.Task | None = None
+
+    def status_line(self) -> str:
+        c = self.coordinator
+        summary = c.dispatcher.engine
+        nodes = len(c.view.nodes)
+        gpus = sum(len(n.gpus) for n in c.view.nodes.values())
+        return f"{nodes} nodes, {gpus} GPUs, {len(c.gateway.sessions)} streams, {summary.queued()} queued, {summary.placed} placed, policy {summary.get_policy().name}"
+
+    async def _status_loop(self) -> None:
+        while True:
+            await asyncio.sleep(10)
+            self.notifier.status(self.status_line())
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the configuration, apply what can change live, say what changed."""
+        self.notifier.reloading()
+        try:
+            new = load_settings(self.config_path, os.environ, self.overrides)
+        except ConfigError as exc:
+            log.error("reload_rejected", error=str(exc), kept="the running configuration")
+            self.notifier.ready(status=f"reload rejected: {exc}")
+            return
+        changes = diff_settings(self.settings, new)
+        applied, needs_restart = [], []
+        for name, old, value in changes:
+            section, _, option = name.partition(".")
+            if section == "scheduler" or option in LIVE_RELOADABLE:
+                applied.append((name, old, value))
+            else:
+                needs_restart.append(name)
+        try:
+            self.coordinator.apply_settings(new.coordinator, new.scheduler, [n for n, _, _ in applied])
+        except Exception as exc:  # a value valid in the file but refused live
+            log.error("reload_rejected", error=str(exc), kept="the running configuration")
+            self.notifier.ready(status=f"reload rejected: {exc}")
+            return
+        if new.coordinator.log_level != self.settings.coordinator.log_level:
+            configure_logging(new.coordinator.log_level, new.coordinator.log_format)
+        self.settings = new
+        log.info(
+            "configuration_reloaded",
+            changed={name: {"from": old, "to": value} for name, old, value in applied},
+            restart_needed_for=needs_restart or None,
+        )
+        self.notifier.ready(status=f"reloaded: {len(applied)} settings changed" + (f", {len(needs_restart)} need a restart" if needs_restart else ""))
+
+    async def run(self) -> int:
+        port = await self.coordinator.start()
+        pinger = WatchdogPinger(self.notifier)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        self.notifier.ready(status=f"listening on port {port}")
+        pinger.start()
+        self._status_task = asyncio.create_task(self._status_loop())
+        await self.stop_requested.wait()
+        log.info("coordinator_stopping", grace_s=self.settings.coordinator.grace_s)
+        self.notifier.stopping(status="stopping: closing streams and flushing state")
+        self._status_task.cancel()
+        await pinger.stop()
+        await self.coordinator.stop()
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.log_level, args.log_format)
-    config = CoordinatorConfig(
-        listen=args.listen,
-        metrics_listen=args.metrics_listen,
-        heartbeat_interval_s=args.heartbeat_interval,
-        staleness_s=args.staleness,
-    )
-    return asyncio.run(_run(config))
+    args = build_parser().parse_args(argv)
+    overrides = flag_overrides(args)
+    try:
+        settings = load_settings(args.config, os.environ, overrides)
+    except ConfigError as exc:
+        print(f"gpulb-coordinator: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(render_settings(settings))
+        return 0
+    configure_logging(settings.coordinator.log_level, settings.coordinator.log_format)
+    for warning in settings.warnings:
+        log.warning("config_warning", message=warning)
+
+    async def run() -> int:
+        return await _Daemon(settings, args.config, overrides).run()
+
+    return asyncio.run(run())
 
 
 if __name__ == "__main__":

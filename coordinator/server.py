@@ -158,6 +158,25 @@ class Coordinator:
         if asyncio.iscoroutine(result):
             await result
 
+    def apply_settings(self, config: CoordinatorConfig, scheduler_config: SchedulerConfig, changed: list[str]) -> None:
+        """Apply a reloaded configuration's live settings (SIGHUP). The
+        scheduler's is validated first, so a bad one changes nothing."""
+        if any(name.startswith("scheduler.") for name in changed):
+            self.dispatcher.engine.reconfigure(scheduler_config)
+        live = {name.partition(".")[2] for name in changed if name.startswith("coordinator.")}
+        for option in live:
+            setattr(self.config, option, getattr(config, option))
+        if "staleness_s" in live:
+            self.dispatcher.snapshots.staleness_s = config.staleness_s
+        if "dispatch_interval_s" in live:
+            self.dispatcher.interval_s = config.dispatch_interval_s
+        if "heartbeat_interval_s" in live:
+            self.liveness.heartbeat_interval_s = config.heartbeat_interval_s
+        if "remove_after_intervals" in live:
+            self.liveness.remove_after_intervals = config.remove_after_intervals
+        self.dispatcher.snapshots.liveness_changed()
+        self.dispatcher.request()
+
     # ---- security and durability hooks ---------------------------------------
     def authorize(self, context, *, admin: bool):
         """The caller's identity (None: no authentication configured)."""

@@ -517,6 +517,21 @@ class Scheduler:
         self._policy = policy
         return self.get_policy()
 
+    def reconfigure(self, config: SchedulerConfig) -> PolicyInfo:
+        """Apply a new configuration live (SIGHUP): thresholds and weights hold
+        from the next decision on; the policy switches as with ``set_policy``.
+        Nothing changes when the configuration or its policy is invalid."""
+        config = config.validate()
+        if config.policy not in POLICIES:
+            raise UnknownPolicy(config.policy, list(POLICIES))
+        policy = make_policy(config.policy, config.weights)  # raises before anything changes
+        self.config = config
+        self._queue.reconfigure(config)
+        self._policies[policy.NAME] = policy
+        self._policy = policy
+        self._view = None  # per-snapshot caches read thresholds from the config
+        return self.get_policy()
+
     def get_policy(self) -> PolicyInfo:
         return PolicyInfo(
             name=self._policy.NAME,

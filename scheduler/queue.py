@@ -121,6 +121,15 @@ class AgingQueue:
             backfill_max_skips=config.backfill_max_skips,
         )
 
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """New class weights and thresholds from now on. Tasks already waiting
+        keep the promotion time they were given when they entered their class."""
+        self._weights = tuple(int(w) for w in config.class_weights)
+        self._promote_after = (math.inf, *(float(t) for t in config.promote_after_s))
+        self._sla_s = float(config.p0_sla_s)
+        self._max_wait = float(config.backfill_max_head_wait_s)
+        self._max_skips = int(config.backfill_max_skips)
+
     # ---- membership -------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._index)
