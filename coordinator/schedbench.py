@@ -250,11 +250,27 @@ class _Phase:
         self.wall_s: float | None = None
         self.gc_s = 0.0
         self.gc_collections = [0, 0, 0]
+        self.handlers: list[float] = []
+        self.preempted0 = _involuntary_switches()
+        self.preempted: int | None = None
 
     def close(self) -> None:
         if self.cpu_s is None:
             self.cpu_s = time.process_time() - self.cpu0
             self.wall_s = time.perf_counter() - self.wall0
+            self.preempted = _involuntary_switches() - self.preempted0
+
+
+def _involuntary_switches() -> int:
+    """Times this process was descheduled against its will (other work on the cores)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("nonvoluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 class _Probe:
@@ -284,6 +300,20 @@ class _Probe:
                 self.phase.gc_collections[info["generation"]] += 1
 
         gc.callbacks.append(on_gc)
+
+        # The servicer's bound methods are taken when the server starts, so
+        # this must run before Coordinator.start.
+        service = coordinator.scheduler_service
+        schedule_task = service.ScheduleTask
+
+        async def timed_schedule_task(request, context):
+            t0 = clock()
+            try:
+                return await schedule_task(request, context)
+            finally:
+                self.phase.handlers.append(clock() - t0)
+
+        service.ScheduleTask = timed_schedule_task
 
         def timed_try_place(task, view, now, failed):
             t0 = clock()
@@ -377,6 +407,7 @@ class _Probe:
         return {
             "decision": _pct_us(cat("decisions")),
             "submit": _pct_us(cat("submits")),
+            "schedule_handler": _pct_us(cat("handlers")),
             "dispatch_pass": _pct_us(cat("passes")),
             "dispatch_passes": len(passes),
             "empty_dispatch_passes": sum(p.empty_passes for p in phases),
@@ -388,6 +419,8 @@ class _Probe:
             "view_build_ms_mean": round(float(np.mean(cat("views"))) * 1e3, 2) if cat("views") else None,
             "cpu_s": round(cpu, 3),
             "gc_s": round(sum(p.gc_s for p in phases), 4),
+            "involuntary_context_switches": sum(
+                p.preempted if p.preempted is not None else _involuntary_switches() - p.preempted0 for p in phases),
             "gc_collections_by_generation": [sum(p.gc_collections[g] for p in phases) for g in range(3)],
             "queued": engine.queued(),
             "leased": len(engine.tasks(state=TaskState.LEASED, limit=10**9)),
