@@ -10,8 +10,6 @@ The workload itself is ``coordinator.demo_workload``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import math
 import os
 import shutil
@@ -67,8 +65,8 @@ def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     )
     demo.add_argument("--seed", type=int, default=0, help="workload and simulated-GPU seed (default 0)")
     demo.add_argument(
-        "--background", choices=("synthetic", "idle"), default="synthetic",
-        help="other tenants' load on the simulated GPUs: synthetic (default, varies over time) or idle",
+        "--background", choices=("idle", "synthetic"), default="idle",
+        help="load on the GPUs besides the workload: idle (default: both phases start from the same empty cluster) or synthetic (other tenants, varying over time)",
     )
     demo.add_argument("--no-live", action="store_true", help="periodic log lines instead of a live table (logs and CI)")
     demo.add_argument("--log-dir", help="keep the coordinator's and agents' logs here (default: a temporary directory, removed)")
@@ -572,17 +570,17 @@ def _wait_for_gpus(target: str, count: int, timeout_s: float) -> list[cpb.Gpu]:
     return gpus
 
 
-def _coordinator_accepts(argv: list[str]) -> bool:
-    """Whether this coordinator's command line takes ``argv`` (flags come and
-    go while it grows; an unknown flag would stop it at start)."""
+def _coordinator_takes(python: str, flag: str) -> bool:
+    """Whether this coordinator's command line has ``flag``: its flags come
+    and go as it grows, and an unknown one would stop it at start."""
     try:
-        from coordinator import main as coordinator_main
-
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            coordinator_main.parse_args(argv)
-        return True
-    except (SystemExit, ImportError, AttributeError):
+        text = subprocess.run(
+            [python, "-m", "coordinator.main", "--help"], capture_output=True, text=True, timeout=60,
+            stdin=subprocess.DEVNULL,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
         return False
+    return flag in text.split()
 
 
 class _Interrupted(Exception):
@@ -594,8 +592,8 @@ def _raise_interrupted(signum, frame) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    if args.agents < 1 or args.gpus_per_agent < 1 or not args.duration > 0:
-        print("gpulb demo: --agents, --gpus-per-agent and --duration must be positive", file=sys.stderr)
+    if args.agents < 1 or args.gpus_per_agent < 1 or not args.duration >= 4:
+        print("gpulb demo: --agents and --gpus-per-agent must be >= 1, --duration >= 4 s", file=sys.stderr)
         return 2
     port = free_port()
     target = f"127.0.0.1:{port}"
@@ -620,7 +618,7 @@ def run_demo(args: argparse.Namespace) -> int:
             counts = Counter(t.scenario for t in workload)
             print(
                 f"gpulb demo: coordinator on {target}, {args.agents} simulated hosts x {args.gpus_per_agent} RTX 4090 "
-                f"({args.background} background load), seed {args.seed}"
+                f"({args.background} background load), seed {args.seed}; coordinator state in {tmp}"
             )
             print(
                 f"workload per phase ({window_s:g} s, the same for both policies): "
@@ -633,7 +631,7 @@ def run_demo(args: argparse.Namespace) -> int:
             coordinator_argv = [py, "-m", "coordinator.main", "--listen", target, "--log-format", "json"]
             state_dir = tmp / "state"
             state_dir.mkdir()
-            if _coordinator_accepts(["--state-dir", str(state_dir)]):
+            if _coordinator_takes(py, "--state-dir"):
                 coordinator_argv += ["--state-dir", str(state_dir)]
             group.start("coordinator", coordinator_argv)
             for i in range(args.agents):
@@ -669,8 +667,13 @@ def run_demo(args: argparse.Namespace) -> int:
                 signal.signal(sig, handler)
         if records:
             print()
-            print("summary (same workload for each policy; wait = submission to placement)")
+            print("summary (the same workload for each policy)")
             print(render_summary([_figures(r) for r in records]))
+            print(
+                "wait: submission to placement, by the coordinator's clock; util: every GPU sampled once a second "
+                "during the phase's window (std and max - min across GPUs, averaged over the samples); "
+                "temperatures carry over, so the second phase starts on cards still warm from the first"
+            )
             for record in records:
                 for task_id, why in record.refused[:3]:
                     print(f"refused: {task_id}: {why}")

@@ -9,8 +9,9 @@ real cluster run for a third to a half of the phase's window here.
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.task import Priority
 
@@ -54,7 +55,7 @@ def build_workload(seed: int, window_s: float, agents: int, gpus_per_agent: int)
 
     Arrival rates scale with the GPU count, so a 4-GPU and a 24-GPU cluster
     are about as busy; a task is submitted early enough that it would finish
-    inside the window if it were placed at once:
+    inside the window if it were placed at once (runs are cut to fit):
 
     * P0 SD inference: bursts every 1.5-4 s of 1..max(2, gpus/4) requests,
       2-6 GiB, 0.3-1.2 s, gpu_share 0.3-0.6;
@@ -158,5 +159,7 @@ def build_workload(seed: int, window_s: float, agents: int, gpus_per_agent: int)
         )
         t += rng.expovariate(rate)
 
+    # The phase's window bounds every run, so a phase drains soon after it.
+    tasks = [replace(t, run_s=min(t.run_s, math.floor((window_s - t.submit_s) * 100) / 100)) for t in tasks]
     tasks.sort(key=lambda x: (x.submit_s, x.name))
     return tasks
