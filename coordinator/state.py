@@ -66,6 +66,7 @@ import sqlite3
 import statistics
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
@@ -205,12 +206,28 @@ def from_wall(wall: float | None, base: TimeBase | None = None) -> float | None:
 _SPEC_FIELDS = tuple(f.name for f in fields(TaskSpec))
 
 
+# A task's spec never changes (a different spec under the same id is a
+# TaskConflict), and the scheduler's copies share the spec object: encode once.
+_spec_json_cache: "weakref.WeakKeyDictionary[TaskSpec, str]" = weakref.WeakKeyDictionary()
+
+
 def spec_to_json(spec: TaskSpec) -> str:
+    try:
+        cached = _spec_json_cache.get(spec)
+    except TypeError:  # unhashable label values: encode without the cache
+        cached = None
+    if cached is not None:
+        return cached
     data = {name: getattr(spec, name) for name in _SPEC_FIELDS}
     data["priority"] = int(spec.priority)
     for name in ("labels", "required_node_labels", "preferred_node_labels"):
         data[name] = dict(data[name])
-    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+    text = json.dumps(data, separators=(",", ":"))
+    try:
+        _spec_json_cache[spec] = text
+    except TypeError:
+        pass
+    return text
 
 
 def spec_from_json(text: str) -> TaskSpec:
@@ -288,7 +305,8 @@ class Restored:
 @dataclass(slots=True)
 class _Staged:
     task: Task
-    entry_seq: int
+    first_seq: int  # when this batch first saw the task: its submit_seq if the row is new
+    entry_seq: int  # when it entered its current queue class
 
 
 # ---- the store ---------------------------------------------------------------------------------
@@ -297,9 +315,10 @@ class _Staged:
 class TaskStore:
     """Tasks and the policy in one SQLite file (see module docstring).
 
-    Thread-safe: every use of the connection holds one lock, so ``commit`` may
-    run in a worker thread (``GroupCommitter(offload=True)``) while the event
-    loop keeps staging.
+    Thread-safe: the connection is used under one lock and the staging area
+    under another, held only for a swap, so ``commit`` may run in a worker
+    thread (``GroupCommitter(offload=True)``) while the event loop keeps
+    staging without waiting for the disk.
     """
 
     def __init__(
@@ -329,7 +348,8 @@ class TaskStore:
         self._lock_fd: int | None = None
         if lock:
             self._lock_fd = self._take_lock(Path(str(self.path) + ".lock"))
-        self._mutex = threading.Lock()
+        self._mutex = threading.Lock()  # the connection
+        self._stage_lock = threading.Lock()  # _staged, _staged_policy, _seq
         self._staged: dict[str, _Staged] = {}
         self._staged_policy: tuple[str, dict[str, float]] | None = None
         self.commits = 0  # transactions written, for tests and metrics
@@ -338,15 +358,21 @@ class TaskStore:
         self._checkpointer: threading.Thread | None = None
         self._stop_checkpoints = threading.Event()
         self.background_checkpoint_s = background_checkpoint_s
+        self._db = None
         try:
             self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
             self._init_db()
-        except sqlite3.Error as exc:
+        except BaseException as exc:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
             self._release_lock()
-            raise StateError(f"{self.path}: {exc}") from exc
-        except BaseException:
-            self._release_lock()
+            if isinstance(exc, sqlite3.Error):
+                raise StateError(f"{self.path}: {exc}") from exc
             raise
+        if self.background_checkpoint_s:
+            self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="gpulb-state-checkpoint", daemon=True)
+            self._checkpointer.start()
 
     # ---- opening -----------------------------------------------------------------
     @staticmethod
@@ -376,8 +402,6 @@ class TaskStore:
         db.execute("PRAGMA journal_size_limit=67108864")  # truncate the WAL to 64 MiB after checkpoints
         if self.background_checkpoint_s:
             db.execute("PRAGMA wal_autocheckpoint=0")
-            self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="gpulb-state-checkpoint", daemon=True)
-            self._checkpointer.start()
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise StateError(f"{self.path}: schema version {version} is newer than this gpulb ({SCHEMA_VERSION})")
@@ -397,15 +421,18 @@ class TaskStore:
         Call it in the order the scheduler reports changes (it is a valid
         ``Scheduler.add_listener`` callback): that order defines queue entry order.
         """
-        with self._mutex:
+        with self._stage_lock:
             prev = self._staged.get(task.task_id)
-            if prev is not None and _queue_key(prev.task) == _queue_key(task):
-                self._staged[task.task_id] = _Staged(task, prev.entry_seq)
+            if prev is None:
+                seq = self._next_seq()
+                self._staged[task.task_id] = _Staged(task, seq, seq)
+            elif _queue_key(prev.task) == _queue_key(task):
+                self._staged[task.task_id] = _Staged(task, prev.first_seq, prev.entry_seq)
             else:
-                self._staged[task.task_id] = _Staged(task, self._next_seq())
+                self._staged[task.task_id] = _Staged(task, prev.first_seq, self._next_seq())
 
     def stage_policy(self, name: str, weights: Mapping[str, float]) -> None:
-        with self._mutex:
+        with self._stage_lock:
             self._staged_policy = (name, {str(k): float(v) for k, v in weights.items()})
 
     @property
@@ -431,7 +458,7 @@ class TaskStore:
             int(t.attempts),
             int(bool(t.sla_missed)),
             base.to_wall(t.finished_at),
-            staged.entry_seq,  # submit_seq: only used when the row is new
+            staged.first_seq,  # submit_seq: only used when the row is new
             staged.entry_seq,
             now_wall,
         )
@@ -444,8 +471,9 @@ class TaskStore:
         and ``StateError`` is raised.
         """
         with self._mutex:
-            staged, self._staged = self._staged, {}
-            policy, self._staged_policy = self._staged_policy, None
+            with self._stage_lock:
+                staged, self._staged = self._staged, {}
+                policy, self._staged_policy = self._staged_policy, None
             if not staged and policy is None:
                 return 0
             started = time.perf_counter()
@@ -468,10 +496,12 @@ class TaskStore:
                         self._db.execute("ROLLBACK")
                     raise
             except (sqlite3.Error, OSError, ValueError, TypeError) as exc:
-                for task_id, s in staged.items():
-                    self._staged.setdefault(task_id, s)
-                if self._staged_policy is None:
-                    self._staged_policy = policy
+                with self._stage_lock:
+                    # put them back, behind nothing: newer copies staged meanwhile win
+                    for task_id, s in staged.items():
+                        self._staged.setdefault(task_id, s)
+                    if self._staged_policy is None:
+                        self._staged_policy = policy
                 raise StateError(f"{self.path}: commit failed: {exc}") from exc
             self.commits += 1
             self.rows_written += len(rows)
@@ -692,8 +722,11 @@ class GroupCommitter:
     def _after_thread(self, future: asyncio.Future, done: asyncio.Future) -> None:
         self._running = False
         self._inflight = None
-        self._finish(future, *done.result())
-        if self.store.pending or self._next is not None:
+        error, rows = done.result()
+        self._finish(future, error, rows)
+        # more was staged meanwhile, or someone waits: go again (after a failure
+        # only for waiters, so a broken disk is not retried in a tight loop)
+        if self._next is not None or (error is None and self.store.pending):
             self._schedule()
 
     def _finish(self, future: asyncio.Future | None, error: BaseException | None, _rows: int) -> None:

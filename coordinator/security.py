@@ -1,0 +1,885 @@
+"""TLS, mutual TLS for agents, bearer tokens for clients, and limits.
+
+Transport
+    ``ServerCredentialsConfig`` reads PEM files into ``grpc.ServerCredentials``.
+    grpcio's Python API has exactly two client-certificate modes:
+    ``require_client_auth=True`` (request, require and verify a client
+    certificate) and ``False``, which maps to "don't request" - the client then
+    never sends a certificate and ``auth_context()`` holds none. There is no
+    "request and verify if present" mode in Python. So agents, which must prove
+    their node id with a certificate, and token clients, which may have no
+    certificate, are served on two ports of the same server:
+
+    * the client port (``client_credentials()``): TLS, no client certificate,
+      every call carries ``authorization: Bearer <token>``;
+    * the agent port (``agent_credentials()``): TLS that requires a client
+      certificate from ``client_ca_file`` (wrong CA, expired, none: the
+      handshake fails, the caller sees UNAVAILABLE).
+
+    ``Security.add_ports`` does this. With one port only, that port requires
+    client certificates from every caller when agent certificates are required.
+    An agent stream is accepted only when the peer's verified certificate names
+    the node it registers as (CN or a SAN DNS name), so a stream on the client
+    port - no certificate - or with another node's certificate is refused.
+
+Tokens
+    A token file (TOML or JSON) maps SHA-256 digests of tokens to a role and a
+    tenant; the file never holds a token itself (``python -m
+    coordinator.security new-token`` makes one)::
+
+        [tokens."sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
+        name = "alice-ci"        # for logs and rate limits; default: role:tenant
+        tenant = "alice"         # required for role "tenant"
+        role = "tenant"          # "admin" | "tenant" | "agent"
+        # nodes = ["gpu-01"]     # agent tokens: node ids it may register as (default any)
+
+    Roles: ``admin`` may do everything, for every tenant (SetPolicy, cordon,
+    drain need it); ``tenant`` may submit, see, complete, renew and cancel the
+    tasks of its own tenant and read the cluster view; ``agent`` may only open
+    agent streams (used when agent certificates are not required).
+
+Errors
+    Checks raise ``AuthError(code, message)``. ``SecurityInterceptor`` turns an
+    ``AuthError`` raised anywhere in a handler - including from synchronous
+    hooks, which cannot ``await context.abort`` - into that status, and applies
+    the per-client RPC rate limit and the per-stream message rate limit.
+
+Insecure mode (plaintext, no authentication) exists only when asked for with
+``insecure=True`` and is logged as a warning at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import hmac
+import inspect
+import json
+import math
+import re
+import secrets
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Sequence
+
+import grpc
+import structlog
+
+from scheduler.task import Task, TaskSpec, TaskState
+
+__all__ = [
+    "AuthError",
+    "SecurityConfigError",
+    "Identity",
+    "ROLES",
+    "INSECURE_IDENTITY",
+    "hash_token",
+    "generate_token",
+    "bearer_token",
+    "bearer_metadata",
+    "TokenAuth",
+    "require_admin",
+    "check_tenant",
+    "tenant_for_submission",
+    "visible_tenant",
+    "has_client_certificate",
+    "certificate_names",
+    "node_identity_matches",
+    "check_node_certificate",
+    "ServerCredentialsConfig",
+    "channel_credentials",
+    "TokenBucket",
+    "RateLimiter",
+    "MessageRateLimit",
+    "TenantQuota",
+    "check_queued_limit",
+    "client_key",
+    "Security",
+    "SecurityInterceptor",
+]
+
+log = structlog.get_logger("gpulb.security")
+
+ROLES = ("admin", "tenant", "agent")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class AuthError(Exception):
+    """A refused call: ``code`` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    async def abort(self, context) -> None:
+        await context.abort(self.code, self.message)
+
+    def __repr__(self) -> str:
+        return f"AuthError({self.code.name}, {self.message!r})"
+
+
+class SecurityConfigError(ValueError):
+    """A bad security file or setting; the message names the file and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is calling. ``tenant`` is empty for an admin not bound to a tenant."""
+
+    tenant: str
+    admin: bool
+    name: str
+    role: str = "tenant"
+    nodes: frozenset[str] | None = None  # agent tokens: allowed node ids (None: any)
+
+
+INSECURE_IDENTITY = Identity(tenant="", admin=True, name="insecure", role="admin")
+
+
+def _unauthenticated(message: str) -> AuthError:
+    return AuthError(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def _denied(message: str) -> AuthError:
+    return AuthError(grpc.StatusCode.PERMISSION_DENIED, message)
+
+
+def _exhausted(message: str) -> AuthError:
+    return AuthError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+# ---- tokens ------------------------------------------------------------------------------------
+
+
+def hash_token(token: str) -> str:
+    """The file form of a token: ``sha256:<hex digest of its UTF-8 bytes>``."""
+    return "sha256:" + hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def generate_token() -> str:
+    """A new random token (256 bits, URL-safe)."""
+    return "gpulb_" + secrets.token_urlsafe(32)
+
+
+def _metadata_items(metadata) -> Iterable[tuple[str, Any]]:
+    for item in metadata or ():
+        key, value = item[0], item[1]
+        yield key, value
+
+
+def bearer_token(metadata) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` entry, else None."""
+    for key, value in _metadata_items(metadata):
+        if key.lower() != "authorization":
+            continue
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        scheme, _, token = value.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return None
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying ``token`` (for plaintext channels in insecure mode
+    and tests; over TLS prefer ``channel_credentials(token=...)``)."""
+    return (("authorization", f"Bearer {token}"),)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    digest: bytes
+    identity: Identity
+
+
+class TokenAuth:
+    """Bearer tokens -> identities, from digests only (see module docstring)."""
+
+    def __init__(self, entries: Iterable[_Entry], source: str = "<memory>") -> None:
+        self._entries = tuple(entries)
+        self.source = source
+        seen: set[bytes] = set()
+        for entry in self._entries:
+            if entry.digest in seen:
+                raise SecurityConfigError(f"{source}: a token digest appears twice")
+            seen.add(entry.digest)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ---- loading -------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TokenAuth":
+        """Read a TOML (``.toml``) or JSON file ``{"tokens": {"sha256:...": {...}}}``."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise SecurityConfigError(f"{path}: cannot read token file: {exc.strerror}") from None
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(raw)
+            else:
+                data = tomllib.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SecurityConfigError(f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'TOML'}: {exc}") from None
+        return cls.from_mapping(data, source=str(path))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "<memory>") -> "TokenAuth":
+        if not isinstance(data, Mapping) or not isinstance(data.get("tokens"), Mapping):
+            raise SecurityConfigError(f"{source}: expected a 'tokens' table of digest -> {{tenant, role}}")
+        unknown = set(data) - {"tokens"}
+        if unknown:
+            raise SecurityConfigError(f"{source}: unknown top-level keys {sorted(unknown)}")
+        entries = []
+        for key, spec in data["tokens"].items():
+            where = f"{source}: tokens.{key!r}"
+            digest = key.lower().removeprefix("sha256:")
+            if not _HEX64.match(digest):
+                raise SecurityConfigError(f"{where}: key must be 'sha256:' + 64 hex digits of the token's SHA-256 (never the token itself)")
+            if not isinstance(spec, Mapping):
+                raise SecurityConfigError(f"{where}: expected a table with role and tenant")
+            extra = set(spec) - {"role", "tenant", "name", "nodes"}
+            if extra:
+                raise SecurityConfigError(f"{where}: unknown fields {sorted(extra)}")
+            role = spec.get("role", "tenant")
+            if role not in ROLES:
+                raise SecurityConfigError(f"{where}.role: must be one of {ROLES}, got {role!r}")
+            tenant = spec.get("tenant", "")
+            if not isinstance(tenant, str) or (role == "tenant" and not tenant):
+                raise SecurityConfigError(f"{where}.tenant: a non-empty string is required for role 'tenant'")
+            nodes = spec.get("nodes")
+            if nodes is not None:
+                if role != "agent" or not isinstance(nodes, list) or not all(isinstance(n, str) and n for n in nodes):
+                    raise SecurityConfigError(f"{where}.nodes: a list of node ids, for role 'agent' only")
+                nodes = frozenset(nodes)
+            name = spec.get("name") or f"{role}:{tenant or '*'}:{digest[:8]}"
+            if not isinstance(name, str):
+                raise SecurityConfigError(f"{where}.name: must be a string")
+            identity = Identity(tenant=tenant, admin=role == "admin", name=name, role=role, nodes=nodes)
+            entries.append(_Entry(bytes.fromhex(digest), identity))
+        return cls(entries, source)
+
+    @classmethod
+    def from_tokens(cls, tokens: Mapping[str, Mapping[str, Any]]) -> "TokenAuth":
+        """From plaintext tokens (tests, tooling): token -> {tenant, role, name}."""
+        return cls.from_mapping({"tokens": {hash_token(t): dict(v) for t, v in tokens.items()}})
+
+    # ---- checking ------------------------------------------------------------------
+    def identify(self, metadata) -> Identity | None:
+        """The identity of the call's token, or None (missing or unknown)."""
+        token = bearer_token(metadata)
+        if token is None:
+            return None
+        digest = hashlib.sha256(token.encode("utf-8")).digest()
+        found = None
+        for entry in self._entries:  # no early exit: the time does not depend on which entry matched
+            if hmac.compare_digest(digest, entry.digest):
+                found = entry.identity
+        return found
+
+    def authenticate(self, metadata, *, admin: bool = False, roles: Sequence[str] = ("admin", "tenant")) -> Identity:
+        """The caller's identity; ``AuthError`` UNAUTHENTICATED (no token, unknown
+        token) or PERMISSION_DENIED (role not in ``roles``, or not admin when
+        ``admin``)."""
+        if bearer_token(metadata) is None:
+            raise _unauthenticated("missing credentials: send metadata 'authorization: Bearer <token>'")
+        identity = self.identify(metadata)
+        if identity is None:
+            raise _unauthenticated("unknown bearer token")
+        if identity.role not in roles and not identity.admin:
+            raise _denied(f"token {identity.name!r} has role {identity.role!r}; this call needs {' or '.join(roles)}")
+        if admin:
+            require_admin(identity)
+        return identity
+
+
+def require_admin(identity: Identity) -> None:
+    if not identity.admin:
+        raise _denied(f"this call needs an admin token; {identity.name!r} has role {identity.role!r}")
+
+
+def check_tenant(identity: Identity, task_tenant: str) -> None:
+    """PERMISSION_DENIED unless ``identity`` may act on tasks of ``task_tenant``."""
+    if identity.admin or (identity.tenant and hmac.compare_digest(identity.tenant.encode(), task_tenant.encode())):
+        return
+    raise _denied(f"token {identity.name!r} (tenant {identity.tenant!r}) cannot act on a task of tenant {task_tenant!r}")
+
+
+def tenant_for_submission(identity: Identity, requested: str) -> str:
+    """The tenant a submission runs as: a tenant token fixes it (an empty spec
+    tenant becomes the token's, another tenant is refused); an admin's spec
+    tenant is kept, defaulting to the admin's own tenant."""
+    if identity.admin:
+        return requested or identity.tenant
+    if requested and requested != identity.tenant:
+        raise _denied(f"token {identity.name!r} (tenant {identity.tenant!r}) cannot submit for tenant {requested!r}")
+    return identity.tenant
+
+
+def visible_tenant(identity: Identity, requested: str) -> str:
+    """The tenant filter of a listing: admins see what they ask for (empty: all),
+    a tenant sees its own tasks only."""
+    if identity.admin:
+        return requested
+    if requested and requested != identity.tenant:
+        raise _denied(f"token {identity.name!r} (tenant {identity.tenant!r}) cannot list tenant {requested!r}")
+    return identity.tenant
+
+
+# ---- certificates ------------------------------------------------------------------------------
+
+
+def _values(auth_context: Mapping[str, Sequence[bytes]] | None, key: str) -> list[str]:
+    if not auth_context:
+        return []
+    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in auth_context.get(key, ())]
+
+
+def has_client_certificate(auth_context) -> bool:
+    """Whether the peer presented a (verified) certificate over TLS."""
+    return "ssl" in _values(auth_context, "transport_security_type") and bool(
+        _values(auth_context, "x509_pem_cert") or _values(auth_context, "x509_common_name")
+    )
+
+
+def certificate_names(auth_context) -> tuple[list[str], list[str]]:
+    """(common names, SAN DNS names) of the peer certificate. gRPC lists DNS
+    SANs under ``peer_dns``; older builds only under ``x509_subject_alternative_name``."""
+    cns = _values(auth_context, "x509_common_name")
+    if auth_context and "peer_dns" in auth_context:
+        dns = _values(auth_context, "peer_dns")
+    else:
+        dns = _values(auth_context, "x509_subject_alternative_name")
+    return cns, dns
+
+
+def node_identity_matches(auth_context, node_id: str) -> bool:
+    """True when the peer's certificate names ``node_id`` (CN or SAN DNS)."""
+    if not node_id or not has_client_certificate(auth_context):
+        return False
+    cns, dns = certificate_names(auth_context)
+    return any(hmac.compare_digest(n.encode(), node_id.encode()) for n in (*cns, *dns))
+
+
+def check_node_certificate(auth_context, node_id: str) -> None:
+    """UNAUTHENTICATED without a client certificate, PERMISSION_DENIED when the
+    certificate names another node."""
+    if not has_client_certificate(auth_context):
+        raise _unauthenticated(
+            f"agent streams need a client certificate naming the node (node {node_id!r} presented none; connect to the agent port with mTLS)"
+        )
+    if not node_identity_matches(auth_context, node_id):
+        cns, dns = certificate_names(auth_context)
+        names = sorted(set(cns) | set(dns))
+        raise _denied(f"the client certificate is for {', '.join(names) or 'no name'}; the stream claims node {node_id!r}")
+
+
+def _read_pem(path: str | Path, what: str, marker: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise SecurityConfigError(f"{path}: cannot read {what}: {exc.strerror}") from None
+    if marker.encode() not in data:
+        raise SecurityConfigError(f"{path}: {what} is not PEM (no '{marker}' block)")
+    return data
+
+
+@dataclass(frozen=True)
+class ServerCredentialsConfig:
+    """PEM files for the server's TLS (see module docstring for the two ports)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+    require_client_cert_for_agents: bool = True
+
+    def __post_init__(self) -> None:
+        if self.require_client_cert_for_agents and not self.client_ca_file:
+            raise SecurityConfigError("client_ca_file is required when agents must present client certificates")
+
+    def read(self) -> tuple[bytes, bytes, bytes | None]:
+        """(certificate chain, private key, client CA bundle or None), checked to be PEM."""
+        cert = _read_pem(self.cert_file, "server certificate", "-----BEGIN CERTIFICATE-----")
+        key = _read_pem(self.key_file, "server private key", "PRIVATE KEY-----")
+        ca = _read_pem(self.client_ca_file, "client CA", "-----BEGIN CERTIFICATE-----") if self.client_ca_file else None
+        return cert, key, ca
+
+    def credentials(self, *, require_client_auth: bool) -> grpc.ServerCredentials:
+        cert, key, ca = self.read()
+        if require_client_auth and ca is None:
+            raise SecurityConfigError("require_client_auth needs client_ca_file")
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=require_client_auth)
+
+    def client_credentials(self) -> grpc.ServerCredentials:
+        """TLS without client certificates: the token port."""
+        return self.credentials(require_client_auth=False)
+
+    def agent_credentials(self) -> grpc.ServerCredentials:
+        """TLS requiring a client certificate signed by ``client_ca_file``: the agent port."""
+        return self.credentials(require_client_auth=True)
+
+
+def channel_credentials(
+    ca_file: str | Path | None = None,
+    cert_file: str | Path | None = None,
+    key_file: str | Path | None = None,
+    token: str | None = None,
+) -> grpc.ChannelCredentials:
+    """Client side: trust ``ca_file`` (system roots when None), present
+    ``cert_file``/``key_file`` (agents), and send ``token`` on every call."""
+    ca = _read_pem(ca_file, "CA", "-----BEGIN CERTIFICATE-----") if ca_file else None
+    cert = _read_pem(cert_file, "client certificate", "-----BEGIN CERTIFICATE-----") if cert_file else None
+    key = _read_pem(key_file, "client private key", "PRIVATE KEY-----") if key_file else None
+    if (cert is None) != (key is None):
+        raise SecurityConfigError("a client certificate needs its key and the other way round")
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return creds
+
+
+# ---- limits ------------------------------------------------------------------------------------
+
+
+class TokenBucket:
+    """``burst`` tokens, refilled at ``rate_per_s``; starts full."""
+
+    __slots__ = ("rate", "burst", "tokens", "stamp", "clock")
+
+    def __init__(self, rate_per_s: float, burst: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if not (rate_per_s > 0 and math.isfinite(rate_per_s)) or not burst >= 1:
+            raise ValueError("rate_per_s must be > 0 and burst >= 1")
+        self.rate = float(rate_per_s)
+        self.burst = float(burst)
+        self.clock = clock
+        self.tokens = self.burst
+        self.stamp = clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        if now > self.stamp:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def allow(self, cost: float = 1.0) -> bool:
+        """Take ``cost`` tokens if there are that many."""
+        self._refill()
+        if self.tokens >= cost:
+            self.tokens -= cost
+            return True
+        return False
+
+    def reserve(self, cost: float = 1.0) -> float:
+        """Take ``cost`` tokens, going into debt if needed; the seconds to wait
+        before acting (0 when there were enough)."""
+        self._refill()
+        self.tokens -= cost
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+    def wait_time(self, cost: float = 1.0) -> float:
+        self._refill()
+        return max(0.0, (cost - self.tokens) / self.rate)
+
+
+class RateLimiter:
+    """One token bucket per key (a client identity or peer address).
+
+    At most ``max_keys`` buckets are kept; the least recently used goes first
+    (a forgotten key comes back with a full bucket).
+    """
+
+    def __init__(self, rate_per_s: float, burst: float, *, clock: Callable[[], float] = time.monotonic, max_keys: int = 10_000) -> None:
+        TokenBucket(rate_per_s, burst, clock=clock)  # validates
+        self.rate = float(rate_per_s)
+        self.burst = float(burst)
+        self.clock = clock
+        self.max_keys = max_keys
+        self._buckets: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
+        self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def _bucket(self, key: str) -> TokenBucket:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(self.rate, self.burst, clock=self.clock)
+            while len(self._buckets) > self.max_keys:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(key)
+        return bucket
+
+    def allow(self, key: str, cost: float = 1.0) -> bool:
+        ok = self._bucket(key).allow(cost)
+        self.refused += not ok
+        return ok
+
+    def wait_time(self, key: str, cost: float = 1.0) -> float:
+        return self._bucket(key).wait_time(cost)
+
+    def check(self, key: str, cost: float = 1.0) -> None:
+        """RESOURCE_EXHAUSTED when ``key`` is over its rate."""
+        if not self.allow(key, cost):
+            raise _exhausted(f"rate limit: {key} exceeds {self.rate:g} requests/s (burst {self.burst:g}); retry in {self.wait_time(key, cost):.2f} s")
+
+
+class MessageRateLimit:
+    """Per-stream message rate. Messages beyond ``rate_per_s`` (after a burst
+    of ``burst``) are delayed: the stream is not read meanwhile, so HTTP/2 flow
+    control pushes back on the sender and nothing piles up here. A sender kept
+    over the rate for longer than ``max_throttled_s`` without a break (a
+    sustained flood, not a burst) is refused with RESOURCE_EXHAUSTED."""
+
+    def __init__(self, rate_per_s: float, burst: float, *, max_throttled_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Any] = asyncio.sleep) -> None:
+        self.bucket = TokenBucket(rate_per_s, burst, clock=clock)
+        self.max_throttled_s = max_throttled_s
+        self.clock = clock
+        self.sleep = sleep
+        self.delayed = 0
+        self._throttled_since: float | None = None
+
+    async def admit(self) -> None:
+        wait = self.bucket.reserve()
+        if wait <= 0:
+            self._throttled_since = None
+            return
+        now = self.clock()
+        if self._throttled_since is None:
+            self._throttled_since = now
+        elif now - self._throttled_since > self.max_throttled_s:
+            raise _exhausted(
+                f"stream message rate above {self.bucket.rate:g}/s (burst {self.bucket.burst:g}) for more than {self.max_throttled_s:g} s"
+            )
+        self.delayed += 1
+        await self.sleep(wait)
+
+    async def throttle(self, messages: AsyncIterator) -> AsyncIterator:
+        """``messages``, admitted one at a time."""
+        async for message in messages:
+            await self.admit()
+            yield message
+
+
+def check_queued_limit(tenant: str, queued: int, limit: int | None) -> None:
+    """RESOURCE_EXHAUSTED when ``tenant`` already has ``limit`` queued tasks."""
+    if limit is not None and queued >= limit:
+        raise _exhausted(f"tenant {tenant!r} has {queued} queued tasks, the most allowed is {limit}")
+
+
+class TenantQuota:
+    """Queued tasks per tenant, kept current as a scheduler listener
+    (``changed``), and the ``max_queued_per_tenant`` check for submissions.
+
+    A resubmission of a task that is already queued is a no-op for the
+    scheduler and passes the check even at the limit.
+    """
+
+    def __init__(self, max_queued_per_tenant: int | None) -> None:
+        self.limit = max_queued_per_tenant
+        self._queued: dict[str, str] = {}  # task id -> tenant
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def changed(self, task: Task) -> None:
+        task_id, tenant = task.task_id, task.spec.tenant
+        was = self._queued.get(task_id)
+        if task.state == TaskState.QUEUED:
+            if was is None:
+                self._queued[task_id] = tenant
+                self._counts[tenant] += 1
+        elif was is not None:
+            del self._queued[task_id]
+            self._counts[was] -= 1
+            if self._counts[was] <= 0:
+                del self._counts[was]
+
+    def rebuild(self, tasks: Iterable[Task]) -> None:
+        """Start over from ``tasks`` (after a restore)."""
+        self._queued.clear()
+        self._counts.clear()
+        for task in tasks:
+            self.changed(task)
+
+    def queued(self, tenant: str) -> int:
+        return self._counts.get(tenant, 0)
+
+    def check(self, spec: TaskSpec) -> None:
+        if spec.task_id in self._queued:
+            return
+        check_queued_limit(spec.tenant, self.queued(spec.tenant), self.limit)
+
+
+def _peer_host(peer: str) -> str:
+    # "ipv4:10.0.0.1:5555", "ipv6:[::1]:5555", "unix:/path"
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
+
+
+def client_key(context, tokens: TokenAuth | None = None) -> str:
+    """The rate-limit key of a call: its token's name when valid, else the
+    name in its verified client certificate, else the peer's address without
+    the port (a client cannot dodge it by reconnecting)."""
+    if tokens is not None:
+        identity = tokens.identify(context.invocation_metadata())
+        if identity is not None:
+            return "token:" + identity.name
+    auth_context = context.auth_context()
+    if has_client_certificate(auth_context):
+        cns, dns = certificate_names(auth_context)
+        if cns or dns:
+            return "cert:" + (cns or dns)[0]
+    return "peer:" + _peer_host(context.peer() or "")
+
+
+# ---- the facade the coordinator's hooks call --------------------------------------------------
+
+
+class Security:
+    """Everything the coordinator's security hooks need, in one object.
+
+    ``Security(insecure=True)`` (or ``Security.insecure_mode()``) is the only
+    way to run without TLS or without tokens, and logs a warning saying what
+    is open; otherwise TLS credentials and a token file are required.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokens: TokenAuth | None = None,
+        tls: ServerCredentialsConfig | None = None,
+        insecure: bool = False,
+        rate_limit: RateLimiter | None = None,
+        stream_rate: tuple[float, float] | None = None,
+        stream_max_throttled_s: float = 10.0,
+        quota: TenantQuota | None = None,
+        public_methods: Sequence[str] = ("/grpc.health.v1.Health/", "/grpc.reflection."),
+    ) -> None:
+        if not insecure:
+            if tls is None:
+                raise SecurityConfigError("TLS certificate and key are required (or ask for insecure mode explicitly)")
+            if tokens is None:
+                raise SecurityConfigError("a token file is required (or ask for insecure mode explicitly)")
+        self.tokens = tokens
+        self.tls = tls
+        self.insecure = insecure
+        self.require_client_cert_for_agents = bool(tls and tls.require_client_cert_for_agents) and not insecure
+        self.rate_limit = rate_limit
+        self.stream_rate = stream_rate
+        self.stream_max_throttled_s = stream_max_throttled_s
+        self.quota = quota
+        self.public_methods = tuple(public_methods)
+        if insecure:
+            gaps = []
+            if tls is None:
+                gaps.append("no TLS: traffic (and any token) travels in plaintext")
+            if tokens is None:
+                gaps.append("no authentication: anyone who can reach the port can report GPUs, submit, cancel and change policy")
+            gaps.append("agent streams are not bound to certificates")
+            log.warning("INSECURE_MODE", tls=tls is not None, tokens=tokens is not None, detail="insecure mode was asked for; " + "; ".join(gaps))
+
+    @classmethod
+    def insecure_mode(cls, **kw) -> "Security":
+        return cls(insecure=True, **kw)
+
+    # ---- listeners -------------------------------------------------------------
+    def add_ports(self, server: grpc.aio.Server, listen: str, agent_listen: str | None = None) -> dict[str, int]:
+        """Bind ``listen`` (clients; agents too when ``agent_listen`` is None)
+        and ``agent_listen``; returns {"listen": port, "agent_listen": port}."""
+        ports: dict[str, int] = {}
+
+        def bind(address: str, creds: grpc.ServerCredentials | None) -> int:
+            port = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
+            if port == 0:
+                raise OSError(f"cannot bind {address}")
+            return port
+
+        if self.tls is None:
+            ports["listen"] = bind(listen, None)
+            if agent_listen:
+                ports["agent_listen"] = bind(agent_listen, None)
+            return ports
+        if agent_listen:
+            ports["listen"] = bind(listen, self.tls.client_credentials())
+            ports["agent_listen"] = bind(agent_listen, self.tls.agent_credentials() if self.tls.client_ca_file else self.tls.client_credentials())
+        elif self.require_client_cert_for_agents:
+            log.info("tls_single_port", detail="one port for agents and clients: every caller needs a client certificate")
+            ports["listen"] = bind(listen, self.tls.agent_credentials())
+        else:
+            ports["listen"] = bind(listen, self.tls.client_credentials())
+        return ports
+
+    def interceptor(self) -> "SecurityInterceptor":
+        return SecurityInterceptor(self)
+
+    # ---- hooks ------------------------------------------------------------------
+    def authorize(self, context, *, admin: bool) -> Identity:
+        if self.tokens is None:
+            return INSECURE_IDENTITY
+        return self.tokens.authenticate(context.invocation_metadata(), admin=admin)
+
+    def authorize_node(self, node_id: str, context) -> Identity | None:
+        """Accept an agent stream registering as ``node_id`` or raise ``AuthError``."""
+        if self.insecure and self.tokens is None:
+            return None
+        auth_context = context.auth_context()
+        if self.require_client_cert_for_agents or has_client_certificate(auth_context):
+            check_node_certificate(auth_context, node_id)
+            return None
+        identity = self.tokens.authenticate(context.invocation_metadata(), roles=("agent",))
+        if identity.nodes is not None and node_id not in identity.nodes:
+            raise _denied(f"token {identity.name!r} may not register as node {node_id!r}")
+        return identity
+
+    def tenant_spec(self, identity: Identity | None, spec: TaskSpec) -> TaskSpec:
+        if identity is None:
+            return spec
+        tenant = tenant_for_submission(identity, spec.tenant)
+        return spec if tenant == spec.tenant else dataclasses.replace(spec, tenant=tenant)
+
+    def admit_submission(self, identity: Identity | None, spec: TaskSpec) -> None:
+        if self.quota is not None:
+            self.quota.check(spec)
+
+    def check_owner(self, identity: Identity | None, task: Task) -> None:
+        if identity is not None:
+            check_tenant(identity, task.spec.tenant)
+
+    def visible_tenant(self, identity: Identity | None, requested: str) -> str:
+        return requested if identity is None else visible_tenant(identity, requested)
+
+    def client_key(self, context) -> str:
+        return client_key(context, self.tokens)
+
+
+# ---- interceptor -------------------------------------------------------------------------------
+
+
+class SecurityInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every handler outside ``Security.public_methods``:
+
+    * per-client RPC rate limit (``Security.rate_limit``) -> RESOURCE_EXHAUSTED;
+    * per-stream message rate (``Security.stream_rate``) on client streams;
+    * an ``AuthError`` raised by the handler becomes its status (instead of
+      UNKNOWN), so synchronous hooks can simply raise.
+    """
+
+    def __init__(self, security: Security) -> None:
+        self.security = security
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self.security.public_methods):
+            return handler
+        return self._wrap(handler)
+
+    async def _admit(self, context) -> None:
+        limiter = self.security.rate_limit
+        if limiter is not None:
+            key = self.security.client_key(context)
+            if not limiter.allow(key):
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"rate limit: {key} exceeds {limiter.rate:g} requests/s (burst {limiter.burst:g})",
+                )
+
+    def _requests(self, request_iterator):
+        if self.security.stream_rate is None:
+            return request_iterator
+        rate, burst = self.security.stream_rate
+        return MessageRateLimit(rate, burst, max_throttled_s=self.security.stream_max_throttled_s).throttle(request_iterator)
+
+    def _wrap(self, handler):
+        admit = self._admit
+        options = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                await admit(context)
+                try:
+                    return await inner(request, context)
+                except AuthError as exc:
+                    await context.abort(exc.code, exc.message)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, **options)
+        if handler.stream_unary is not None:
+            inner = handler.stream_unary
+
+            async def stream_unary(request_iterator, context):
+                await admit(context)
+                try:
+                    return await inner(self._requests(request_iterator), context)
+                except AuthError as exc:
+                    await context.abort(exc.code, exc.message)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, **options)
+        streaming_request = handler.stream_stream is not None
+        inner = handler.stream_stream if streaming_request else handler.unary_stream
+        make = grpc.stream_stream_rpc_method_handler if streaming_request else grpc.unary_stream_rpc_method_handler
+        prepare = self._requests if streaming_request else (lambda r: r)
+        if inspect.isasyncgenfunction(inner):
+
+            async def streaming_gen(request, context):
+                await admit(context)
+                try:
+                    async for response in inner(prepare(request), context):
+                        yield response
+                except AuthError as exc:
+                    await context.abort(exc.code, exc.message)
+
+            return make(streaming_gen, **options)
+        if inspect.iscoroutinefunction(inner):
+
+            async def streaming_coro(request, context):
+                await admit(context)
+                try:
+                    return await inner(prepare(request), context)
+                except AuthError as exc:
+                    await context.abort(exc.code, exc.message)
+
+            return make(streaming_coro, **options)
+        log.warning("interceptor_skipped", detail="a synchronous streaming handler is served unwrapped")
+        return handler
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m coordinator.security", description="gpulb token tooling")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    new = sub.add_parser("new-token", help="make a token; print it once and the token-file entry holding its digest")
+    new.add_argument("--role", choices=ROLES, default="tenant")
+    new.add_argument("--tenant", default="")
+    new.add_argument("--name", default="")
+    sub.add_parser("hash-token", help="read a token on stdin, print its digest")
+    args = parser.parse_args(argv)
+    if args.cmd == "hash-token":
+        print(hash_token(sys.stdin.readline().strip()))
+        return 0
+    if args.role == "tenant" and not args.tenant:
+        parser.error("--tenant is required for role tenant")
+    token = generate_token()
+    print(f"# token (give it to the client; it is not stored anywhere): {token}", file=sys.stderr)
+    print(f'[tokens."{hash_token(token)}"]')
+    if args.name:
+        print(f"name = {json.dumps(args.name)}")
+    print(f"role = {json.dumps(args.role)}")
+    if args.tenant:
+        print(f"tenant = {json.dumps(args.tenant)}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
