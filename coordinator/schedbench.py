@@ -399,7 +399,8 @@ class _Probe:
         engine = self.c.dispatcher.engine
         cat = lambda attr: [x for p in phases for x in getattr(p, attr)]  # noqa: E731
         passes = cat("pass_placed")
-        snap = self.c.dispatcher.snapshots.snapshot()
+        builder = self.c.dispatcher.snapshots
+        snap = builder._snapshot or builder.snapshot()  # the last one: reading it must not count as a rebuild
         for p in phases:
             if p is not self.phase:
                 p.close()
