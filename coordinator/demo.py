@@ -669,11 +669,10 @@ def run_demo(args: argparse.Namespace) -> int:
             print()
             print("summary (the same workload for each policy)")
             print(render_summary([_figures(r) for r in records]))
-            print(
-                "wait: submission to placement, by the coordinator's clock; util: every GPU sampled once a second "
-                "during the phase's window (std and max - min across GPUs, averaged over the samples); "
-                "temperatures carry over, so the second phase starts on cards still warm from the first"
-            )
+            print("wait: submission to placement, by the coordinator's clock")
+            print("util: every GPU sampled once a second during the phase's window; std and max - min are across")
+            print("      GPUs, averaged over the samples")
+            print("temperatures carry over: the second phase starts on cards still warm from the first")
             for record in records:
                 for task_id, why in record.refused[:3]:
                     print(f"refused: {task_id}: {why}")
