@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import deque
 import socket
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,14 @@ class AgentConfig:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     hostname: str = field(default_factory=socket.gethostname)
+    #: sampling rounds kept while the coordinator is unreachable (oldest dropped first)
+    outage_buffer_rounds: int = 300
+    #: TLS: CA to trust, and the agent's client certificate and key (mutual TLS)
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    #: bearer token (agent role), when the coordinator authenticates agents by token
+    token: str = ""
 
 
 @dataclass
@@ -59,6 +68,8 @@ class AgentStats:
     sessions: int = 0
     resyncs_requested: int = 0
     samples: int = 0
+    buffered_rounds: int = 0  # rounds sampled while disconnected, sent on reconnect
+    dropped_rounds: int = 0  # rounds dropped because the outage buffer was full
 
 
 class Backoff:
@@ -102,7 +113,12 @@ class Agent:
         self.io_monitor = io_monitor
         self.clock = clock
         self.wall_ns = wall_ns
-        self._channel_factory = channel_factory or (lambda target: grpc.aio.insecure_channel(target))
+        self._channel_factory = channel_factory or self._default_channel
+        self._call_metadata = None
+        if config.token and not (config.ca_file or config.cert_file):
+            # plaintext with a token: only against a coordinator in insecure mode
+            self._call_metadata = (("authorization", f"Bearer {config.token}"),)
+        self._outage: deque = deque(maxlen=max(1, config.outage_buffer_rounds))
         self._rng = random.Random(seed)
         self.session_id = self._rng.getrandbits(63)
         self.inventory = backend.inventory()
@@ -119,6 +135,19 @@ class Agent:
         self._sent_host_io: tuple[int | None, int | None] | None = None
         self._last_ack = 0
         self._log = log.bind(node_id=config.node_id)
+
+    def _default_channel(self, target: str) -> grpc.aio.Channel:
+        cfg = self.config
+        if cfg.ca_file or cfg.cert_file:
+            from coordinator.security import channel_credentials
+
+            creds = channel_credentials(cfg.ca_file or None, cfg.cert_file or None, cfg.key_file or None, cfg.token or None)
+            return grpc.aio.secure_channel(target, creds)
+        return grpc.aio.insecure_channel(target)
+
+    @property
+    def outage_buffer_len(self) -> int:
+        return len(self._outage)
 
     # ---- lifecycle -------------------------------------------------------
     async def run(self) -> None:
@@ -139,11 +168,45 @@ class Agent:
             if self._stop.is_set():
                 break
             delay = backoff.next_delay()
-            self._log.info("reconnecting", in_s=round(delay, 2), attempt=backoff.attempt)
+            self._log.info("reconnecting", in_s=round(delay, 2), attempt=backoff.attempt, buffered=len(self._outage))
+            await self._sample_while_away(delay)
+
+    async def _sample_while_away(self, duration_s: float) -> None:
+        """Keep sampling while the coordinator is unreachable, into a bounded
+        buffer sent on reconnect (oldest rounds dropped first, and counted)."""
+        end = self.clock() + duration_s
+        while not self._stop.is_set():
+            now = self.clock()
+            if now >= end:
+                return
             try:
-                await asyncio.wait_for(self._stop.wait(), timeout=delay)
+                samples = await asyncio.to_thread(self.backend.sample) if self.backend.name == "nvml" else self.backend.sample()
+            except Exception:
+                self._log.exception("sample_failed")
+                samples = []
+            if samples:
+                values, present = samples_to_matrix(samples, self.gpu_order)
+                if len(self._outage) == self._outage.maxlen:
+                    self.stats.dropped_rounds += 1
+                self._outage.append((now, self.wall_ns(), values, present))
+                self.stats.buffered_rounds += 1
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=min(self.config.interval_max_s, max(0.0, end - now)))
             except asyncio.TimeoutError:
                 pass
+
+    async def _send_outage_buffer(self, call) -> None:
+        """The rounds sampled while away, oldest first: a keyframe, then deltas."""
+        while self._outage:
+            at, wall_ns, values, present = self._outage.popleft()
+            env, batch = self.encoder.encode(values, present, now_s=at, sampled_at_ns=wall_ns, skip_empty=True)
+            if env is None:
+                continue
+            msg = pb.AgentMessage(telemetry=env)
+            await call.write(msg)
+            self.stats.envelopes += 1
+            self.stats.bytes_sent += msg.ByteSize()
+            self.stats.keyframes += int(batch.keyframe)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -154,7 +217,7 @@ class Agent:
         cfg = self.config
         async with self._channel_factory(cfg.coordinator) as channel:
             stub = pb_grpc.AgentGatewayStub(channel)
-            call = stub.Connect()
+            call = stub.Connect(metadata=self._call_metadata)
             self.stats.sessions += 1
             self.encoder.restart_stream()
             self._sent_processes.clear()
@@ -173,6 +236,9 @@ class Agent:
             )
             await call.write(pb.AgentMessage(register=register))
             reader = asyncio.create_task(self._read_loop(call))
+            if self._outage:
+                self._log.info("sending_outage_buffer", rounds=len(self._outage), dropped=self.stats.dropped_rounds)
+                await self._send_outage_buffer(call)
             try:
                 first = True
                 last_sent = self.clock()

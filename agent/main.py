@@ -44,6 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label", action="append", type=_label, default=[], help="node label KEY=VALUE (repeatable)")
     p.add_argument("--interval-min", type=float, help="fastest sampling period, s (default 0.2)")
     p.add_argument("--interval-max", type=float, help="slowest sampling period, s (default 2.0)")
+    p.add_argument("--ca-file", help="PEM CA that signed the coordinator's certificate (turns TLS on)")
+    p.add_argument("--cert-file", help="PEM client certificate for mutual TLS (CN or SAN = the node id)")
+    p.add_argument("--key-file", help="PEM private key of --cert-file")
+    p.add_argument("--token-file", help="file holding a bearer token with the agent role")
+    p.add_argument("--outage-buffer", type=int, help="sampling rounds kept while the coordinator is away (default 300)")
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--log-format", choices=("auto", "json", "console"))
     return p.parse_args(argv)
@@ -63,6 +68,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "interval_max": 2.0,
         "log_level": "info",
         "log_format": "auto",
+        "ca_file": "",
+        "cert_file": "",
+        "key_file": "",
+        "token_file": "",
+        "outage_buffer": 300,
     }
     if args.config is not None:
         with args.config.open("rb") as fh:
@@ -72,7 +82,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             if key not in settings:
                 raise SystemExit(f"{args.config}: unknown option {key!r} (known: {', '.join(sorted(settings))})")
             settings[key] = value
-    for key in ("coordinator", "node_id", "backend", "sim_gpus", "sim_seed", "sim_workload", "interval_min", "interval_max", "log_level", "log_format"):
+    for key in ("coordinator", "node_id", "backend", "sim_gpus", "sim_seed", "sim_workload", "interval_min", "interval_max",
+                "log_level", "log_format", "ca_file", "cert_file", "key_file", "token_file", "outage_buffer"):
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
@@ -109,12 +120,24 @@ async def _run(settings: dict[str, Any]) -> int:
         return 2
     from agent.diskstats import DiskIoMonitor
 
+    token = ""
+    if settings["token_file"]:
+        try:
+            token = open(settings["token_file"]).read().strip()
+        except OSError as exc:
+            log.error("token_file_unreadable", path=settings["token_file"], error=str(exc))
+            return 2
     config = AgentConfig(
         node_id=settings["node_id"],
         coordinator=settings["coordinator"],
         labels=settings["labels"],
         interval_min_s=settings["interval_min"],
         interval_max_s=settings["interval_max"],
+        outage_buffer_rounds=settings["outage_buffer"],
+        ca_file=settings["ca_file"],
+        cert_file=settings["cert_file"],
+        key_file=settings["key_file"],
+        token=token,
     )
     agent = Agent(config, backend, io_monitor=DiskIoMonitor())
     notifier = Notifier.from_environ(os.environ)

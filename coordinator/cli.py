@@ -36,8 +36,34 @@ def command(name: str):
     return register
 
 
+class _TokenCalls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer`` to every call (plaintext channels only:
+    over TLS the token travels as call credentials)."""
+
+    def __init__(self, token: str) -> None:
+        self.metadata = (("authorization", f"Bearer {token}"),)
+
+    def _details(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self.metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
 def _channel(args: argparse.Namespace) -> grpc.Channel:
-    return grpc.insecure_channel(args.coordinator)
+    token = args.token or ""
+    if args.token_file:
+        with open(args.token_file) as fh:
+            token = fh.read().strip()
+    if args.ca_file:
+        from coordinator.security import channel_credentials
+
+        return grpc.secure_channel(args.coordinator, channel_credentials(args.ca_file, token=token or None))
+    channel = grpc.insecure_channel(args.coordinator)
+    return grpc.intercept_channel(channel, _TokenCalls(token)) if token else channel
 
 
 def _state_name(state: int) -> str:
@@ -380,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT of the coordinator (env GPULB_COORDINATOR)",
     )
     p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline, s")
+    p.add_argument("--ca-file", default=os.environ.get("GPULB_CA_FILE"), help="PEM CA of the coordinator's certificate: use TLS (env GPULB_CA_FILE)")
+    p.add_argument("--token", default=os.environ.get("GPULB_TOKEN"), help="bearer token (env GPULB_TOKEN)")
+    p.add_argument("--token-file", default=os.environ.get("GPULB_TOKEN_FILE"), help="file holding the bearer token (env GPULB_TOKEN_FILE)")
     sub = p.add_subparsers(dest="command", required=True)
 
     gpus = sub.add_parser("gpus", help="list GPUs with their latest readings")

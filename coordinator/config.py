@@ -34,9 +34,24 @@ class CoordinatorConfig:
     persist: int = _opt(3, "anomalies in a row on one side accepted as a real level change", "readings")
     smoothing_tick_s: float = _opt(0.02, "period of the vectorised smoothing pass over rows with new readings", "s")
     dispatch_interval_s: float = _opt(0.5, "period of the dispatch pass besides enqueue/completion/view triggers", "s")
+    agent_listen: str = _opt("", "HOST:PORT of a separate mutual-TLS port for agents; empty = agents use listen")
+    tls_cert_file: str = _opt("", "PEM server certificate; with tls_key_file turns TLS on for every listener")
+    tls_key_file: str = _opt("", "PEM private key of tls_cert_file")
+    tls_client_ca_file: str = _opt("", "PEM CA that signs agent client certificates (mutual TLS; CN or SAN = node id)")
+    token_file: str = _opt("", "TOML/JSON of bearer-token digests -> role (admin, tenant, agent) and tenant")
+    insecure: bool = _opt(False, "run without TLS and/or tokens (lab use); refused unless set, and logged loudly")
+    rpc_rate_per_s: float = _opt(0.0, "per-client RPC rate limit; 0 = off", "requests/s")
+    rpc_burst: float = _opt(200.0, "per-client RPC burst above rpc_rate_per_s", "requests")
+    stream_message_rate_per_s: float = _opt(0.0, "per-stream agent message rate limit; 0 = off", "messages/s")
+    stream_message_burst: float = _opt(500.0, "per-stream agent message burst", "messages")
+    max_queued_per_tenant: int = _opt(0, "queued tasks a tenant may have at once; 0 = unlimited", "tasks")
+    state_synchronous: str = _opt("NORMAL", "SQLite synchronous mode: NORMAL survives process crashes, FULL also power loss")
+    finished_retention_s: float = _opt(86400.0, "finished tasks are kept this long for GetTask and idempotent resubmission", "s")
     log_level: str = _opt("info", "debug, info, warning or error")
     log_format: str = _opt("auto", "json, console, or auto (console on a terminal)")
 
 
 #: settings a SIGHUP may change without a restart
-LIVE_RELOADABLE = frozenset({"log_level", "staleness_s", "dispatch_interval_s", "heartbeat_interval_s", "remove_after_intervals"})
+LIVE_RELOADABLE = frozenset(
+    {"log_level", "staleness_s", "dispatch_interval_s", "heartbeat_interval_s", "remove_after_intervals", "max_queued_per_tenant"}
+)

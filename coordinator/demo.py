@@ -570,19 +570,6 @@ def _wait_for_gpus(target: str, count: int, timeout_s: float) -> list[cpb.Gpu]:
     return gpus
 
 
-def _coordinator_takes(python: str, flag: str) -> bool:
-    """Whether this coordinator's command line has ``flag``: its flags come
-    and go as it grows, and an unknown one would stop it at start."""
-    try:
-        text = subprocess.run(
-            [python, "-m", "coordinator.main", "--help"], capture_output=True, text=True, timeout=60,
-            stdin=subprocess.DEVNULL,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return flag in text.split()
-
-
 class _Interrupted(Exception):
     """SIGTERM (or SIGINT) asked the demo to stop."""
 
@@ -628,11 +615,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 f"times are compressed for the demo: LoRA fine-tunes that take minutes run "
                 f"{0.3 * window_s:.0f}-{0.5 * window_s:.0f} s here"
             )
-            coordinator_argv = [py, "-m", "coordinator.main", "--listen", target, "--log-format", "json"]
-            state_dir = tmp / "state"
-            state_dir.mkdir()
-            if _coordinator_takes(py, "--state-dir"):
-                coordinator_argv += ["--state-dir", str(state_dir)]
+            # A loopback lab: plaintext and no tokens, asked for explicitly.
+            coordinator_argv = [py, "-m", "coordinator.main", "--listen", target, "--log-format", "json",
+                                "--insecure", "--state-dir", str(tmp / "state")]
             group.start("coordinator", coordinator_argv)
             for i in range(args.agents):
                 group.start(

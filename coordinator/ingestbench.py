@@ -215,7 +215,7 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     coord = subprocess.Popen(
         [py, "-m", "coordinator.main", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
-         "--log-level", "warning", "--log-format", "json"],
+         "--log-level", "warning", "--log-format", "json", "--insecure"],
         env=env,
     )
     gen = None

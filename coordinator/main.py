@@ -20,7 +20,9 @@ import structlog
 
 from coordinator.config import LIVE_RELOADABLE
 from coordinator.sdnotify import Notifier, WatchdogPinger
+from coordinator.security import RateLimiter, Security, SecurityConfigError, ServerCredentialsConfig, TenantQuota, TokenAuth
 from coordinator.server import Coordinator
+from coordinator.state import StateError, open_state_dir
 from coordinator.settings import (
     ConfigError,
     Settings,
@@ -43,13 +45,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_security(cfg) -> Security:
+    """TLS, tokens and limits from the configuration. Without TLS and tokens the
+    daemon refuses to start unless ``insecure`` was asked for."""
+    tls = None
+    if cfg.tls_cert_file or cfg.tls_key_file:
+        tls = ServerCredentialsConfig(
+            cert_file=cfg.tls_cert_file,
+            key_file=cfg.tls_key_file,
+            client_ca_file=cfg.tls_client_ca_file or None,
+            require_client_cert_for_agents=bool(cfg.tls_client_ca_file),
+        )
+    tokens = TokenAuth.from_file(cfg.token_file) if cfg.token_file else None
+    return Security(
+        tokens=tokens,
+        tls=tls,
+        insecure=cfg.insecure,
+        rate_limit=RateLimiter(cfg.rpc_rate_per_s, cfg.rpc_burst) if cfg.rpc_rate_per_s > 0 else None,
+        stream_rate=(cfg.stream_message_rate_per_s, cfg.stream_message_burst) if cfg.stream_message_rate_per_s > 0 else None,
+        quota=TenantQuota(cfg.max_queued_per_tenant or None),
+    )
+
+
 class _Daemon:
-    def __init__(self, settings: Settings, config_path: str | None, overrides: dict) -> None:
+    def __init__(self, settings: Settings, config_path: str | None, overrides: dict, security: Security) -> None:
         self.settings = settings
         self.config_path = config_path
         self.overrides = overrides
         self.notifier = Notifier.from_environ(os.environ)
-        self.coordinator = Coordinator(settings.coordinator, settings.scheduler)
+        cfg = settings.coordinator
+        store = open_state_dir(cfg.state_dir, synchronous=cfg.state_synchronous, background_checkpoint_s=1.0) if cfg.state_dir else None
+        self.coordinator = Coordinator(cfg, settings.scheduler, security=security, store=store)
         self.stop_requested = asyncio.Event()
         self._status_task: asyncio.Task | None = None
 
@@ -131,9 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.coordinator.log_level, settings.coordinator.log_format)
     for warning in settings.warnings:
         log.warning("config_warning", message=warning)
+    try:
+        security = build_security(settings.coordinator)
+    except SecurityConfigError as exc:
+        source = args.config or "flags/environment"
+        print(f"gpulb-coordinator: {source}: {exc}", file=sys.stderr)
+        return 2
 
     async def run() -> int:
-        return await _Daemon(settings, args.config, overrides).run()
+        try:
+            daemon = _Daemon(settings, args.config, overrides, security)
+        except (StateError, OSError) as exc:
+            log.error("state_unavailable", state_dir=settings.coordinator.state_dir, error=str(exc))
+            return 2
+        return await daemon.run()
 
     return asyncio.run(run())
 

@@ -21,6 +21,7 @@ import structlog
 from prometheus_client.core import GaugeMetricFamily
 
 from coordinator.snapshots import SnapshotBuilder
+from coordinator.state import StateError
 from coordinator.taskconvert import WallClock, priority_to_proto, spec_from_proto, task_to_proto
 from protos import tasks_pb2 as tpb
 from protos import tasks_pb2_grpc as tpb_grpc
@@ -89,6 +90,13 @@ class Dispatcher:
         self._last_view_dispatch = 0.0
         self._sla_misses_seen = 0
 
+    def restored(self, tasks) -> None:
+        """Tasks restored from durable state: remember their states so later
+        transitions (a restored lease completing) are reported to agents."""
+        for task in tasks:
+            if not task.terminal:
+                self._last_state[task.task_id] = task.state
+
     # ---- lifecycle ---------------------------------------------------------
     def start(self) -> None:
         if self._loop_task is None:
@@ -130,6 +138,12 @@ class Dispatcher:
     def dispatch_now(self) -> list[Task]:
         started = time.perf_counter()
         snapshot = self.snapshots.snapshot()
+        if snapshot.gpu_count == 0:
+            # No node yet (a fresh start, or a restart before agents are back):
+            # nothing can be placed, and judging "never fits" against an empty
+            # cluster would reject every queued task.
+            self.engine.expire_leases()
+            return []
         placed = self.engine.dispatch(snapshot)
         self.engine.expire_leases()
         self.c.metrics.decision_seconds.observe(time.perf_counter() - started)
@@ -210,6 +224,7 @@ class Dispatcher:
             observed = max(0.0, self.clock() - a.placed_at)
             old = self.snapshots.response_time_s.get(node_id)
             self.snapshots.response_time_s[node_id] = observed if old is None else 0.8 * old + 0.2 * observed
+            self.snapshots.facts_changed()
         elif event.kind in (pb.TASK_EVENT_KIND_FINISHED, pb.TASK_EVENT_KIND_FAILED, pb.TASK_EVENT_KIND_OOM_KILLED):
             failed = event.kind != pb.TASK_EVENT_KIND_FINISHED
             self.engine.complete(task.task_id, a.lease_id, failed=failed)
@@ -295,6 +310,14 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
     def _proto(self, task: Task) -> tpb.Task:
         return task_to_proto(task, self.d.wall)
 
+    async def _durable(self, context, commit) -> None:
+        """Acknowledge only what is durable; a failed commit is UNAVAILABLE
+        (retrying is safe: submission is idempotent)."""
+        try:
+            await commit
+        except StateError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"state: could not persist ({exc}); retry")
+
     async def _fail(self, context, exc: SchedulerError):
         code, message = status_of(exc)
         await context.abort(code, message)
@@ -305,12 +328,14 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             spec = spec_from_proto(request.spec)
             spec = self.c.tenant_spec(identity, spec)
             self.c.admit_submission(identity, spec)
-            task = self.d.engine.submit(spec, self.d.snapshots.snapshot())
+            snapshot = self.d.snapshots.snapshot()
+            # Against an empty cluster every task would "never fit": wait for nodes instead.
+            task = self.d.engine.submit(spec, snapshot if snapshot.gpu_count else None)
         except SchedulerError as exc:
             await self._fail(context, exc)
         if task.state == TaskState.REJECTED:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"spec: rejected, {task.reason}")
-        self.c.task_accepted(task)
+        await self._durable(context, self.c.task_accepted(task))
         self.d.request()
         wait = request.wait if request.HasField("wait") else True
         if wait and task.state == TaskState.QUEUED:
@@ -374,7 +399,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             task = self.d.engine.complete(request.task_id, request.lease_id, failed=request.failed)
         except SchedulerError as exc:
             await self._fail(context, exc)
-        self.c.task_changed_durably(task)
+        await self._durable(context, self.c.task_changed_durably(task))
         return tpb.CompleteTaskResponse(task=self._proto(task))
 
     async def CancelTask(self, request: tpb.CancelTaskRequest, context) -> tpb.CancelTaskResponse:
@@ -384,7 +409,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             task = self.d.engine.cancel(request.task_id, request.reason)
         except SchedulerError as exc:
             await self._fail(context, exc)
-        self.c.task_changed_durably(task)
+        await self._durable(context, self.c.task_changed_durably(task))
         return tpb.CancelTaskResponse(task=self._proto(task))
 
     async def RenewLease(self, request: tpb.RenewLeaseRequest, context) -> tpb.RenewLeaseResponse:
@@ -394,7 +419,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             task = self.d.engine.renew(request.task_id, request.lease_id, request.extend_s)
         except SchedulerError as exc:
             await self._fail(context, exc)
-        self.c.task_changed_durably(task)
+        await self._durable(context, self.c.task_changed_durably(task))
         return tpb.RenewLeaseResponse(task=self._proto(task))
 
     async def GetQueue(self, request: tpb.GetQueueRequest, context) -> tpb.GetQueueResponse:
@@ -421,7 +446,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             info = self.d.engine.set_policy(request.name, dict(request.weights))
         except SchedulerError as exc:
             await self._fail(context, exc)
-        self.c.policy_changed(info)
+        await self._durable(context, self.c.policy_changed(info))
         log.info("policy_set", policy=info.name, weights=dict(info.weights))
         self.d.request()
         return tpb.Policy(name=info.name, weights=dict(info.weights), available=list(info.available))

@@ -19,12 +19,14 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import gpu_messages, node_message
-from coordinator.gateway import AgentGateway, AgentSession
+from coordinator.gateway import AgentGateway, AgentSession, StreamRefused
 from coordinator.ingest import TelemetryIngest
 from coordinator.liveness import Liveness, LivenessEvent, LivenessSweeper, NodeLiveness, UnknownNode
 from coordinator.metrics import CoordinatorMetrics, MetricsServer
 from coordinator.operator import ClusterOperatorService
 from coordinator.scheduling import Dispatcher, SchedulerService
+from coordinator.security import AuthError, Security
+from coordinator.state import GroupCommitter, TaskStore, restore_into
 from coordinator.view import SIGNALS, ClusterView, NodeRecord, SignalSettings
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
@@ -53,7 +55,12 @@ class Coordinator:
         scheduler_config: SchedulerConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        security: Security | None = None,
+        store: TaskStore | None = None,
     ) -> None:
+        """``security`` defaults to insecure mode (tests, embedding; logged);
+        the daemon builds it from the configuration. ``store`` (durable task
+        state) is optional: without it tasks live in memory only."""
         self.config = cfg = config or CoordinatorConfig()
         self.clock = clock
         self.view = ClusterView(
@@ -69,6 +76,13 @@ class Coordinator:
         self.metrics = CoordinatorMetrics(self)
         self.dispatcher = Dispatcher(self, scheduler_config or SchedulerConfig(), clock)
         self.scheduler_service = SchedulerService(self)
+        self.security = security or Security(insecure=True)
+        if self.security.quota is not None:
+            self.dispatcher.engine.add_listener(self.security.quota.changed)
+        self.store = store
+        self.state_writer: GroupCommitter | None = None
+        self._background: list[asyncio.Task] = []
+        self.agent_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -91,7 +105,9 @@ class Coordinator:
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
-        server = grpc.aio.server(options=options)
+        if self.store is not None:
+            self._restore()
+        server = grpc.aio.server(options=options, interceptors=[self.security.interceptor()])
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, server)
         cpb_grpc.add_ClusterOperatorServicer_to_server(self.operator, server)
         self._add_services(server)
@@ -100,9 +116,12 @@ class Coordinator:
             self.service_names() + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-        port = server.add_insecure_port(cfg.listen)
-        if port == 0:
-            raise OSError(f"listen: cannot bind {cfg.listen}")
+        try:
+            ports = self.security.add_ports(server, cfg.listen, cfg.agent_listen or None)
+        except OSError as exc:
+            raise OSError(f"listen: {exc}") from None
+        port = ports["listen"]
+        self.agent_port = ports.get("agent_listen")
         await server.start()
         self._server = server
         self.port = port
@@ -114,6 +133,8 @@ class Coordinator:
         self._sweeper.start()
         self._smoother = asyncio.create_task(self._smoothing_loop(), name="gpulb-smoothing")
         self.dispatcher.start()
+        if self.store is not None:
+            self._background.append(asyncio.create_task(self._prune_loop(), name="gpulb-prune"))
         for name in ("",) + self.service_names():
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
         host = cfg.listen.rsplit(":", 1)[0]
@@ -141,7 +162,49 @@ class Coordinator:
         if self._metrics_server is not None:
             await self._metrics_server.stop()
             self._metrics_server = None
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
+        if self.state_writer is not None:
+            await self.state_writer.flush()
+            self.state_writer = None
+        if self.store is not None:
+            self.store.close()
         log.info("coordinator_stopped")
+
+    # ---- durable state --------------------------------------------------------
+    def _restore(self) -> None:
+        """Load the task state of the previous run before serving anything."""
+        restored = self.store.load()
+        report = restore_into(self.dispatcher.engine, restored)
+        self.dispatcher.restored(restored.tasks)
+        if self.security.quota is not None:
+            self.security.quota.rebuild(self.dispatcher.engine.tasks(limit=10**9))
+        self.state_writer = self.store.writer()
+        self.dispatcher.engine.add_listener(self.state_writer.stage)
+        leased_nodes = sorted({t.assignment.node_id for t in restored.tasks if t.state.name == "LEASED" and t.assignment})
+        log.info("state_restored", report=str(report), leased_on=leased_nodes)
+        if leased_nodes:
+            # Reservations wait for their nodes to reconnect for as long as a
+            # silent node would stay in the pool; the rest are lost.
+            grace = self.config.heartbeat_interval_s * self.config.remove_after_intervals
+            self._background.append(asyncio.get_event_loop().create_task(self._expire_absent_nodes(leased_nodes, grace)))
+
+    async def _expire_absent_nodes(self, node_ids: list[str], grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        for node_id in node_ids:
+            if node_id not in self.view.nodes:
+                log.warning("restored_node_absent", node_id=node_id, grace_s=grace_s)
+                self.dispatcher.node_removed(node_id)
+
+    async def _prune_loop(self) -> None:
+        while True:
+            await asyncio.sleep(60)
+            try:
+                await asyncio.to_thread(self.store.prune_finished, self.config.finished_retention_s)
+            except Exception:
+                log.exception("prune_failed")
 
     def _add_services(self, server: grpc.aio.Server) -> None:
         tpb_grpc.add_SchedulerServicer_to_server(self.scheduler_service, server)
@@ -174,38 +237,50 @@ class Coordinator:
             self.liveness.heartbeat_interval_s = config.heartbeat_interval_s
         if "remove_after_intervals" in live:
             self.liveness.remove_after_intervals = config.remove_after_intervals
+        if "max_queued_per_tenant" in live and self.security.quota is not None:
+            self.security.quota.limit = config.max_queued_per_tenant or None
         self.dispatcher.snapshots.liveness_changed()
         self.dispatcher.request()
 
     # ---- security and durability hooks ---------------------------------------
     def authorize(self, context, *, admin: bool):
-        """The caller's identity (None: no authentication configured)."""
-        return None
+        """The caller's identity; AuthError (turned into its status by the
+        security interceptor) when the token is missing or lacks the role."""
+        return self.security.authorize(context, admin=admin)
 
     def authorize_node(self, node_id: str, context) -> None:
-        return None
+        try:
+            self.security.authorize_node(node_id, context)
+        except AuthError as exc:
+            raise StreamRefused(exc.code, exc.message) from None
 
     def tenant_spec(self, identity, spec):
         """A tenant's token fixes the task's tenant."""
-        return spec
+        return self.security.tenant_spec(identity, spec)
 
     def admit_submission(self, identity, spec) -> None:
-        return None
+        self.security.admit_submission(identity, spec)
 
     async def check_owner(self, identity, task, context) -> None:
-        return None
+        try:
+            self.security.check_owner(identity, task)
+        except AuthError as exc:
+            await context.abort(exc.code, exc.message)
 
     def visible_tenant(self, identity, requested: str) -> str:
-        return requested
+        return self.security.visible_tenant(identity, requested)
 
-    def task_accepted(self, task) -> None:
-        return None
+    async def task_accepted(self, task) -> None:
+        """Return once the task's record is durable (before the client's ack)."""
+        if self.state_writer is not None:
+            await self.state_writer.durable()
 
-    def task_changed_durably(self, task) -> None:
-        return None
+    task_changed_durably = task_accepted
 
-    def policy_changed(self, info) -> None:
-        return None
+    async def policy_changed(self, info) -> None:
+        if self.state_writer is not None:
+            self.state_writer.stage_policy(info.name, info.weights)
+            await self.state_writer.durable()
 
     # ---- agent stream hooks -------------------------------------------------
     def node_registered(self, reg: pb.Register, session: AgentSession) -> NodeRecord:

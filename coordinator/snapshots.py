@@ -53,16 +53,28 @@ class SnapshotBuilder:
         self.clock = clock
         self.node_speed = node_speed or (lambda node_id: 1.0)
         self.response_time_s: dict[str, float] = {}
-        self._membership: tuple | None = None
+        self._membership: int | None = None
         self._static: dict | None = None
         self._snapshot: ClusterSnapshot | None = None
         self._built_at_version = -1
         self._liveness_version = 0
         self._built_liveness_version = -1
+        self._node_facts_version = -1
+        self._node_facts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._facts_version = 0
+
+    #: telemetry alone rebuilds the snapshot at most this often; reservations
+    #: cover placements made in between, and liveness/membership changes
+    #: rebuild at once
+    min_rebuild_s = 0.25
 
     def liveness_changed(self) -> None:
         """A node's liveness or operator state changed (schedulability may differ)."""
         self._liveness_version += 1
+
+    def facts_changed(self) -> None:
+        """Response times or speeds changed."""
+        self._facts_version += 1
 
     def _rebuild_static(self) -> dict:
         nodes = sorted(self.view.nodes.values(), key=lambda n: n.node_id)
@@ -103,17 +115,15 @@ class SnapshotBuilder:
         view = self.view
         # Staleness moves with time alone, so even an unchanged view is re-read
         # once a second.
-        if (
-            self._snapshot is not None
-            and view.version == self._built_at_version
-            and self._liveness_version == self._built_liveness_version
-            and self.clock() - self._snapshot.taken_at_s < 1.0
-        ):
-            return self._snapshot
-        membership = tuple((n.node_id, id(n)) for n in view.nodes.values())
-        if membership != self._membership or self._static is None:
+        current = self._snapshot
+        if current is not None and self._liveness_version == self._built_liveness_version and view.membership_version == self._membership:
+            age = self.clock() - current.taken_at_s
+            if age < 1.0 and (view.version == self._built_at_version or age < self.min_rebuild_s):
+                return current
+        if view.membership_version != self._membership or self._static is None:
             self._static = self._rebuild_static()
-            self._membership = membership
+            self._membership = view.membership_version
+            self._node_facts = None
         st = self._static
         now = self.clock()
         rows = st["rows"]
@@ -163,11 +173,11 @@ class SnapshotBuilder:
             active_tasks=np.zeros(rows.size, dtype=np.int32),
             node_ids=node_ids,
             node_labels=st["labels"],
-            node_schedulable=np.asarray([self.schedulable(n) for n in node_ids], dtype=bool),
+            node_schedulable=self._schedulable(node_ids),
             node_stale=~(node_age <= self.staleness_s),
             node_disk_await_ms=np.asarray(disk, dtype=np.float64),
-            node_response_time_s=np.asarray([self.response_time_s.get(n, np.nan) for n in node_ids], dtype=np.float64),
-            node_speed=np.asarray([self.node_speed(n) for n in node_ids], dtype=np.float64),
+            node_response_time_s=self._facts(node_ids)[0],
+            node_speed=self._facts(node_ids)[1],
             node_nvlink=st["nvlink"],
             taken_at_s=now,
         )
@@ -175,6 +185,24 @@ class SnapshotBuilder:
         self._built_at_version = view.version
         self._built_liveness_version = self._liveness_version
         return snapshot
+
+    def _schedulable(self, node_ids: list[str]) -> np.ndarray:
+        cached = getattr(self, "_schedulable_cache", None)
+        if cached is not None and cached[0] == (self._liveness_version, self._membership):
+            return cached[1]
+        value = np.asarray([self.schedulable(n) for n in node_ids], dtype=bool)
+        self._schedulable_cache = ((self._liveness_version, self._membership), value)
+        return value
+
+    def _facts(self, node_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._node_facts is None or self._node_facts_version != self._facts_version:
+            self._node_facts = (
+                np.asarray([self.response_time_s.get(n, np.nan) for n in node_ids], dtype=np.float64),
+                np.asarray([self.node_speed(n) for n in node_ids], dtype=np.float64),
+                np.zeros(0),
+            )
+            self._node_facts_version = self._facts_version
+        return self._node_facts[0], self._node_facts[1]
 
     def view_row_of(self, gpu_position: int) -> int:
         assert self._static is not None

@@ -49,7 +49,7 @@ def test_daemons_notify_ready_watchdog_stopping_and_reload_keeps_streams(tmp_pat
     port = free_port()
     config = tmp_path / "coordinator.toml"
     config.write_text(
-        f'[coordinator]\nlisten = "127.0.0.1:{port}"\nlog_format = "json"\n\n'
+        f'[coordinator]\nlisten = "127.0.0.1:{port}"\nlog_format = "json"\ninsecure = true\n\n'
         '[scheduler]\npolicy = "load_aware"\nweights = { load = 1.0 }\n'
     )
     with NotifyListener(f"@gpulb-test-coord-{os.getpid()}") as coord_sd, NotifyListener(str(tmp_path / "agent.sock")) as agent_sd:
@@ -119,9 +119,15 @@ def test_bad_configuration_names_the_option_and_the_file(tmp_path):
     assert result.returncode == 2
     assert str(config) in result.stderr and "heartbeat_interval_s" in result.stderr
     printed = subprocess.run(
-        [sys.executable, "-m", "coordinator.main", "--print-config", "--listen", "127.0.0.1:9"],
+        [sys.executable, "-m", "coordinator.main", "--print-config", "--listen", "127.0.0.1:9", "--insecure"],
         capture_output=True, text=True, timeout=30, env={**os.environ, "GPULB_STALENESS_S": "7.5"},
     )
     assert printed.returncode == 0
     assert 'listen = "127.0.0.1:9"' in printed.stdout and "staleness_s = 7.5" in printed.stdout
     assert "env:GPULB_STALENESS_S" in printed.stdout
+
+
+def test_daemon_refuses_to_start_open_unless_asked(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "coordinator.main", "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "insecure" in result.stderr and "TLS" in result.stderr
