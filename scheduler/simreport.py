@@ -295,10 +295,10 @@ def plot(results: Sequence[SimResult], out_dir: str | os.PathLike[str]) -> list[
             edges = np.linspace(0, heat.shape[0], 401).astype(int)
             heat = np.add.reduceat(heat, edges[:-1], axis=0) / np.diff(edges)[:, None]
         fig, ax = plt.subplots(figsize=(10, 5))
-        t_end = float(r.heatmap_t[-1]) if r.heatmap_t.size else 1.0
+        t0, t1 = float(r.heatmap_t[0]), float(r.heatmap_t[-1])
         im = ax.imshow(
             heat, aspect="auto", origin="lower", cmap="inferno", vmin=0, vmax=100,
-            extent=(0, t_end / 3600.0, 0, r.gpus), interpolation="nearest",
+            extent=(t0 / 3600.0, max(t1, t0 + 1.0) / 3600.0, 0, r.gpus), interpolation="nearest",
         )
         ax.set_xlabel("virtual time (h)")
         ax.set_ylabel("GPU (in cluster order)")

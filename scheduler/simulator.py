@@ -1208,7 +1208,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                    help="also run the FGD saturation measure (tasks never end)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots here (needs matplotlib)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (shown only on a terminal)")
     args = p.parse_args(argv)
     try:
         tasks = read_trace(args.trace)
@@ -1221,7 +1221,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     if args.max_tasks > 0:
         tasks = tasks[: args.max_tasks]
     cfg = SimConfig(seed=args.seed, memory=args.memory)
-    results = simulate(tasks, nodes, args.policy, cfg, progress=not args.no_progress)
+    results = simulate(tasks, nodes, args.policy, cfg, progress=not args.no_progress and sys.stderr.isatty())
     if args.saturate:
         for r in results:
             r.saturation = saturate(tasks, nodes, r.policy, config=cfg)
