@@ -70,6 +70,7 @@ class AgentStats:
     samples: int = 0
     buffered_rounds: int = 0  # rounds sampled while disconnected, sent on reconnect
     dropped_rounds: int = 0  # rounds dropped because the outage buffer was full
+    last_error: str = ""  # status of the last stream that ended with an error
 
 
 class Backoff:
@@ -92,6 +93,16 @@ class Backoff:
 
 class _SessionEnded(Exception):
     pass
+
+
+async def _reader_status(reader: asyncio.Task) -> grpc.aio.AioRpcError | None:
+    try:
+        await asyncio.wait_for(asyncio.shield(reader), timeout=1.0)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+        return None
+    return None
 
 
 class Agent:
@@ -158,6 +169,7 @@ class Agent:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
+                self.stats.last_error = f"{exc.code().name}: {exc.details()}"
                 self._log.warning("stream_ended", code=exc.code().name, detail=exc.details())
             except _SessionEnded as exc:
                 self._log.warning("stream_ended", reason=str(exc))
@@ -236,10 +248,10 @@ class Agent:
             )
             await call.write(pb.AgentMessage(register=register))
             reader = asyncio.create_task(self._read_loop(call))
-            if self._outage:
-                self._log.info("sending_outage_buffer", rounds=len(self._outage), dropped=self.stats.dropped_rounds)
-                await self._send_outage_buffer(call)
             try:
+                if self._outage:
+                    self._log.info("sending_outage_buffer", rounds=len(self._outage), dropped=self.stats.dropped_rounds)
+                    await self._send_outage_buffer(call)
                 first = True
                 last_sent = self.clock()
                 while not self._stop.is_set():
@@ -248,13 +260,12 @@ class Agent:
                         raise _SessionEnded("coordinator closed the stream")
                     now = self.clock()
                     sent = await self._round(call, now)
+                    if first and self.connected.is_set():
+                        first = False
+                        backoff.reset()
+                        self._log.info("streaming", coordinator=cfg.coordinator, gpus=len(self.gpu_order))
                     if sent:
                         last_sent = now
-                        if first:
-                            first = False
-                            backoff.reset()
-                            self.connected.set()
-                            self._log.info("streaming", coordinator=cfg.coordinator, gpus=len(self.gpu_order))
                     elif now - last_sent >= cfg.heartbeat_interval_s:
                         await call.write(
                             pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at_ns=self.wall_ns(), last_seq=self.encoder.seq))
@@ -269,6 +280,11 @@ class Agent:
                         pass
                 if self._stop.is_set():
                     await call.done_writing()
+            except grpc.aio.AioRpcError as exc:
+                # A write into a stream the coordinator already closed fails
+                # locally (INTERNAL); the reader sees the coordinator's real status.
+                real = await _reader_status(reader)
+                raise (real or exc) from None
             finally:
                 reader.cancel()
                 try:
@@ -385,6 +401,8 @@ class Agent:
                 self._period = min(self._period, hint.interval_ms / 1000)
                 self._wake.set()
             elif body == "register_ack":
+                # The coordinator accepted this node's identity and registration.
+                self.connected.set()
                 ack = msg.register_ack
                 if ack.keyframe_interval_ms:
                     self.encoder.keyframe_interval_s = ack.keyframe_interval_ms / 1000

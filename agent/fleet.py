@@ -33,7 +33,12 @@ class SimFleet:
         prefix: str = "sim",
         labels: Mapping[str, Mapping[str, str]] | None = None,
         heartbeat_interval_s: float = 10.0,
+        outage_buffer_rounds: int = 300,
+        agent_options: Mapping[str, object] | None = None,
     ) -> None:
+        """``agent_options`` are extra ``AgentConfig`` fields for every member
+        (TLS files, token); ``{node_id}`` in a string value is replaced by the
+        member's node id."""
         self.agents: list[Agent] = []
         self._tasks: list[asyncio.Task] = []
         for h in range(hosts):
@@ -47,6 +52,8 @@ class SimFleet:
                 backoff_initial_s=0.05,
                 backoff_max_s=0.5,
                 heartbeat_interval_s=heartbeat_interval_s,
+                outage_buffer_rounds=outage_buffer_rounds,
+                **{k: (v.format(node_id=node_id) if isinstance(v, str) else v) for k, v in (agent_options or {}).items()},
             )
             backend = SimBackend(gpus=gpus, seed=seed * 1000 + h, workload=workload)
             self.agents.append(Agent(config, backend, seed=seed * 1000 + h))

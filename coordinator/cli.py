@@ -399,7 +399,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpulb", description="Operate a gpulb GPU cluster.")
+    p = argparse.ArgumentParser(
+        prog="gpulb",
+        description="Operate a gpulb GPU cluster.",
+        epilog="Offline: gpulb simulate --trace T --cluster C [--policy ...] (replay a trace under each policy); "
+        "gpulb trace convert openb POD_CSV OUT_CSV; gpulb cluster convert openb NODE_CSV OUT_CSV; "
+        "gpulb cluster homogeneous --hosts 8 --gpus 4 --model 'RTX 4090' OUT_CSV. Each takes --help.",
+    )
     p.add_argument(
         "--coordinator",
         default=os.environ.get("GPULB_COORDINATOR", "127.0.0.1:50051"),
@@ -506,7 +512,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: commands that run offline, with their own argument parsers
+_OFFLINE = {"simulate", "trace", "cluster"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _OFFLINE:
+        from scheduler.simulator import simulate_main, trace_main
+
+        return simulate_main(argv[1:]) if argv[0] == "simulate" else trace_main(argv)
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
