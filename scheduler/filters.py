@@ -36,10 +36,9 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from scheduler.config import SchedulerConfig
-from scheduler.gpuspec import gpu_spec_mask
 from scheduler.snapshot import ClusterSnapshot
 from scheduler.task import TaskSpec
-from scheduler.view import PlacementView, node_label_mask
+from scheduler.view import PlacementView, label_index, spec_mask
 
 __all__ = [
     "FILTERS",
@@ -165,6 +164,10 @@ def nvlink_groups(pairs: Iterable[Iterable[int]], members: Sequence[int]) -> lis
     return groups
 
 
+# never_fits results memoised per snapshot; past this many shapes the memo starts over
+_NEVER_FITS_MEMO = 4096
+
+
 def never_fits(
     snapshot: ClusterSnapshot, spec: TaskSpec, config: SchedulerConfig | None = None
 ) -> str | None:
@@ -175,25 +178,49 @@ def never_fits(
     while a node stays: required labels, GPU models, GPU memory (``vram_mib``
     below the tenant's reject % of the total), GPUs per node and, for
     needs_nvlink multi-GPU tasks, an NVLink-connected group of that size.
+
+    The answer depends on the snapshot and on the task's shape only, so it is
+    memoised per snapshot (``ClusterSnapshot.memo``) and shape.
     """
     cfg = config or SchedulerConfig()
-    s = snapshot
+    pct = cfg.memory_reject_for(spec.tenant)
+    key = (
+        "never_fits",
+        spec.num_gpus,
+        spec.vram_mib,
+        pct,
+        spec.gpu_spec,
+        spec.needs_nvlink,
+        frozenset(spec.required_node_labels.items()),
+    )
+    memo = snapshot.memo
+    try:
+        return memo[key]
+    except KeyError:
+        pass
+    reason = _never_fits(snapshot, spec, pct)
+    if len(memo) >= _NEVER_FITS_MEMO:
+        memo.clear()
+    memo[key] = reason
+    return reason
+
+
+def _never_fits(s: ClusterSnapshot, spec: TaskSpec, pct: float) -> str | None:
     if s.node_count == 0 or s.gpu_count == 0:
         return "no GPU nodes in the cluster"
     node = s.gpu_node.astype(np.intp)
     eligible = np.ones(s.gpu_count, dtype=bool)
     if spec.required_node_labels:
-        nodes_ok = node_label_mask(s.node_labels, spec.required_node_labels)
+        nodes_ok = label_index(s.node_labels).required(spec.required_node_labels)
         if not nodes_ok.any():
             wanted = ", ".join(f"{k}={v}" for k, v in sorted(spec.required_node_labels.items()))
             return f"no node carries required_node_labels {wanted}"
         eligible &= nodes_ok[node]
     if spec.gpu_spec:
-        eligible &= gpu_spec_mask(s.gpu_model, s.memory_total_mib, spec.gpu_spec)
+        eligible &= spec_mask(s, spec.gpu_spec)
         if not eligible.any():
             models = ", ".join(sorted({str(m) for m in s.gpu_model}))
             return f"no GPU matches gpu_spec {spec.gpu_spec!r} (models: {models})"
-    pct = cfg.memory_reject_for(spec.tenant)
     with np.errstate(invalid="ignore"):
         total = np.asarray(s.memory_total_mib, dtype=np.float64)
         big_enough = (total >= spec.vram_mib) & (spec.vram_mib < total * (pct / 100.0))
@@ -211,15 +238,26 @@ def never_fits(
             "eligible GPUs share a node"
         )
     if spec.needs_nvlink:
+        k = spec.num_gpus
+        # eligible rows grouped by node: node n's are rows[starts[n] : starts[n] + per_node[n]]
+        rows = np.flatnonzero(eligible)
+        rows = rows[np.argsort(node[rows], kind="stable")]
+        starts = np.cumsum(per_node) - per_node
         index = s.gpu_index
-        for n in np.flatnonzero(per_node >= spec.num_gpus):
-            members = [int(g) for g in index[(node == n) & eligible]]
-            if spec.num_gpus == 1:
+        tried: set[tuple] = set()  # (topology, members) already found wanting
+        for n in np.flatnonzero(per_node >= k):
+            start = int(starts[n])
+            members = tuple(index[rows[start : start + int(per_node[n])]].tolist())
+            pairs = s.node_nvlink[n]
+            if (pairs, members) in tried:
+                continue  # most nodes share a topology: each case is checked once
+            if k == 1:
                 # a single-GPU needs_nvlink task needs a GPU with an NVLink peer
-                linked = {g for pair in s.node_nvlink[n] for g in pair}
+                linked = {g for pair in pairs for g in pair}
                 if linked.intersection(members):
                     return None
-            elif any(len(g) >= spec.num_gpus for g in nvlink_groups(s.node_nvlink[n], members)):
+            elif any(len(g) >= k for g in nvlink_groups(pairs, members)):
                 return None
-        return f"no node has {spec.num_gpus} NVLink-connected eligible GPUs"
+            tried.add((pairs, members))
+        return f"no node has {k} NVLink-connected eligible GPUs"
     return None

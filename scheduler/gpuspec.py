@@ -27,7 +27,15 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ModelPattern", "parse_gpu_spec", "model_runs", "gpu_spec_mask", "MEMORY_TOLERANCE"]
+__all__ = [
+    "ModelPattern",
+    "parse_gpu_spec",
+    "model_runs",
+    "model_codes",
+    "coded_spec_mask",
+    "gpu_spec_mask",
+    "MEMORY_TOLERANCE",
+]
 
 # Shorthand "V100M16": a model word with trailing M<GiB>.
 # Letters right before the M (V100SXM2) make it a model word, not the shorthand.
@@ -104,7 +112,24 @@ def gpu_spec_mask(
     count = len(models)
     if not patterns:
         return np.ones(count, dtype=bool)
+    return coded_spec_mask(model_codes(models), memory_total_mib, patterns)
+
+
+def model_codes(models: Sequence[str] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct model names, per GPU the index of its name): the slow part of
+    ``gpu_spec_mask``, reusable while the models column is."""
     names, codes = np.unique(np.asarray(models, dtype=object).astype(str), return_inverse=True)
+    return names, codes.reshape(-1)
+
+
+def coded_spec_mask(
+    coded: tuple[np.ndarray, np.ndarray],
+    memory_total_mib: np.ndarray,
+    patterns: tuple[ModelPattern, ...],
+) -> np.ndarray:
+    """``gpu_spec_mask`` over ``model_codes(models)`` and parsed, non-empty patterns."""
+    names, codes = coded
+    count = codes.shape[0]
     runs = [model_runs(str(name)) for name in names]
     total_gib = np.asarray(memory_total_mib, dtype=np.float64) / 1024.0
     mask = np.zeros(count, dtype=bool)

@@ -7,6 +7,13 @@ operations. Per-node facts live in per-node arrays indexed by ``gpu_node``.
 
 Units: % for utilisation, MiB for memory, °C, ms for disk await, s for times.
 NaN means "unknown" (not reported, or stale) and never means zero.
+
+The scheduler treats a snapshot as immutable once it has seen it: it
+caches what it derives from one (``memo``), and what it derives from the
+static columns (``node_labels``, ``gpu_uuid``, ``gpu_index``, ``gpu_node``,
+``node_nvlink``, ``node_ids``, ``gpu_model``) is cached by the identity of those
+objects, which the coordinator and the simulator pass again unchanged while
+node membership stays the same. To change a static column, pass a new object.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ class ClusterSnapshot:
     # node index -> set of frozenset({a, b}) host-local GPU index pairs on NVLink
     node_nvlink: list[frozenset[frozenset[int]]]
     taken_at_s: float = 0.0  # monotonic seconds when the snapshot was taken
+    # Results derived from this snapshot alone (``filters.never_fits``), kept
+    # for its lifetime; not part of its value (a replace() starts empty).
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def gpu_count(self) -> int:

@@ -29,42 +29,279 @@ NaN and staleness rules (applied here, relied on by filters and scores):
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+import threading
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from scheduler.config import SchedulerConfig
-from scheduler.gpuspec import gpu_spec_mask
+from scheduler.gpuspec import coded_spec_mask, model_codes, parse_gpu_spec
 from scheduler.reservations import Reservations, ReservedColumns
 from scheduler.scoring import response_time_term, temperature_penalty
 from scheduler.snapshot import ClusterSnapshot
 
-__all__ = ["PlacementView", "node_label_mask", "preferred_label_fraction"]
+__all__ = [
+    "PlacementView",
+    "LabelIndex",
+    "label_index",
+    "node_label_mask",
+    "preferred_label_fraction",
+]
 
 # Host-local GPU indices tracked in NVLink bit masks (int64, sign bit unused).
 _MAX_LOCAL = 63
+
+
+class IdentityCache:
+    """A few values keyed by the *identity* of some objects, newest first.
+
+    The objects are held, so their ids cannot be reused while an entry lives.
+    Used for what depends only on a snapshot's static columns (labels,
+    topology), which the coordinator and the simulator pass again, as the same
+    objects, in every snapshot until node membership changes. Those columns
+    must not be mutated in place once a snapshot is built (make new ones).
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: list[tuple[tuple[object, ...], object]] = []
+        self._lock = threading.Lock()
+
+    def get(self, objects: tuple[object, ...], build: Callable[[], object]) -> object:
+        """The value for these objects, built by ``build()`` on a miss."""
+        entries = self._entries
+        for i, (held, value) in enumerate(entries):
+            if len(held) == len(objects) and all(a is b for a, b in zip(held, objects)):
+                if i:
+                    with self._lock:  # least recently used goes first
+                        rest = [e for e in self._entries if e[0] is not held]
+                        self._entries = [(held, value), *rest]
+                return value
+        value = build()
+        with self._lock:
+            self._entries = [(objects, value), *self._entries[: self._size - 1]]
+        return value
+
+
+class LabelIndex:
+    """Inverted index of node labels: ``(key, value)`` -> per-node bool mask.
+
+    Built once per ``node_labels`` list (one pass over the nodes' labels);
+    a required-labels mask is then the AND of one mask per pair and a
+    preferred fraction the mean, cached per label set, per node and (for the
+    ``gpu_node`` array last used) per GPU.
+    """
+
+    def __init__(self, node_labels: Sequence[Mapping[str, str]]) -> None:
+        self.node_count = len(node_labels)
+        postings: dict[tuple[str, str], list[int]] = {}
+        for n, labels in enumerate(node_labels):
+            for item in labels.items():
+                postings.setdefault(item, []).append(n)
+        self._postings = postings
+        self._pairs: dict[tuple[str, str], np.ndarray] = {}
+        self._required: dict[frozenset, np.ndarray] = {}
+        self._preferred: dict[frozenset, np.ndarray] = {}
+        self._gpu_node: np.ndarray | None = None
+        self._gpu_required: dict[frozenset, np.ndarray] = {}
+        self._gpu_preferred: dict[frozenset, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def pair(self, key: str, value: str) -> np.ndarray:
+        """Per node: carries ``key=value`` (read-only)."""
+        mask = self._pairs.get((key, value))
+        if mask is None:
+            mask = np.zeros(self.node_count, dtype=bool)
+            nodes = self._postings.get((key, value))
+            if nodes:
+                mask[nodes] = True
+            mask.flags.writeable = False
+            self._pairs[(key, value)] = mask
+        return mask
+
+    def required(self, required: Mapping[str, str]) -> np.ndarray:
+        """Per node: carries every ``key=value`` of ``required`` (read-only)."""
+        key = frozenset(required.items())
+        mask = self._required.get(key)
+        if mask is None:
+            mask = np.ones(self.node_count, dtype=bool)
+            for k, v in required.items():
+                mask &= self.pair(k, v)
+            mask.flags.writeable = False
+            self._required[key] = mask
+        return mask
+
+    def preferred(self, preferred: Mapping[str, str]) -> np.ndarray:
+        """Per node: fraction of the ``preferred`` pairs it carries, 0..1 (read-only)."""
+        key = frozenset(preferred.items())
+        frac = self._preferred.get(key)
+        if frac is None:
+            items = tuple(preferred.items())
+            if not items:
+                frac = np.zeros(self.node_count)
+            else:
+                hits = np.zeros(self.node_count, dtype=np.int64)
+                for k, v in items:
+                    hits += self.pair(k, v)
+                frac = hits / len(items)
+            frac.flags.writeable = False
+            self._preferred[key] = frac
+        return frac
+
+    def _per_gpu(self, gpu_node: np.ndarray) -> None:
+        if self._gpu_node is not gpu_node:
+            with self._lock:
+                self._gpu_required = {}
+                self._gpu_preferred = {}
+                self._gpu_node = gpu_node
+
+    def required_gpu(self, required: Mapping[str, str], gpu_node: np.ndarray, node: np.ndarray) -> np.ndarray:
+        """``required`` expanded to GPU rows (``node``: ``gpu_node`` as intp)."""
+        self._per_gpu(gpu_node)
+        key = frozenset(required.items())
+        mask = self._gpu_required.get(key)
+        if mask is None:
+            mask = self.required(required)[node]
+            mask.flags.writeable = False
+            self._gpu_required[key] = mask
+        return mask
+
+    def preferred_gpu(self, preferred: Mapping[str, str], gpu_node: np.ndarray, node: np.ndarray) -> np.ndarray:
+        """``preferred`` expanded to GPU rows (``node``: ``gpu_node`` as intp)."""
+        self._per_gpu(gpu_node)
+        key = frozenset(preferred.items())
+        frac = self._gpu_preferred.get(key)
+        if frac is None:
+            frac = self.preferred(preferred)[node]
+            frac.flags.writeable = False
+            self._gpu_preferred[key] = frac
+        return frac
+
+
+_LABEL_INDEXES = IdentityCache(4)
+
+
+def label_index(node_labels: Sequence[Mapping[str, str]]) -> LabelIndex:
+    """The ``LabelIndex`` of this ``node_labels`` list, built once per list object."""
+    return _LABEL_INDEXES.get((node_labels,), lambda: LabelIndex(node_labels))  # type: ignore[return-value]
+
+
 def node_label_mask(node_labels: list[Mapping[str, str]], required: Mapping[str, str]) -> np.ndarray:
-    """Per node: carries every required ``key=value`` label."""
-    items = tuple(required.items())
-    return np.fromiter(
-        (all(labels.get(k) == v for k, v in items) for labels in node_labels),
-        dtype=bool,
-        count=len(node_labels),
-    )
+    """Per node: carries every required ``key=value`` label (read-only array)."""
+    return label_index(node_labels).required(required)
 
 
 def preferred_label_fraction(
     node_labels: list[Mapping[str, str]], preferred: Mapping[str, str]
 ) -> np.ndarray:
-    """Per node: fraction of the preferred ``key=value`` labels it carries (0..1)."""
-    items = tuple(preferred.items())
-    if not items:
-        return np.zeros(len(node_labels))
-    return np.fromiter(
-        (sum(labels.get(k) == v for k, v in items) / len(items) for labels in node_labels),
-        dtype=np.float64,
-        count=len(node_labels),
-    )
+    """Per node: fraction of the preferred ``key=value`` labels it carries (0..1, read-only)."""
+    return label_index(node_labels).preferred(preferred)
+
+
+class _Topology:
+    """What a view derives from the static columns only (GPU rows, nodes, NVLink).
+
+    Shared by every view over snapshots with the same static column objects.
+    """
+
+    def __init__(self, s: ClusterSnapshot) -> None:
+        count = s.gpu_count
+        node_count = s.node_count
+        self.gpu_uuid = s.gpu_uuid
+        self.node = s.gpu_node.astype(np.intp)
+        node = self.node
+        self.node_has_nvlink = np.fromiter(
+            (bool(pairs) for pairs in s.node_nvlink), dtype=bool, count=node_count
+        )
+        self.adj_bits, self.local_bit = _nvlink_bits(s, node)
+        self.has_peer = self.adj_bits != 0
+        # GPUs of a node in consecutive rows (usual): set selection can skip a sort
+        self.nodes_contiguous = bool(np.all(node[1:] >= node[:-1])) if count > 1 else True
+        self.node_gpus = np.bincount(node, minlength=node_count)
+        self.max_node_gpus = int(self.node_gpus.max()) if node_count else 0
+        # every node has the same number of GPUs, in consecutive rows (the usual
+        # fleet): per-GPU columns reshape to (node, GPU); 0 otherwise
+        width = self.max_node_gpus
+        self.uniform_width = (
+            width
+            if count
+            and count == node_count * width
+            and self.nodes_contiguous
+            and bool(np.all(self.node_gpus == width))
+            else 0
+        )
+        for arr in (self.node, self.node_has_nvlink, self.adj_bits, self.local_bit, self.has_peer, self.node_gpus):
+            arr.flags.writeable = False
+        self._row_of: dict[str, int] | None = None
+
+    @property
+    def row_of(self) -> dict[str, int]:
+        if self._row_of is None:
+            self._row_of = {u: i for i, u in enumerate(self.gpu_uuid)}
+        return self._row_of
+
+
+def _nvlink_bits(s: ClusterSnapshot, node: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU: bit mask of the host-local indices it is NVLink-joined to, and its own bit.
+
+    Indices 0..62 are tracked (larger ones are ignored; their bit is 63,
+    never in a peer mask), which lets policies count links inside many GPU
+    sets with a few vector ops.
+    """
+    count = s.gpu_count
+    if not count:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    # equal topologies share one row of the table (most nodes look alike);
+    # the same frozenset object (often shared) is looked up by identity first
+    rows: dict[frozenset, int] = {frozenset(): 0}
+    by_id: dict[int, int] = {}
+    table = [np.zeros(_MAX_LOCAL, dtype=np.int64)]
+    node_row = np.zeros(s.node_count, dtype=np.intp)
+    for n, pairs in enumerate(s.node_nvlink):
+        if not pairs:
+            continue
+        r = by_id.get(id(pairs))
+        if r is None:
+            r = rows.get(pairs)
+            if r is None:
+                bits = np.zeros(_MAX_LOCAL, dtype=np.int64)
+                for pair in pairs:
+                    if len(pair) != 2:
+                        continue  # a GPU linked to itself is no link
+                    a, b = tuple(pair)
+                    if 0 <= a < _MAX_LOCAL and 0 <= b < _MAX_LOCAL:
+                        bits[a] |= 1 << b
+                        bits[b] |= 1 << a
+                r = rows[pairs] = len(table)
+                table.append(bits)
+            by_id[id(pairs)] = r  # pairs is held by s.node_nvlink during the loop
+        node_row[n] = r
+    idx = s.gpu_index.astype(np.intp)
+    inside = (idx >= 0) & (idx < _MAX_LOCAL)
+    clipped = np.clip(idx, 0, _MAX_LOCAL - 1)
+    adj_bits = np.where(inside, np.stack(table)[node_row[node], clipped], 0)
+    local_bit = np.where(inside, idx, 63).astype(np.int64)
+    return adj_bits, local_bit
+
+
+_TOPOLOGIES = IdentityCache(4)
+_MODEL_CODES = IdentityCache(4)
+
+
+def spec_mask(snapshot: ClusterSnapshot, gpu_spec: str) -> np.ndarray:
+    """``gpuspec.gpu_spec_mask`` of the snapshot's GPUs, the model names coded
+    once per ``gpu_model`` column object."""
+    patterns = parse_gpu_spec(gpu_spec)
+    if not patterns:
+        return np.ones(snapshot.gpu_count, dtype=bool)
+    models = snapshot.gpu_model
+    coded = _MODEL_CODES.get((models,), lambda: model_codes(models))
+    return coded_spec_mask(coded, snapshot.memory_total_mib, patterns)  # type: ignore[arg-type]
+
+
+def _topology(s: ClusterSnapshot) -> _Topology:
+    key = (s.gpu_uuid, s.gpu_index, s.gpu_node, s.node_nvlink, s.node_ids)
+    return _TOPOLOGIES.get(key, lambda: _Topology(s))  # type: ignore[return-value]
 
 
 class PlacementView:
@@ -83,7 +320,9 @@ class PlacementView:
         count = s.gpu_count
         self.gpu_count = count
         self.node_count = s.node_count
-        node = s.gpu_node.astype(np.intp)
+        topo = _topology(s)
+        self._topology = topo
+        node = topo.node
         self.node = node
         self.stale = s.node_stale[node] if count else np.zeros(0, dtype=bool)
         self.any_stale = bool(self.stale.any())
@@ -107,14 +346,15 @@ class PlacementView:
             self.healthy = np.asarray(s.healthy, dtype=bool)
             self.base_ok = self.node_ok & self.healthy & ~self.hot
 
-            self.has_peer = self._nvlink_peers()
+            # NVLink topology (shared with other views over the same static columns)
+            self.adj_bits = topo.adj_bits
+            self.local_bit = topo.local_bit
+            self.has_peer = topo.has_peer
             comp = np.asarray(s.nvlink_competition, dtype=np.float64)
             self.nvlink_ok = self.has_peer & ~(fresh & (comp >= cfg.nvlink_competition_max))
             node_slow = s.node_disk_await_ms >= cfg.disk_await_max_ms
             self.io_ok = ~(fresh & node_slow[node]) if count else np.zeros(0, dtype=bool)
-            self.node_has_nvlink = np.fromiter(
-                (bool(pairs) for pairs in s.node_nvlink), dtype=bool, count=self.node_count
-            )
+            self.node_has_nvlink = topo.node_has_nvlink
 
             # ---- static score terms (unweighted, 0..1) ----
             t = temperature_penalty(temp, cfg.temperature_penalty_start_c, cfg.temperature_reject_c)
@@ -127,15 +367,16 @@ class PlacementView:
                 util = np.where(np.isnan(forecast), util, forecast)
             self.util_base = np.where(np.isnan(util), 100.0, np.clip(util, 0.0, 100.0))
 
-        # GPUs of a node in consecutive rows (usual): set selection can skip a sort
-        self.nodes_contiguous = bool(np.all(node[1:] >= node[:-1])) if count > 1 else True
-        self.node_gpus = np.bincount(node, minlength=self.node_count)
-        self.max_node_gpus = int(self.node_gpus.max()) if self.node_count else 0
-        self._row_of: dict[str, int] | None = None
+        self.nodes_contiguous = topo.nodes_contiguous
+        self.node_gpus = topo.node_gpus
+        self.max_node_gpus = topo.max_node_gpus
+        # GPUs per node when every node has that many in consecutive rows, else 0
+        self.uniform_width = topo.uniform_width
+        self._labels = label_index(s.node_labels)
         self._spec_masks: dict[str, np.ndarray] = {}
-        self._label_masks: dict[frozenset, np.ndarray] = {}
-        self._pref: dict[frozenset, np.ndarray] = {}
         self.static_cache: dict[object, np.ndarray] = {}  # policies keep weighted statics here
+        # per-GPU columns derived from the dynamic ones, kept current by refresh
+        self._derived: dict[object, tuple[Callable[["PlacementView", object], np.ndarray], np.ndarray]] = {}
 
         if reservations is not None and len(reservations):
             cols = reservations.columns(self.row_of, used, fresh)
@@ -147,74 +388,40 @@ class PlacementView:
     # ---- derived lookups (cached per view) --------------------------------------
     @property
     def row_of(self) -> dict[str, int]:
-        """GPU uuid -> row."""
-        if self._row_of is None:
-            self._row_of = {u: i for i, u in enumerate(self.snapshot.gpu_uuid)}
-        return self._row_of
+        """GPU uuid -> row (shared by views over the same static columns; do not modify)."""
+        return self._topology.row_of
 
     def spec_mask(self, gpu_spec: str) -> np.ndarray:
         mask = self._spec_masks.get(gpu_spec)
         if mask is None:
-            mask = gpu_spec_mask(self.snapshot.gpu_model, self.snapshot.memory_total_mib, gpu_spec)
+            mask = spec_mask(self.snapshot, gpu_spec)
             self._spec_masks[gpu_spec] = mask
         return mask
 
     def label_mask(self, required: Mapping[str, str]) -> np.ndarray:
-        key = frozenset(required.items())
-        mask = self._label_masks.get(key)
-        if mask is None:
-            mask = node_label_mask(self.snapshot.node_labels, required)[self.node]
-            self._label_masks[key] = mask
-        return mask
+        """Per GPU: its node carries every required label (read-only)."""
+        return self._labels.required_gpu(required, self.snapshot.gpu_node, self.node)
 
     def preferred_fraction(self, preferred: Mapping[str, str]) -> np.ndarray:
-        """Per GPU: fraction of the preferred node labels its node carries."""
-        key = frozenset(preferred.items())
-        frac = self._pref.get(key)
-        if frac is None:
-            frac = preferred_label_fraction(self.snapshot.node_labels, preferred)[self.node]
-            self._pref[key] = frac
-        return frac
+        """Per GPU: fraction of the preferred node labels its node carries (read-only)."""
+        return self._labels.preferred_gpu(preferred, self.snapshot.gpu_node, self.node)
 
-    def _nvlink_peers(self) -> np.ndarray:
-        """Per GPU: has at least one NVLink peer (from the node's topology).
+    def derived(
+        self, key: object, compute: Callable[["PlacementView", object], np.ndarray]
+    ) -> np.ndarray:
+        """A per-GPU column ``compute(view, rows)`` of the dynamic columns, cached.
 
-        Also sets ``adj_bits``: per GPU, the bit mask of host-local indices it
-        is NVLink-joined to (indices 0..62; larger ones are ignored), which
-        lets policies count links inside many GPU sets with a few vector ops.
+        ``compute`` must be row-local (row r of the result depends only on
+        row r of view columns); it is called with ``slice(None)`` once, and by
+        ``refresh`` with the index array of the rows that changed, so the
+        column stays what a fresh computation would give. Do not modify it.
         """
-        s = self.snapshot
-        if not self.gpu_count:
-            self.adj_bits = np.zeros(0, dtype=np.int64)
-            self.local_bit = np.zeros(0, dtype=np.int64)
-            return np.zeros(0, dtype=bool)
-        # equal topologies share one row of the table (most nodes look alike)
-        rows: dict[frozenset, int] = {frozenset(): 0}
-        table = [np.zeros(_MAX_LOCAL, dtype=np.int64)]
-        node_row = np.zeros(self.node_count, dtype=np.intp)
-        for n, pairs in enumerate(s.node_nvlink):
-            if not pairs:
-                continue
-            r = rows.get(pairs)
-            if r is None:
-                bits = np.zeros(_MAX_LOCAL, dtype=np.int64)
-                for pair in pairs:
-                    if len(pair) != 2:
-                        continue  # a GPU linked to itself is no link
-                    a, b = tuple(pair)
-                    if 0 <= a < _MAX_LOCAL and 0 <= b < _MAX_LOCAL:
-                        bits[a] |= 1 << b
-                        bits[b] |= 1 << a
-                r = rows[pairs] = len(table)
-                table.append(bits)
-            node_row[n] = r
-        idx = s.gpu_index.astype(np.intp)
-        inside = (idx >= 0) & (idx < _MAX_LOCAL)
-        clipped = np.clip(idx, 0, _MAX_LOCAL - 1)
-        self.adj_bits = np.where(inside, np.stack(table)[node_row[self.node], clipped], 0)
-        # bit of each GPU in the masks; 63 (index out of range) is never in a peer mask
-        self.local_bit = np.where(inside, idx, 63).astype(np.int64)
-        return self.adj_bits != 0
+        entry = self._derived.get(key)
+        if entry is None:
+            column = np.array(compute(self, slice(None)), dtype=np.float64)
+            self._derived[key] = (compute, column)
+            return column
+        return entry[1]
 
     # ---- dynamic columns ----------------------------------------------------------
     def _set_dynamic(self, cols: ReservedColumns) -> None:
@@ -264,6 +471,8 @@ class PlacementView:
         self.reject_headroom[r] = self.reject_total[r] - self.committed[r]
         self.load[r] = self.util_base[r] + self.res_util[r]
         self.avail[r] = self.base_ok[r] & ~(self.stale[r] & (self.active[r] > 0))
+        for compute, column in self._derived.values():
+            column[r] = compute(self, r)
         if self.any_stale and self.stale[r].any():
             for n in np.unique(self.node[r][self.stale[r]]):
                 on_node = self.node == n

@@ -3,6 +3,7 @@ attribution of rejections, and the never-fits check behind REJECTED."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -215,3 +216,104 @@ def test_filters_are_vectorised_over_many_gpus() -> None:
     used, temp = snap.memory_used_mib, snap.temperature_c
     expected = (TOTAL - used >= 6_000) & (used + 6_000 < 0.85 * TOTAL) & (temp < 85)
     assert mask.tolist() == expected.tolist()
+
+
+# ---- label index and the never-fits memo ---------------------------------------------------------
+
+
+def brute_required(node_labels, required) -> list[bool]:
+    return [all(labels.get(k) == v for k, v in required.items()) for labels in node_labels]
+
+
+def brute_preferred(node_labels, preferred) -> list[float]:
+    items = list(preferred.items())
+    return [sum(labels.get(k) == v for k, v in items) / len(items) for labels in node_labels]
+
+
+def random_labels(rng: np.random.Generator, nodes: int) -> list[dict[str, str]]:
+    out = []
+    for _ in range(nodes):
+        labels = {}
+        for key in ("zone", "rack", "pool"):
+            if rng.random() < 0.8:
+                labels[key] = f"{key[0]}{int(rng.integers(0, 3))}"
+        out.append(labels)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_label_masks_from_the_index_match_a_scan_of_every_node(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    labels = random_labels(rng, 40)
+    snap = ClusterSnapshot.build([NodeFacts(f"n{i}", 2, labels=labels[i]) for i in range(40)])
+    view = PlacementView(snap)
+    for _ in range(30):
+        want = {k: f"{k[0]}{int(rng.integers(0, 4))}" for k in ("zone", "rack", "pool", "other") if rng.random() < 0.5}
+        if not want:
+            continue
+        node_mask = brute_required(snap.node_labels, want)
+        assert view.label_mask(want).tolist() == [node_mask[n] for n in snap.gpu_node]
+        fraction = brute_preferred(snap.node_labels, want)
+        assert view.preferred_fraction(want).tolist() == [fraction[n] for n in snap.gpu_node]
+        spec = task(required_node_labels=want)
+        got = never_fits(snap, spec)
+        assert (got is None) == any(node_mask), got
+
+
+def test_the_label_index_follows_the_labels_object_not_its_position() -> None:
+    first = ClusterSnapshot.build([NodeFacts("a", 1, labels={"zone": "a"}), NodeFacts("b", 1)])
+    assert PlacementView(first).label_mask({"zone": "a"}).tolist() == [True, False]
+    # the coordinator's next snapshot reuses the labels list: the index is reused
+    again = dataclasses.replace(first, taken_at_s=1.0)
+    assert PlacementView(again).label_mask({"zone": "a"}).tolist() == [True, False]
+    # membership changed: a new list, a new index
+    moved = ClusterSnapshot.build([NodeFacts("b", 1), NodeFacts("a", 1, labels={"zone": "a"})])
+    assert PlacementView(moved).label_mask({"zone": "a"}).tolist() == [False, True]
+    assert PlacementView(first).label_mask({"zone": "a"}).tolist() == [True, False]
+
+
+def test_never_fits_is_memoised_per_snapshot_with_the_same_answers() -> None:
+    rng = np.random.default_rng(5)
+    nodes = [
+        NodeFacts(
+            f"n{i}", int(rng.integers(1, 5)),
+            labels={"zone": f"z{i % 3}"},
+            model=["NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-32GB"][i % 2],
+            memory_total_mib=[24_564.0, 32_510.0][i % 2],
+            nvlink_pairs=[(0, 1), (1, 2)] if i % 4 == 0 else [],
+        )
+        for i in range(12)
+    ]
+    snap = ClusterSnapshot.build(nodes)
+    cfg = SchedulerConfig(tenant_memory_reject_pct={"big": 99.0})
+    specs = [
+        task(
+            task_id=f"t{i}",
+            tenant=["", "big"][int(rng.integers(0, 2))],
+            num_gpus=int(rng.integers(1, 5)),
+            vram_mib=float(rng.choice([1_000.0, 20_000.0, 24_000.0, 30_000.0])),
+            gpu_spec=["", "4090", "V100M32", "A100"][int(rng.integers(0, 4))],
+            needs_nvlink=bool(rng.random() < 0.4),
+            required_node_labels={"zone": f"z{int(rng.integers(0, 4))}"} if rng.random() < 0.4 else {},
+        )
+        for i in range(200)
+    ]
+    first = [never_fits(snap, s, cfg) for s in specs]
+    assert snap.memo  # answers are kept with the snapshot
+    assert [never_fits(snap, s, cfg) for s in specs] == first
+    fresh = dataclasses.replace(snap, taken_at_s=1.0)
+    assert not fresh.memo  # a new snapshot starts with no answers
+    assert [never_fits(fresh, s, cfg) for s in reversed(specs)] == first[::-1]
+    assert any(r is None for r in first) and any(r is not None for r in first)
+
+
+def test_never_fits_nvlink_search_over_many_alike_nodes() -> None:
+    # 300 nodes of NVLink pairs: a connected four exists on none but the last
+    nodes = [NodeFacts(f"n{i}", 8, nvlink_pairs=[(0, 1), (2, 3), (4, 5), (6, 7)]) for i in range(299)]
+    nodes.append(NodeFacts("ring", 8, nvlink_pairs=[(g, (g + 1) % 8) for g in range(8)]))
+    snap = ClusterSnapshot.build(nodes)
+    assert never_fits(snap, task(num_gpus=4, needs_nvlink=True)) is None
+    assert never_fits(snap, task(num_gpus=8, needs_nvlink=True)) is None
+    without = ClusterSnapshot.build(nodes[:-1])
+    assert never_fits(without, task(num_gpus=4, needs_nvlink=True)) == "no node has 4 NVLink-connected eligible GPUs"
+    assert never_fits(without, task(num_gpus=2, needs_nvlink=True)) is None
