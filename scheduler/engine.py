@@ -36,6 +36,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
+import numpy as np
+
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     InvalidArgument,
@@ -116,6 +118,7 @@ class Scheduler:
         self._last_snapshot: ClusterSnapshot | None = None
         self._listeners: list[Listener] = [on_change] if on_change else []
         self._pending: list[Task] = []
+        self._held_nodes: dict[str, str] = {}  # barrier task id -> node held for it
         self.placed = 0
 
     # ---- listeners --------------------------------------------------------------------
@@ -257,14 +260,59 @@ class Scheduler:
         for task in self._queue.promote_due(now):
             self._changed(task)
         failed: dict[tuple, str] = {}
-        placed = self._queue.drain(lambda t: self._try_place(t, view, now, failed), now)
+        for task_id in [t for t in self._held_nodes if self._tasks.get(t) is None or self._tasks[t].state != TaskState.QUEUED]:
+            del self._held_nodes[task_id]
+        placed = self._queue.drain(lambda t, fenced: self._try_place(t, view, now, failed, fenced), now)
         self._flush()
         return [copy.copy(t) for t in placed]
 
+    def _held_node(self, task_id: str, view: PlacementView) -> int | None:
+        """The node held for a barrier task: fenced tasks may not take it, so
+        its leases drain and the barrier fits there (EASY-style backfill).
+
+        Chosen once and kept while the node can still take the task when
+        empty; among such nodes, the one with the most GPUs that fit the task
+        right now (then the fewest leases), i.e. the one closest to fitting.
+        """
+        task = self._tasks.get(task_id)
+        if task is None:
+            return None
+        spec = task.spec
+        s = view.snapshot
+        if not view.gpu_count:
+            return None
+        static = view.node_ok.copy()
+        if spec.gpu_spec:
+            static &= view.spec_mask(spec.gpu_spec)
+        if spec.required_node_labels:
+            static &= view.label_mask(spec.required_node_labels)
+        static &= view.total * (self.config.memory_reject_for(spec.tenant) / 100.0) >= spec.vram_mib
+        per_node = np.bincount(view.node, weights=static, minlength=view.node_count)
+        candidates = per_node >= spec.num_gpus
+        node_id = self._held_nodes.get(task_id)
+        if node_id is not None:
+            try:
+                index = s.node_ids.index(node_id)
+            except ValueError:
+                index = -1
+            if index >= 0 and candidates[index]:
+                return index
+        if not candidates.any():
+            return None
+        fits_now = np.bincount(view.node, weights=feasible(view, spec, self.config), minlength=view.node_count)
+        leases = np.bincount(view.node, weights=view.leases, minlength=view.node_count)
+        order = np.lexsort((leases, -fits_now))  # most GPUs fitting now, then fewest leases
+        index = int(next(i for i in order if candidates[i]))
+        self._held_nodes[task_id] = s.node_ids[index]
+        return index
+
     def _try_place(
-        self, task: Task, view: PlacementView, now: float, failed: dict[tuple, str]
+        self, task: Task, view: PlacementView, now: float, failed: dict[tuple, str], fenced: frozenset[str] = frozenset()
     ) -> Outcome:
         spec = task.spec
+        held = frozenset(
+            index for index in (self._held_node(b, view) for b in fenced) if index is not None
+        )
         # Within one dispatch free resources only shrink, so a shape that did not
         # fit once will not fit later in the same dispatch: skip the work.
         shape = (
@@ -275,13 +323,17 @@ class Scheduler:
             spec.needs_nvlink,
             spec.io_heavy,
             frozenset(spec.required_node_labels.items()),
+            held,
         )
         reason = failed.get(shape)
         if reason is None:
             mask = feasible(view, spec, self.config)
+            if held:
+                mask = mask & ~np.isin(view.node, list(held))
             placement = self._policy.choose(view, spec, mask)
             if placement is not None:
                 self._apply(task, view, placement, now)
+                self._held_nodes.pop(task.task_id, None)
                 return Outcome.PLACED
             reason = self._why_not(view, spec)
             failed[shape] = reason

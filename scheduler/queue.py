@@ -30,19 +30,22 @@ Backfill rule (no starvation)
     *blocked* and the tasks behind it may still go (backfill). A blocked task
     becomes a *barrier* once it has been blocked for ``backfill_max_head_wait_s``
     (since it first failed) or has failed ``backfill_max_skips`` times. After a
-    barrier of class ``c`` has been tried in a drain, no task of class ``c`` or
-    any less urgent class is tried in that drain; more urgent classes still go.
-    The blocked state survives promotion, so a barrier stays one.
+    barrier of class ``c`` has been tried in a drain, the tasks of class ``c``
+    and every less urgent class are still offered, but *fenced*: ``try_place``
+    receives the ids of the barriers ahead of them and must keep them off the
+    resources it holds for those barriers (the engine reserves, per barrier,
+    one node the barrier fits when empty: EASY-style backfill). More urgent
+    classes are not fenced. The blocked state survives promotion, so a barrier
+    stays one.
 
     Why no task starves, given finite lease durations and a task that fits an
     empty node (the engine rejects the rest at submission): a blocked task
-    becomes a barrier within a bounded time; aging lifts it to P0 within
-    ``sum(promote_after_s)``; as a P0 barrier it stops every class behind it,
-    and the tasks that can still precede it are finitely many (P0 tasks queued
-    before it, and at most a bounded number of turns of other classes before its
-    class's SWRR credit puts it first, since every placement of another class
-    raises its credit). So from then on each drain tries it first, nothing else
-    is placed when it fails, running leases end, and it fits.
+    becomes a barrier within a bounded time; from then on fenced tasks never
+    land on its reserved node, aging lifts it to P0 within
+    ``sum(promote_after_s)``, after which only the finitely many P0 tasks queued
+    before it can still take that node; running leases there end, and it fits.
+    Unlike closing every class behind a barrier, the rest of the cluster keeps
+    working meanwhile.
 """
 
 from __future__ import annotations
@@ -257,20 +260,23 @@ class AgingQueue:
             yield lists[c][pos[c]].task
             pos[c] += 1
 
-    def drain(self, try_place: Callable[[Task], Outcome], now: float) -> list[Task]:
-        """Offer queued tasks to ``try_place`` in dispatch order; return those placed.
+    def drain(self, try_place: Callable[[Task, frozenset[str]], Outcome], now: float) -> list[Task]:
+        """Offer queued tasks to ``try_place(task, fenced_by)`` in dispatch order;
+        return those placed.
 
-        Placed tasks leave the queue. ``try_place`` must not push or remove
-        tasks itself. See the module docstring for the backfill rule.
+        ``fenced_by`` holds the ids of the barriers ahead of the task whose
+        reserved resources it must not take (empty: no fence). Placed tasks
+        leave the queue. ``try_place`` must not push or remove tasks itself.
+        See the module docstring for the backfill rule.
         """
         self.promote_due(now)
         placed: list[Task] = []
         lists = [list(d.values()) for d in self._classes]
         pos = [0] * CLASSES
         credit = list(self._credit)
-        barrier = CLASSES  # classes >= barrier are closed for this drain
+        barriers: list[tuple[int, str]] = []  # (class, task id) met in this drain
         while True:
-            active = [c for c in range(barrier) if pos[c] < len(lists[c])]
+            active = [c for c in range(CLASSES) if pos[c] < len(lists[c])]
             if not active:
                 break
             c = self._pick(credit, active)
@@ -278,7 +284,8 @@ class AgingQueue:
             pos[c] += 1
             if not self._live(entry):
                 continue
-            outcome = try_place(entry.task)
+            fenced = frozenset(task_id for cls, task_id in barriers if cls <= entry.cls)
+            outcome = try_place(entry.task, fenced)
             if outcome is Outcome.PLACED:
                 self._charge(entry.cls)
                 self._drop(entry)
@@ -289,7 +296,7 @@ class AgingQueue:
             if entry.blocked_since is None:
                 entry.blocked_since = now
             if self.is_barrier(entry.task.task_id, now):
-                barrier = min(barrier, entry.cls)
+                barriers.append((entry.cls, entry.task.task_id))
             if outcome is Outcome.EXHAUSTED:
                 break
         return placed

@@ -27,7 +27,7 @@ def make_task(task_id: str, prio: int, now: float = 0.0, slots: int = 1) -> Task
     )
 
 
-def place_all(task: Task) -> Outcome:
+def place_all(task: Task, fenced: frozenset[str] = frozenset()) -> Outcome:
     return Outcome.PLACED
 
 
@@ -40,6 +40,7 @@ class Capacity:
         self.durations = durations
         self.now = 0.0
         self.placed_at: dict[str, float] = {}
+        self.needs: dict[str, int] = {}  # slots each task asked for, as seen
 
     def tick(self, now: float) -> None:
         self.now = now
@@ -51,9 +52,13 @@ class Capacity:
                 still.append((end, slots))
         self.running = still
 
-    def try_place(self, task: Task) -> Outcome:
+    def try_place(self, task: Task, fenced: frozenset[str] = frozenset()) -> Outcome:
+        """A fenced task may not take the slots held for the barriers ahead of
+        it (the slot model of the engine's held node)."""
         need = int(task.spec.vram_mib)
-        if need <= self.free:
+        held = sum(self.needs.get(b, 0) for b in fenced)
+        self.needs.setdefault(task.task_id, need)
+        if need <= self.free - held:
             self.free -= need
             self.running.append((self.now + self.durations[task.task_id], need))
             self.placed_at[task.task_id] = self.now
@@ -89,7 +94,7 @@ def test_fifo_holds_across_partial_dispatches(classes: list[int], capacity: list
     for cap in capacity:
         left = [cap]
 
-        def limited(task: Task) -> Outcome:
+        def limited(task: Task, fenced: frozenset[str] = frozenset()) -> Outcome:
             if left[0] == 0:
                 return Outcome.EXHAUSTED
             left[0] -= 1
@@ -126,7 +131,7 @@ def test_long_run_shares_8_4_2_1_when_all_backlogged(capacity: list[int]) -> Non
         refill()
         left = [cap]
 
-        def limited(task: Task) -> Outcome:
+        def limited(task: Task, fenced: frozenset[str] = frozenset()) -> Outcome:
             if left[0] == 0:
                 return Outcome.EXHAUSTED
             left[0] -= 1
@@ -170,7 +175,7 @@ def test_a_class_skipped_by_backfill_accumulates_credit() -> None:
     for _ in range(20):
         left = [1]
 
-        def one_p3(task: Task) -> Outcome:
+        def one_p3(task: Task, fenced: frozenset[str] = frozenset()) -> Outcome:
             if task.priority != 3:
                 return Outcome.BLOCKED
             if left[0] == 0:
@@ -317,7 +322,7 @@ def test_skip_count_also_makes_a_barrier() -> None:
     q.push(make_task("big", 3, slots=8), now=0.0)
     for n in range(3):
         assert not q.is_barrier("big", float(n))
-        q.drain(lambda t: Outcome.BLOCKED, now=float(n))
+        q.drain(lambda t, fenced: Outcome.BLOCKED, now=float(n))
     assert q.is_barrier("big", 3.0)
 
 
@@ -412,7 +417,7 @@ def test_drain_stops_at_exhausted_and_counts_the_failure() -> None:
         q.push(make_task(f"t{i}", 1), now=0.0)
     tried: list[str] = []
 
-    def full(task: Task) -> Outcome:
+    def full(task: Task, fenced: frozenset[str] = frozenset()) -> Outcome:
         tried.append(task.task_id)
         return Outcome.EXHAUSTED
 
