@@ -65,8 +65,9 @@ def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     )
     demo.add_argument("--seed", type=int, default=0, help="workload and simulated-GPU seed (default 0)")
     demo.add_argument(
-        "--background", choices=("idle", "synthetic"), default="idle",
-        help="load on the GPUs besides the workload: idle (default: both phases start from the same empty cluster) or synthetic (other tenants, varying over time)",
+        "--background", choices=("idle", "synthetic"), default="synthetic",
+        help="load on the GPUs besides the workload: synthetic (default: other tenants' jobs that come and go, "
+        "deterministic for the agent seeds, which is what a load-aware placement must see) or idle (an empty cluster)",
     )
     demo.add_argument("--no-live", action="store_true", help="periodic log lines instead of a live table (logs and CI)")
     demo.add_argument("--log-dir", help="keep the coordinator's and agents' logs here (default: a temporary directory, removed)")
