@@ -26,10 +26,12 @@ class SchedulerConfig:
     # s a P0 task (by spec) may wait in the queue before it counts as an SLA miss.
     p0_sla_s: float = 5.0
     # Backfill bound: once a task that did not fit has been blocked this many s
-    # (since it was first tried and failed) or skipped this many dispatches, tasks
-    # of its class and below stop passing it (see AgingQueue).
+    # (since it was first tried and failed) or skipped this many dispatches, it
+    # holds one node: tasks of its class and below may still pass it, but not
+    # onto that node (EASY-style backfill; see AgingQueue). The coordinator
+    # dispatches up to ~10 times a second, so 600 skips is about the 60 s bound.
     backfill_max_head_wait_s: float = 60.0
-    backfill_max_skips: int = 100
+    backfill_max_skips: int = 600
 
     # ---- filters (hard) -----------------------------------------------------
     # % of GPU memory that memory used + reservations + the task must stay under.
