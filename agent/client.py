@@ -95,6 +95,9 @@ class _SessionEnded(Exception):
     pass
 
 
+_REGISTER_TIMEOUT_S = 10.0
+
+
 async def _reader_status(reader: asyncio.Task) -> grpc.aio.AioRpcError | None:
     try:
         await asyncio.wait_for(asyncio.shield(reader), timeout=1.0)
@@ -249,6 +252,17 @@ class Agent:
             await call.write(pb.AgentMessage(register=register))
             reader = asyncio.create_task(self._read_loop(call))
             try:
+                # Stream nothing until the coordinator accepted the registration:
+                # a refused stream then ends with the coordinator's status, not a
+                # local error from writing into a closed stream.
+                accepted = asyncio.create_task(self.connected.wait())
+                await asyncio.wait({accepted, reader}, timeout=_REGISTER_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+                accepted.cancel()
+                if reader.done():
+                    reader.result()  # raises the coordinator's status
+                    raise _SessionEnded("coordinator closed the stream before accepting the registration")
+                if not self.connected.is_set():
+                    raise _SessionEnded(f"no registration ack within {_REGISTER_TIMEOUT_S:g} s")
                 if self._outage:
                     self._log.info("sending_outage_buffer", rounds=len(self._outage), dropped=self.stats.dropped_rounds)
                     await self._send_outage_buffer(call)

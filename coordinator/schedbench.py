@@ -315,9 +315,9 @@ class _Probe:
 
         service.ScheduleTask = timed_schedule_task
 
-        def timed_try_place(task, view, now, failed):
+        def timed_try_place(task, view, now, failed, fenced=frozenset()):
             t0 = clock()
-            outcome = try_place(task, view, now, failed)
+            outcome = try_place(task, view, now, failed, fenced)
             if outcome is placed:
                 self.phase.decisions.append(clock() - t0)
             return outcome
