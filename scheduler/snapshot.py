@@ -71,6 +71,10 @@ class ClusterSnapshot:
     # node index -> set of frozenset({a, b}) host-local GPU index pairs on NVLink
     node_nvlink: list[frozenset[frozenset[int]]]
     taken_at_s: float = 0.0  # monotonic seconds when the snapshot was taken
+    # Predicted slowdown (actual / expected run time) of every GPU row, per
+    # task kind ("" = any kind), from ``scheduler.predictor``; empty when no
+    # predictor runs. The load-aware ``completion`` term reads it.
+    gpu_slowdown: Mapping[str, np.ndarray] = field(default_factory=dict)
     # Results derived from this snapshot alone (``filters.never_fits``), kept
     # for its lifetime; not part of its value (a replace() starts empty).
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)

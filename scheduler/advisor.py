@@ -1,0 +1,563 @@
+"""The rebalance advisor: which running tasks to migrate, from hot GPUs to
+cool ones, when load has drifted after placement.
+
+Pure functions over a ``ClusterSnapshot`` and the leased tasks; the only state
+(cool-downs, the trigger's streak, the moves of the current window) is an
+explicit ``AdvisorState`` value passed in and returned (``Advisor`` keeps it
+for callers that want an object).
+
+Which GPUs count. A GPU's utilisation is the snapshot's smoothed ``util_pct``;
+only healthy GPUs on fresh nodes with a known reading count (a stale reading
+is not evidence). ``variance`` is the population variance of those readings,
+in %².
+
+Trigger (``check_trigger``), either of:
+
+* ``variance``: the variance across GPUs is above ``variance_threshold`` (400 %²,
+  a standard deviation of 20 points);
+* ``hot_rising``: some GPU is above ``hot_pct`` (85 %) while ``rising_gpus`` (2)
+  or more GPUs trend upward faster than ``rising_pct_per_min`` (5 %/min).
+
+Each comparison is strict (at the threshold exactly, nothing fires).
+
+Against noise (``advise``). Migrating is expensive, so the advisor acts on
+imbalance that lasts: it judges each GPU by its own EWMA of the readings over
+its evaluations (``smoothing_alpha``, 0.3; 1.0 judges the latest reading
+alone), and proposes a plan only once the trigger has fired, and the move it
+would start with has come from the same source GPU, in ``persist``
+evaluations in a row: a real hot spot stays where it is, while noise moves
+the apparent one around. Once a plan is made, the averages of its GPUs are
+set to what the plan expects, so the next evaluation does not act again on
+load that is already on its way out.
+
+Moves (``plan_moves``), greedy, at most ``max_moves`` per ``window_s``:
+
+1. a task's *load* is its part of its GPU's measured utilisation, split
+   between the GPU's tasks in proportion to their declared ``gpu_share``
+   (equal parts when none declares one);
+2. a task may move when it is *movable* (``spec.movable`` or its kind is in
+   ``movable_kinds``; never when its kind is in ``pinned_kinds``, inference by
+   default), runs on one GPU, was placed at least ``min_age_s`` ago, and is not
+   cooling down from an earlier move;
+3. sources are GPUs hotter than the mean, hottest first; for each of its
+   movable tasks the destination is the coolest GPU that passes the
+   scheduler's own filters (``scheduler.filters.feasible`` over a
+   ``PlacementView`` with the live reservations) for the task's spec, after
+   the memory of moves already planned, and is not the source;
+4. moving load ``l`` from a source at ``u_h`` to a destination at ``u_c``
+   (gap ``d = u_h - u_c``) changes the variance by ``2 l (l - d) / N``; the
+   move is taken only when it narrows the pair's difference by at least
+   ``margin_pct``: ``margin / 2 <= l <= d - margin / 2`` (so it always lowers
+   the variance, and never makes the destination the new hot spot). Among a
+   source's tasks the one with the largest variance reduction wins;
+5. both GPUs of a move take no part in another move of the same plan, and
+   the task and both GPUs are left alone for ``cooldown_s`` afterwards: a
+   plan cannot be undone by the next one (no flapping).
+
+Each ``Move`` carries the variance expected once it and the moves before it
+are done; the ``Plan`` the variance before and after all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from scheduler.config import SchedulerConfig
+from scheduler.filters import feasible
+from scheduler.reservations import Reservations
+from scheduler.snapshot import ClusterSnapshot
+from scheduler.task import Task, TaskState
+from scheduler.view import PlacementView
+
+__all__ = [
+    "AdvisorConfig",
+    "AdvisorState",
+    "Trigger",
+    "Move",
+    "Plan",
+    "Advisor",
+    "counted_gpus",
+    "utilization_variance",
+    "check_trigger",
+    "is_movable",
+    "task_loads",
+    "plan_moves",
+    "advise",
+]
+
+TRIGGER_VARIANCE = "variance"
+# sources examined per move, hottest first (each costs a filter pass per task)
+_MAX_SOURCES = 64
+TRIGGER_HOT_RISING = "hot_rising"
+
+
+@dataclass(frozen=True)
+class AdvisorConfig:
+    """Thresholds and limits of the advisor, with their units."""
+
+    # %²: variance of utilisation across GPUs above which a plan is wanted.
+    variance_threshold: float = 400.0
+    # %: a GPU above this is hot.
+    hot_pct: float = 85.0
+    # %/min: a GPU whose trend is above this is rising.
+    rising_pct_per_min: float = 5.0
+    # GPUs rising at once that, with one hot GPU, trigger a plan.
+    rising_gpus: int = 2
+    # evaluations in a row the trigger must hold, with the same source GPU, before a plan.
+    persist: int = 2
+    # EWMA weight of a new reading in the advisor's per-GPU average (1.0: no averaging).
+    smoothing_alpha: float = 0.3
+    # migrations per window (over all plans in it).
+    max_moves: int = 2
+    # s: the window max_moves counts over.
+    window_s: float = 60.0
+    # s a moved task and both GPUs of its move are left alone.
+    cooldown_s: float = 300.0
+    # s a task must have been placed before it may move.
+    min_age_s: float = 60.0
+    # %: a move must narrow the source/destination difference by at least this.
+    margin_pct: float = 10.0
+    # kinds that move even when spec.movable is not set.
+    movable_kinds: frozenset[str] = frozenset({"training"})
+    # kinds that never move, whatever spec.movable says.
+    pinned_kinds: frozenset[str] = frozenset({"inference"})
+
+    def validate(self) -> "AdvisorConfig":
+        def non_negative(name: str) -> None:
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+
+        for name in ("variance_threshold", "rising_pct_per_min", "cooldown_s", "min_age_s", "margin_pct"):
+            non_negative(name)
+        if not (math.isfinite(self.hot_pct) and 0 <= self.hot_pct <= 100):
+            raise ValueError(f"hot_pct: must be in [0, 100], got {self.hot_pct!r}")
+        if not (math.isfinite(self.smoothing_alpha) and 0 < self.smoothing_alpha <= 1):
+            raise ValueError(f"smoothing_alpha: must be in (0, 1], got {self.smoothing_alpha!r}")
+        if not (math.isfinite(self.window_s) and self.window_s > 0):
+            raise ValueError(f"window_s: must be a finite number > 0, got {self.window_s!r}")
+        for name in ("rising_gpus", "persist", "max_moves"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_moves" else 1):
+                raise ValueError(f"{name}: must be an integer >= {0 if name == 'max_moves' else 1}, got {value!r}")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Trigger:
+    """Why a plan is wanted (or, with ``fired`` False, the figures that said no)."""
+
+    fired: bool
+    reason: str  # "variance", "hot_rising" or "" when not fired
+    variance: float  # %² across counted GPUs
+    hottest_pct: float  # % of the hottest counted GPU
+    rising: int  # GPUs trending up faster than rising_pct_per_min
+    gpus: int  # GPUs counted
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Migrate one task from one GPU to another."""
+
+    task_id: str
+    lease_id: str
+    kind: str
+    from_node_id: str
+    from_gpu_index: int
+    from_gpu_uuid: str
+    to_node_id: str
+    to_gpu_index: int
+    to_gpu_uuid: str
+    load_pct: float  # % utilisation the move shifts
+    from_util_pct: float  # source utilisation before the move (%)
+    to_util_pct: float  # destination utilisation before the move (%)
+    variance_after: float  # %² expected once this move and the ones before it are done
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A set of moves proposed at one instant."""
+
+    plan_id: int
+    created_at_s: float  # the clock's seconds (monotonic in the coordinator, virtual in the simulator)
+    trigger: str  # "variance" or "hot_rising"
+    variance_before: float  # %²
+    variance_after: float  # %², expected once every move is done
+    spread_before: float  # % hottest minus coolest counted GPU
+    spread_after: float  # %, expected
+    moves: tuple[Move, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the command hook's stdin)."""
+        out = {name: getattr(self, name) for name in self.__slots__ if name != "moves"}
+        out["moves"] = [m.to_dict() for m in self.moves]
+        return out
+
+
+@dataclass(frozen=True)
+class AdvisorState:
+    """What the advisor remembers between evaluations (immutable; ``advise`` returns the next)."""
+
+    streak: int = 0  # evaluations in a row with the trigger fired and the same first source GPU
+    source: str = ""  # GPU uuid the last evaluation's plan would have started from
+    moved_at: Mapping[str, float] = field(default_factory=dict)  # task id -> s of its last move
+    touched_at: Mapping[str, float] = field(default_factory=dict)  # GPU uuid -> s of its last move
+    move_times: tuple[float, ...] = ()  # s of the moves inside the current window
+    next_plan_id: int = 1
+    last_trigger: Trigger | None = None
+    # the advisor's per-GPU EWMA of utilisation (%), rows in the order of ``smoothed_uuids``
+    smoothed_uuids: tuple[str, ...] = ()
+    smoothed_util: np.ndarray | None = field(default=None, compare=False)
+
+    def moves_in_window(self, now: float, window_s: float) -> int:
+        return sum(1 for t in self.move_times if now - t < window_s)
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+
+
+def counted_gpus(snapshot: ClusterSnapshot) -> np.ndarray:
+    """Bool per GPU row: healthy, on a fresh node, with a known utilisation."""
+    s = snapshot
+    if s.gpu_count == 0:
+        return np.zeros(0, dtype=bool)
+    util = np.asarray(s.util_pct, dtype=np.float64)
+    return np.asarray(s.healthy, dtype=bool) & ~np.asarray(s.node_stale, dtype=bool)[s.gpu_node] & np.isfinite(util)
+
+
+def utilization_variance(snapshot: ClusterSnapshot) -> float:
+    """Population variance (%²) of utilisation over the counted GPUs; 0 with fewer than 2."""
+    counted = counted_gpus(snapshot)
+    if int(counted.sum()) < 2:
+        return 0.0
+    return float(np.var(np.clip(np.asarray(snapshot.util_pct, dtype=np.float64)[counted], 0.0, 100.0)))
+
+
+def check_trigger(snapshot: ClusterSnapshot, config: AdvisorConfig | None = None) -> Trigger:
+    """The trigger rules of the module docstring, on one snapshot."""
+    cfg = config or AdvisorConfig()
+    counted = counted_gpus(snapshot)
+    n = int(counted.sum())
+    if n < 2:
+        return Trigger(False, "", 0.0, math.nan if n == 0 else float(snapshot.util_pct[counted][0]), 0, n)
+    util = np.clip(np.asarray(snapshot.util_pct, dtype=np.float64)[counted], 0.0, 100.0)
+    trend = np.asarray(snapshot.util_trend_pct_per_min, dtype=np.float64)[counted]
+    variance = float(np.var(util))
+    hottest = float(util.max())
+    rising = int(np.count_nonzero(np.nan_to_num(trend, nan=0.0) > cfg.rising_pct_per_min))
+    if variance > cfg.variance_threshold:
+        return Trigger(True, TRIGGER_VARIANCE, variance, hottest, rising, n)
+    if hottest > cfg.hot_pct and rising >= cfg.rising_gpus:
+        return Trigger(True, TRIGGER_HOT_RISING, variance, hottest, rising, n)
+    return Trigger(False, "", variance, hottest, rising, n)
+
+
+def is_movable(task: Task, config: AdvisorConfig | None = None) -> bool:
+    """Movable by kind and flag (module docstring, rule 2, first part)."""
+    cfg = config or AdvisorConfig()
+    kind = task.spec.kind.lower()
+    if kind in cfg.pinned_kinds:
+        return False
+    return bool(task.spec.movable) or kind in cfg.movable_kinds
+
+
+def task_loads(snapshot: ClusterSnapshot, tasks: Iterable[Task]) -> dict[str, tuple[tuple[int, ...], float]]:
+    """Leased task id -> (GPU rows, load %): each GPU's measured utilisation split
+    between its tasks in proportion to their ``gpu_share`` (equal parts when
+    none declares one). Tasks on GPUs the snapshot does not have are left out."""
+    row_of = {u: i for i, u in enumerate(snapshot.gpu_uuid)}
+    util = np.asarray(snapshot.util_pct, dtype=np.float64)
+    placed: dict[str, tuple[tuple[int, ...], float]] = {}
+    on_gpu: dict[int, list[str]] = {}
+    for task in tasks:
+        a = task.assignment
+        if task.state != TaskState.LEASED or a is None:
+            continue
+        rows = tuple(row_of.get(u, -1) for u in a.gpu_uuids)
+        if not rows or min(rows) < 0:
+            continue
+        placed[task.task_id] = (rows, float(task.spec.gpu_share))
+        for r in rows:
+            on_gpu.setdefault(r, []).append(task.task_id)
+    loads: dict[str, float] = {}
+    for row, ids in on_gpu.items():
+        u = float(util[row]) if math.isfinite(util[row]) else 0.0
+        u = min(max(u, 0.0), 100.0)
+        shares = [placed[i][1] for i in ids]
+        total = sum(shares)
+        for i, share in zip(ids, shares):
+            part = u * share / total if total > 0 else u / len(ids)
+            loads[i] = loads.get(i, 0.0) + part
+    return {i: (placed[i][0], loads.get(i, 0.0) / len(placed[i][0])) for i in placed}
+
+
+# ---- planning ----------------------------------------------------------------------------------------
+
+
+def plan_moves(
+    snapshot: ClusterSnapshot,
+    tasks: Sequence[Task],
+    config: AdvisorConfig | None = None,
+    *,
+    now: float,
+    budget: int | None = None,
+    cooling_tasks: Iterable[str] = (),
+    cooling_gpus: Iterable[str] = (),
+    reservations: Reservations | None = None,
+    scheduler_config: SchedulerConfig | None = None,
+) -> tuple[list[Move], float, float, float, float]:
+    """Greedy moves (module docstring, rules 2-5): ``(moves, variance before,
+    variance after, spread before, spread after)``. ``budget`` caps the moves
+    (default ``max_moves``); ``cooling_*`` are task ids and GPU uuids left alone."""
+    cfg = config or AdvisorConfig()
+    budget = cfg.max_moves if budget is None else budget
+    counted = counted_gpus(snapshot)
+    n = int(counted.sum())
+    util = np.clip(np.nan_to_num(np.asarray(snapshot.util_pct, dtype=np.float64), nan=0.0), 0.0, 100.0)
+
+    def spread(u: np.ndarray) -> float:
+        return float(u[counted].max() - u[counted].min()) if n else 0.0
+
+    before = float(np.var(util[counted])) if n >= 2 else 0.0
+    spread0 = spread(util)
+    if n < 2 or budget <= 0 or not tasks:
+        return [], before, before, spread0, spread0
+    by_id = {t.task_id: t for t in tasks}
+    loads = task_loads(snapshot, tasks)
+    cooling_task_set = set(cooling_tasks)
+    busy = np.zeros(snapshot.gpu_count, dtype=bool)
+    row_of = {u: i for i, u in enumerate(snapshot.gpu_uuid)}
+    for uuid in cooling_gpus:
+        r = row_of.get(uuid)
+        if r is not None:
+            busy[r] = True
+    # movable single-GPU tasks per source row
+    candidates: dict[int, list[tuple[str, float]]] = {}
+    for task_id, (rows, load) in loads.items():
+        task = by_id[task_id]
+        if len(rows) != 1 or task_id in cooling_task_set or not is_movable(task, cfg):
+            continue
+        if now - task.assignment.placed_at < cfg.min_age_s:  # type: ignore[union-attr]
+            continue
+        candidates.setdefault(rows[0], []).append((task_id, load))
+    if not candidates:
+        return [], before, before, spread0, spread0
+
+    view = PlacementView(snapshot, reservations, scheduler_config)
+    added_vram = np.zeros(snapshot.gpu_count)
+    u = util.copy()
+    moves: list[Move] = []
+    half = cfg.margin_pct / 2.0
+    s = snapshot
+    while len(moves) < budget:
+        mean = float(u[counted].mean())
+        best: tuple[float, int, int, str, float] | None = None
+        sources = [r for r in sorted(candidates, key=lambda r: -u[r]) if not busy[r] and counted[r] and u[r] > mean]
+        for h in sources[:_MAX_SOURCES]:
+            for task_id, load in candidates[h]:
+                if task_id in cooling_task_set:
+                    continue
+                spec = by_id[task_id].spec
+                mask = feasible(view, spec) & counted & ~busy
+                mask[h] = False
+                mask &= view.headroom - added_vram >= spec.vram_mib
+                mask &= view.reject_headroom - added_vram > spec.vram_mib
+                if not mask.any():
+                    continue
+                c = int(np.argmin(np.where(mask, u, np.inf)))
+                gap = float(u[h] - u[c])
+                if not (half <= load <= gap - half) or load <= 0:
+                    continue
+                gain = 2.0 * load * (gap - load) / n
+                if best is None or gain > best[0]:
+                    best = (gain, h, c, task_id, load)
+            if best is not None:
+                break  # the hottest source with a useful move
+        if best is None:
+            break
+        _, h, c, task_id, load = best
+        task = by_id[task_id]
+        from_util, to_util = float(u[h]), float(u[c])
+        u[h] = max(0.0, u[h] - load)
+        u[c] = min(100.0, u[c] + load)
+        busy[h] = busy[c] = True
+        added_vram[c] += task.spec.vram_mib
+        cooling_task_set.add(task_id)
+        moves.append(
+            Move(
+                task_id=task_id,
+                lease_id=task.assignment.lease_id,  # type: ignore[union-attr]
+                kind=task.spec.kind,
+                from_node_id=s.node_ids[int(s.gpu_node[h])],
+                from_gpu_index=int(s.gpu_index[h]),
+                from_gpu_uuid=s.gpu_uuid[h],
+                to_node_id=s.node_ids[int(s.gpu_node[c])],
+                to_gpu_index=int(s.gpu_index[c]),
+                to_gpu_uuid=s.gpu_uuid[c],
+                load_pct=load,
+                from_util_pct=from_util,
+                to_util_pct=to_util,
+                variance_after=float(np.var(u[counted])),
+            )
+        )
+    after = float(np.var(u[counted]))
+    return moves, before, after, spread0, spread(u)
+
+
+def _smooth(snapshot: ClusterSnapshot, state: AdvisorState, alpha: float) -> tuple[tuple[str, ...], np.ndarray]:
+    """(GPU uuids, the advisor's average utilisation per row) after this reading."""
+    uuids = tuple(snapshot.gpu_uuid)
+    reading = np.asarray(snapshot.util_pct, dtype=np.float64)
+    prev = state.smoothed_util
+    if prev is None or alpha >= 1.0:
+        return uuids, reading.copy()
+    if uuids == state.smoothed_uuids:
+        old = prev
+    else:  # membership changed: carry over the GPUs that stayed
+        index = {u: i for i, u in enumerate(state.smoothed_uuids)}
+        old = np.asarray([prev[index[u]] if u in index else np.nan for u in uuids], dtype=np.float64)
+    # unknown before (or now): start from (keep) the reading
+    smoothed = np.where(np.isfinite(old), old + alpha * (reading - old), reading)
+    return uuids, np.where(np.isfinite(reading), smoothed, np.nan)
+
+
+def _prune(times: Mapping[str, float], now: float, keep_s: float) -> dict[str, float]:
+    return {k: t for k, t in times.items() if now - t < keep_s}
+
+
+def advise(
+    snapshot: ClusterSnapshot,
+    tasks: Sequence[Task],
+    now: float,
+    state: AdvisorState | None = None,
+    config: AdvisorConfig | None = None,
+    *,
+    reservations: Reservations | None = None,
+    scheduler_config: SchedulerConfig | None = None,
+) -> tuple[Plan | None, AdvisorState]:
+    """One evaluation: the trigger, the moves within the window's budget, and
+    a plan once they have started from the same source GPU ``persist`` times
+    in a row. Returns the plan (None when there is nothing to do yet) and
+    the next state."""
+    cfg = config or AdvisorConfig()
+    state = state or AdvisorState()
+    uuids, smoothed = _smooth(snapshot, state, cfg.smoothing_alpha)
+    judged = replace(snapshot, util_pct=smoothed)
+    trigger = check_trigger(judged, cfg)
+    moved_at = _prune(state.moved_at, now, cfg.cooldown_s)
+    touched_at = _prune(state.touched_at, now, cfg.cooldown_s)
+    move_times = tuple(t for t in state.move_times if now - t < cfg.window_s)
+    nxt = replace(state, streak=0, source="", moved_at=moved_at, touched_at=touched_at, move_times=move_times,
+                  last_trigger=trigger, smoothed_uuids=uuids, smoothed_util=smoothed)
+    budget = cfg.max_moves - len(move_times)
+    if not trigger.fired or budget <= 0:
+        return None, nxt
+    moves, before, after, spread0, spread1 = plan_moves(
+        judged,
+        tasks,
+        cfg,
+        now=now,
+        budget=budget,
+        cooling_tasks=moved_at,
+        cooling_gpus=touched_at,
+        reservations=reservations,
+        scheduler_config=scheduler_config,
+    )
+    if not moves:
+        return None, nxt
+    source = moves[0].from_gpu_uuid
+    streak = state.streak + 1 if source == state.source else 1
+    if streak < cfg.persist:
+        return None, replace(nxt, streak=streak, source=source)
+    plan = Plan(
+        plan_id=state.next_plan_id,
+        created_at_s=now,
+        trigger=trigger.reason,
+        variance_before=before,
+        variance_after=after,
+        spread_before=spread0,
+        spread_after=spread1,
+        moves=tuple(moves),
+    )
+    expected = smoothed.copy()
+    row_of = {u: i for i, u in enumerate(uuids)}
+    for m in moves:
+        moved_at[m.task_id] = now
+        touched_at[m.from_gpu_uuid] = now
+        touched_at[m.to_gpu_uuid] = now
+        expected[row_of[m.from_gpu_uuid]] = max(0.0, m.from_util_pct - m.load_pct)
+        expected[row_of[m.to_gpu_uuid]] = min(100.0, m.to_util_pct + m.load_pct)
+    nxt = replace(
+        nxt,
+        smoothed_util=expected,
+        streak=0,
+        moved_at=moved_at,
+        touched_at=touched_at,
+        move_times=move_times + (now,) * len(moves),
+        next_plan_id=state.next_plan_id + 1,
+    )
+    return plan, nxt
+
+
+class Advisor:
+    """``advise`` with its state kept between calls."""
+
+    def __init__(self, config: AdvisorConfig | None = None, scheduler_config: SchedulerConfig | None = None) -> None:
+        self.config = (config or AdvisorConfig()).validate()
+        self.scheduler_config = scheduler_config
+        self.state = AdvisorState()
+        self.last_plan: Plan | None = None
+
+    def evaluate(
+        self,
+        snapshot: ClusterSnapshot,
+        tasks: Sequence[Task],
+        now: float,
+        *,
+        reservations: Reservations | None = None,
+    ) -> Plan | None:
+        plan, self.state = advise(
+            snapshot,
+            tasks,
+            now,
+            self.state,
+            self.config,
+            reservations=reservations,
+            scheduler_config=self.scheduler_config,
+        )
+        if plan is not None:
+            self.last_plan = plan
+        return plan
+
+    def dry_run(
+        self,
+        snapshot: ClusterSnapshot,
+        tasks: Sequence[Task],
+        now: float,
+        *,
+        reservations: Reservations | None = None,
+    ) -> tuple[Trigger, list[Move], float, float]:
+        """What a plan would be now, with this reading in the averages but
+        ignoring persistence and leaving the state untouched: (trigger, moves,
+        variance before, variance after)."""
+        cfg = self.config
+        _, smoothed = _smooth(snapshot, self.state, cfg.smoothing_alpha)
+        snapshot = replace(snapshot, util_pct=smoothed)
+        trigger = check_trigger(snapshot, cfg)
+        moved_at = _prune(self.state.moved_at, now, cfg.cooldown_s)
+        touched_at = _prune(self.state.touched_at, now, cfg.cooldown_s)
+        budget = cfg.max_moves - self.state.moves_in_window(now, cfg.window_s)
+        if not trigger.fired:
+            return trigger, [], trigger.variance, trigger.variance
+        moves, before, after, _, _ = plan_moves(
+            snapshot, tasks, cfg, now=now, budget=max(budget, 0), cooling_tasks=moved_at,
+            cooling_gpus=touched_at, reservations=reservations, scheduler_config=self.scheduler_config,
+        )
+        return trigger, moves, before, after

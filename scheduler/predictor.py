@@ -1,0 +1,422 @@
+"""Heterogeneity-aware response-time prediction: how long a task will really
+take on a given GPU, learned from the tasks that completed there.
+
+A task's ``duration_s`` is its run time alone on a speed-1.0 GPU (RTX 4090).
+What it really takes elsewhere is ``duration_s * f``, where the *slowdown*
+``f = actual / expected`` depends on the GPU model, on the kind of work (an
+old card may be 20x slower at training but only 5x at small inference) and on
+the node itself (a throttled host, a slow PCIe link). ``SpeedPredictor``
+learns ``f`` as a product of two factors::
+
+    f(node, model, kind) = m(model, kind) * r(node)
+
+    m(model, kind)  learned slowdown of that kind of work on that model;
+                    before its first completion, the model's factor over all
+                    kinds; before any, the prior 1 / speed(model), speed from
+                    the cluster file (``scheduler.cluster``) or the table of
+                    known models, 1.0 when neither knows the model
+    r(node)         the node's residual: what its completions show beyond
+                    m(model, kind); 1.0 before its first completion
+
+Both are EWMAs of the ratio actual / expected, kept in log space because
+slowdowns are multiplicative (2x too slow and 2x too fast are equal errors;
+the average of 1 and 20 should be about 4.5, not 10.5). A completion's error
+``e = log(actual / expected) - log(m * r)`` moves ``log m`` by ``alpha_m * e``
+and ``log r`` by ``alpha_r`` times what is left of it, where a factor with n
+samples so far uses ``alpha_n = max(alpha, 1 / (n + 1 + prior_weight))``: the
+first samples move it quickly away from a poor prior, later ones average
+noise with weight ``alpha``. Robustness: ratios are clipped to [1e-3, 1e3],
+and once a factor has ``warmup`` samples, one completion may move its sample
+at most ``max_step``-fold from the current value (a killed or hung task's
+report cannot poison a model; a real change still arrives within a few
+completions).
+
+Accuracy. Every completion is predicted *before* the predictor learns from it,
+so each one is held out at the time it is predicted (prequential evaluation);
+the absolute percentage error ``|predicted - actual| / actual`` is kept over
+the last ``error_window`` completions, overall and per (model, kind) and per
+node, and its mean is the MAPE. ``evaluate`` scores a separate held-out set
+without learning from it.
+
+For placement, ``slowdown_columns`` turns the factors into one per-GPU column
+per task kind over a ``ClusterSnapshot``; ``annotate`` returns the snapshot
+carrying them (``ClusterSnapshot.gpu_slowdown``), which the ``completion``
+term of the load-aware score reads (``completion_term``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from scheduler.cluster import lookup_model
+from scheduler.snapshot import ClusterSnapshot
+
+__all__ = [
+    "ANY_KIND",
+    "PredictorConfig",
+    "Completion",
+    "FactorStats",
+    "SpeedPredictor",
+    "completion_term",
+    "model_speeds",
+]
+
+#: the key of the kind-independent column in ``slowdown_columns``
+ANY_KIND = ""
+
+_RATIO_MIN = 1e-3
+_RATIO_MAX = 1e3
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    """Learning rates and windows of ``SpeedPredictor`` (unitless unless named)."""
+
+    # EWMA weight of a new sample once the prior's influence has worn off.
+    alpha: float = 0.1
+    # The prior counts as this many samples (0: the first completion replaces it).
+    prior_weight: float = 1.0
+    # Completions over which the (prequential) MAPE is computed.
+    error_window: int = 500
+    # Node residuals are kept within [1 / max_node_residual, max_node_residual].
+    max_node_residual: float = 10.0
+    # Samples a factor takes unclipped before max_step applies.
+    warmup: int = 3
+    # Once warm, one sample counts as at most this many times (or 1/this) the current value.
+    max_step: float = 4.0
+
+    def validate(self) -> "PredictorConfig":
+        if not (0.0 < self.alpha <= 1.0):
+            raise ValueError(f"alpha: must be in (0, 1], got {self.alpha!r}")
+        if not (math.isfinite(self.prior_weight) and self.prior_weight >= 0):
+            raise ValueError(f"prior_weight: must be a finite number >= 0, got {self.prior_weight!r}")
+        if self.error_window < 1:
+            raise ValueError(f"error_window: must be >= 1, got {self.error_window!r}")
+        if not (math.isfinite(self.max_node_residual) and self.max_node_residual >= 1.0):
+            raise ValueError(f"max_node_residual: must be >= 1, got {self.max_node_residual!r}")
+        if not (math.isfinite(self.max_step) and self.max_step > 1.0):
+            raise ValueError(f"max_step: must be > 1, got {self.max_step!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: must be >= 0, got {self.warmup!r}")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One completed task as the predictor sees it (also a held-out sample)."""
+
+    node_id: str
+    model: str  # GPU model name as the snapshot reports it
+    kind: str
+    expected_s: float  # s on a speed-1.0 GPU alone (the task's duration_s)
+    actual_s: float  # s it really ran
+
+
+@dataclass(frozen=True, slots=True)
+class FactorStats:
+    """A learned factor: where it applies, its value and how good it has been."""
+
+    model: str  # empty for a node factor
+    kind: str  # empty for a model's all-kinds factor and for node factors
+    node_id: str  # empty for model factors
+    factor: float  # slowdown: actual / expected (model factors) or residual (node factors)
+    prior: float  # the value before any completion
+    samples: int  # completions learned from
+    mape: float  # mean absolute percentage error (ratio) of its recent predictions; NaN if none
+
+
+class _Ewma:
+    """A multiplicative factor learned in log space (module docstring)."""
+
+    __slots__ = ("log", "n", "prior")
+
+    def __init__(self, prior: float) -> None:
+        self.log = math.log(prior)
+        self.prior = prior
+        self.n = 0
+
+    @property
+    def value(self) -> float:
+        return math.exp(self.log)
+
+    def rate(self, cfg: PredictorConfig) -> float:
+        return max(cfg.alpha, 1.0 / (self.n + 1.0 + cfg.prior_weight))
+
+    def step(self, error: float, cfg: PredictorConfig) -> float:
+        """Move by a share of ``error`` (log units, clipped once warm); returns the move."""
+        if self.n >= cfg.warmup:
+            bound = math.log(cfg.max_step)
+            error = min(max(error, -bound), bound)
+        move = self.rate(cfg) * error
+        self.log += move
+        self.n += 1
+        return move
+
+
+class _Errors:
+    """Absolute percentage errors of the last ``size`` predictions."""
+
+    __slots__ = ("values", "total")
+
+    def __init__(self, size: int) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self.total = 0  # predictions ever scored
+
+    def add(self, ape: float) -> None:
+        self.values.append(ape)
+        self.total += 1
+
+    def mape(self) -> float:
+        return float(np.mean(self.values)) if self.values else math.nan
+
+
+def model_speeds(snapshot: ClusterSnapshot) -> dict[str, float]:
+    """Relative speed per GPU model from a snapshot's ``node_speed`` (the
+    cluster file's), the median over the nodes carrying the model."""
+    speeds: dict[str, list[float]] = {}
+    node_of = snapshot.gpu_node
+    for row in range(snapshot.gpu_count):
+        node = int(node_of[row])
+        speed = float(snapshot.node_speed[node])
+        if math.isfinite(speed) and speed > 0:
+            speeds.setdefault(str(snapshot.gpu_model[row]), []).append(speed)
+    return {model: float(np.median(v)) for model, v in speeds.items()}
+
+
+def completion_term(slowdown: np.ndarray, load_pct: np.ndarray, share: float) -> np.ndarray:
+    """C_g = 1 - min_h(t_h) / t_g, with t_g = slowdown_g * max(1, (load_g + 100 * share) / 100).
+
+    ``t_g`` is the task's predicted run time on GPU g relative to its
+    ``duration_s``: the learned slowdown of the GPU, stretched by processor
+    sharing when the GPU would be asked for more than 100 %. ``C`` is the
+    share of that time lost against the GPU that would finish the task
+    soonest: 0 there, towards 1 on GPUs many times slower; unitless and
+    independent of ``duration_s``, so it weighs the same for a 100 ms request
+    and a day-long job. NaN or non-positive slowdowns count as 1.0.
+    """
+    s = np.asarray(slowdown, dtype=np.float64)
+    s = np.where(np.isfinite(s) & (s > 0), s, 1.0)
+    load = np.asarray(load_pct, dtype=np.float64)
+    stretch = np.maximum(1.0, (np.where(np.isfinite(load), load, 100.0) + 100.0 * share) / 100.0)
+    t = s * stretch
+    if t.size == 0:
+        return t
+    return 1.0 - float(t.min()) / t
+
+
+class SpeedPredictor:
+    """Learns per-(model, kind) and per-node slowdowns from completions (module docstring).
+
+    ``prior_speeds``: model name -> relative speed (RTX 4090 = 1.0), e.g.
+    ``model_speeds(snapshot)``; models it does not name fall back to the
+    table of known models (``scheduler.cluster.KNOWN_MODELS``), then 1.0.
+    ``use_known_models=False`` skips the table (a cluster whose speeds are
+    unknown: everything starts at 1.0 and is learned).
+    """
+
+    def __init__(
+        self,
+        prior_speeds: Mapping[str, float] | None = None,
+        config: PredictorConfig | None = None,
+        *,
+        use_known_models: bool = True,
+    ) -> None:
+        self.config = (config or PredictorConfig()).validate()
+        self._prior_speeds: dict[str, float] = {}
+        self._use_known = use_known_models
+        self._models: dict[str, _Ewma] = {}  # model -> all kinds
+        self._model_kinds: dict[tuple[str, str], _Ewma] = {}
+        self._nodes: dict[str, _Ewma] = {}
+        self._errors = _Errors(self.config.error_window)
+        self._model_kind_errors: dict[tuple[str, str], _Errors] = {}
+        self._node_errors: dict[str, _Errors] = {}
+        self._kinds: set[str] = set()
+        #: bumped on every change that can move a prediction
+        self.version = 0
+        self._columns_cache: tuple | None = None
+        if prior_speeds:
+            self.set_priors(prior_speeds)
+
+    # ---- priors ------------------------------------------------------------------
+    def set_priors(self, speeds: Mapping[str, float]) -> None:
+        """Set model speeds (RTX 4090 = 1.0); factors not yet learned start from them."""
+        for model, speed in speeds.items():
+            if not (isinstance(speed, (int, float)) and math.isfinite(speed) and speed > 0):
+                raise ValueError(f"prior speed of {model!r}: must be a finite number > 0, got {speed!r}")
+            self._prior_speeds[str(model)] = float(speed)
+            stat = self._models.get(model)
+            if stat is not None and stat.n == 0:
+                stat.prior = 1.0 / float(speed)
+                stat.log = math.log(stat.prior)
+        self.version += 1
+
+    def prior(self, model: str) -> float:
+        """Prior slowdown of ``model``: 1 / its speed, 1.0 when unknown."""
+        speed = self._prior_speeds.get(model)
+        if speed is None and self._use_known:
+            known = lookup_model(model)
+            speed = known.speed if known is not None else None
+        return 1.0 / speed if speed else 1.0
+
+    # ---- factors -------------------------------------------------------------------
+    def model_factor(self, model: str, kind: str = ANY_KIND) -> float:
+        """m(model, kind): the learned slowdown, falling back as the docstring says."""
+        if kind:
+            stat = self._model_kinds.get((model, kind))
+            if stat is not None:
+                return stat.value
+        stat = self._models.get(model)
+        return stat.value if stat is not None else self.prior(model)
+
+    def node_factor(self, node_id: str) -> float:
+        """r(node): the node's residual against its model, 1.0 until learned."""
+        stat = self._nodes.get(node_id)
+        return stat.value if stat is not None else 1.0
+
+    def factor(self, node_id: str, model: str, kind: str = ANY_KIND) -> float:
+        """Predicted slowdown f = actual / expected for this node, model and kind."""
+        return self.model_factor(model, kind) * self.node_factor(node_id)
+
+    def predict(self, node_id: str, model: str, kind: str, expected_s: float) -> float:
+        """Predicted seconds for a task of ``expected_s`` (on a speed-1.0 GPU)."""
+        return float(expected_s) * self.factor(node_id, model, kind)
+
+    # ---- learning ------------------------------------------------------------------------
+    def observe(self, node_id: str, model: str, kind: str, expected_s: float, actual_s: float) -> float | None:
+        """Learn from one completion; returns its absolute percentage error as
+        predicted before learning (None when the sample is unusable: a
+        non-positive or non-finite duration)."""
+        if not (
+            isinstance(expected_s, (int, float))
+            and isinstance(actual_s, (int, float))
+            and math.isfinite(expected_s)
+            and math.isfinite(actual_s)
+            and expected_s > 0
+            and actual_s > 0
+        ):
+            return None
+        cfg = self.config
+        predicted = self.predict(node_id, model, kind, expected_s)
+        ape = abs(predicted - actual_s) / actual_s
+        self._errors.add(ape)
+        key = (model, kind)
+        self._model_kind_errors.setdefault(key, _Errors(cfg.error_window)).add(ape)
+        self._node_errors.setdefault(node_id, _Errors(cfg.error_window)).add(ape)
+
+        log_ratio = math.log(min(max(actual_s / expected_s, _RATIO_MIN), _RATIO_MAX))
+        node = self._nodes.get(node_id)
+        if node is None:
+            node = self._nodes[node_id] = _Ewma(1.0)
+        all_kinds = self._models.get(model)
+        if all_kinds is None:
+            all_kinds = self._models[model] = _Ewma(self.prior(model))
+        mk = self._model_kinds.get(key)
+        if mk is None:
+            # a new kind on a known model starts from the model's all-kinds factor
+            mk = self._model_kinds[key] = _Ewma(all_kinds.value)
+        # the model (kind) factor takes its share of the error, the node
+        # residual a share of what is left; the all-kinds factor follows too
+        error = log_ratio - (mk.log + node.log)
+        all_kinds.step(log_ratio - (all_kinds.log + node.log), cfg)
+        moved = mk.step(error, cfg)
+        node.step(error - moved, cfg)
+        bound = math.log(cfg.max_node_residual)
+        node.log = min(max(node.log, -bound), bound)
+        self._kinds.add(kind)
+        self.version += 1
+        return ape
+
+    def observe_completion(self, c: Completion) -> float | None:
+        return self.observe(c.node_id, c.model, c.kind, c.expected_s, c.actual_s)
+
+    # ---- accuracy ------------------------------------------------------------------------
+    def mape(self) -> float:
+        """MAPE (ratio) of the last ``error_window`` completions, each predicted
+        before it was learned from; NaN before the first."""
+        return self._errors.mape()
+
+    @property
+    def samples(self) -> int:
+        """Completions learned from since start."""
+        return self._errors.total
+
+    def evaluate(self, held_out: Iterable[Completion]) -> float:
+        """MAPE (ratio) on completions the predictor does not learn from; NaN if none usable."""
+        errors = [
+            abs(self.predict(c.node_id, c.model, c.kind, c.expected_s) - c.actual_s) / c.actual_s
+            for c in held_out
+            if c.expected_s > 0 and c.actual_s > 0 and math.isfinite(c.expected_s) and math.isfinite(c.actual_s)
+        ]
+        return float(np.mean(errors)) if errors else math.nan
+
+    def stats(self) -> tuple[list[FactorStats], list[FactorStats]]:
+        """(model factors, node factors): per model its all-kinds factor
+        (kind "") and one per learned kind; per node its residual."""
+        models: list[FactorStats] = []
+        for model in sorted(self._models):
+            stat = self._models[model]
+            errors = [e for (m, _), e in self._model_kind_errors.items() if m == model]
+            values = [v for e in errors for v in e.values]
+            models.append(FactorStats(model, ANY_KIND, "", stat.value, stat.prior, stat.n,
+                                      float(np.mean(values)) if values else math.nan))
+            for (m, kind), mk in sorted(self._model_kinds.items()):
+                if m == model:
+                    err = self._model_kind_errors.get((m, kind))
+                    models.append(FactorStats(model, kind, "", mk.value, mk.prior, mk.n,
+                                              err.mape() if err else math.nan))
+        nodes = [
+            FactorStats("", "", node_id, stat.value, stat.prior, stat.n,
+                        self._node_errors[node_id].mape() if node_id in self._node_errors else math.nan)
+            for node_id, stat in sorted(self._nodes.items())
+        ]
+        return models, nodes
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """Task kinds learned so far."""
+        return frozenset(self._kinds)
+
+    # ---- per-GPU columns for placement ------------------------------------------------------------
+    def slowdown_columns(
+        self, snapshot: ClusterSnapshot, kinds: Sequence[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Per task kind (``ANY_KIND`` always included), the predicted slowdown
+        of every GPU row of ``snapshot``: ``m(model_g, kind) * r(node_g)``.
+
+        Cached for the last snapshot layout and predictor version, so calling
+        it per snapshot costs nothing while nothing was learned."""
+        wanted = tuple(sorted({ANY_KIND, *(self._kinds if kinds is None else kinds)}))
+        key = (id(snapshot.gpu_model), id(snapshot.node_ids), self.version, wanted)
+        cached = self._columns_cache
+        if cached is not None and cached[0] == key and cached[1] is snapshot.gpu_model and cached[2] is snapshot.node_ids:
+            return cached[3]
+        models, codes = np.unique(np.asarray(snapshot.gpu_model, dtype=str), return_inverse=True)
+        residual = np.asarray([self.node_factor(n) for n in snapshot.node_ids], dtype=np.float64)
+        per_gpu_residual = residual[snapshot.gpu_node] if snapshot.gpu_count else np.zeros(0)
+        out: dict[str, np.ndarray] = {}
+        for kind in wanted:
+            table = np.asarray([self.model_factor(str(m), kind) for m in models], dtype=np.float64)
+            column = table[codes] * per_gpu_residual if snapshot.gpu_count else np.zeros(0)
+            column.flags.writeable = False
+            out[kind] = column
+        self._columns_cache = (key, snapshot.gpu_model, snapshot.node_ids, out)
+        return out
+
+    def completion_times(self, snapshot: ClusterSnapshot, kind: str, expected_s: float) -> np.ndarray:
+        """Predicted seconds a task of ``expected_s`` would run on each GPU row, alone."""
+        columns = self.slowdown_columns(snapshot, kinds=(kind,))
+        return float(expected_s) * columns.get(kind, columns[ANY_KIND])
+
+    def annotate(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
+        """``snapshot`` carrying the current slowdown columns (a new object
+        when they differ from what it carries, so views and caches keyed by
+        the snapshot stay correct)."""
+        columns = self.slowdown_columns(snapshot)
+        if snapshot.gpu_slowdown is columns:
+            return snapshot
+        return replace(snapshot, gpu_slowdown=columns)

@@ -1,0 +1,312 @@
+"""The rebalance advisor (scheduler.advisor): trigger rules, which tasks move
+where, and no flapping."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from scheduler.advisor import (
+    Advisor,
+    AdvisorConfig,
+    AdvisorState,
+    advise,
+    check_trigger,
+    plan_moves,
+    task_loads,
+)
+from scheduler.snapshot import ClusterSnapshot, NodeFacts
+from scheduler.task import Assignment, Priority, ScoreBreakdown, Task, TaskSpec, TaskState
+
+NOW = 1_000.0
+
+
+def snapshot(util, trend=None, nodes=None, memory_used=None) -> ClusterSnapshot:
+    """One GPU per node unless ``nodes`` says otherwise."""
+    facts = nodes or [NodeFacts(f"n{i}", 1) for i in range(len(util))]
+    snap = ClusterSnapshot.build(facts, util_pct=util, memory_used_mib=memory_used)
+    if trend is not None:
+        snap.util_trend_pct_per_min = np.asarray(trend, dtype=np.float64)
+    return snap
+
+
+def leased(task_id, snap, row, *, kind="training", share=0.5, movable=None, priority=Priority.P1,
+           vram=2_000.0, placed_at=0.0) -> Task:
+    spec = TaskSpec(task_id=task_id, kind=kind, priority=priority, vram_mib=vram, gpu_share=share,
+                    movable=kind != "inference" if movable is None else movable)
+    node = snap.node_ids[int(snap.gpu_node[row])]
+    a = Assignment(node, (int(snap.gpu_index[row]),), (snap.gpu_uuid[row],), f"lease-{task_id}", 1e12,
+                   ScoreBreakdown("load_aware", 0.0, {}, 1), placed_at)
+    return Task(spec, TaskState.LEASED, priority, 0.0, 0.0, 0.0, assignment=a)
+
+
+# ---- trigger rules at their thresholds ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, util, trend, fired, reason",
+    [
+        ("variance exactly 400", [30.0, 70.0], None, False, ""),
+        ("variance just above 400", [30.0, 70.01], None, True, "variance"),
+        ("hot and two rising", [86.0, 70.0, 70.0, 70.0], [0.0, 6.0, 6.0, 0.0], True, "hot_rising"),
+        ("hot exactly 85", [85.0, 70.0, 70.0, 70.0], [0.0, 6.0, 6.0, 0.0], False, ""),
+        ("rising exactly 5 %/min", [86.0, 70.0, 70.0, 70.0], [0.0, 5.0, 6.0, 0.0], False, ""),
+        ("only one rising", [86.0, 70.0, 70.0, 70.0], [0.0, 6.0, 0.0, 0.0], False, ""),
+        ("rising but nothing hot", [80.0, 70.0, 70.0, 70.0], [9.0, 9.0, 9.0, 9.0], False, ""),
+        ("NaN trend is not rising", [86.0, 70.0, 70.0, 70.0], [np.nan, 6.0, np.nan, 0.0], False, ""),
+        ("one GPU", [100.0], None, False, ""),
+    ],
+)
+def test_trigger_rules_at_their_thresholds(name, util, trend, fired, reason):
+    t = check_trigger(snapshot(util, trend))
+    assert (t.fired, t.reason) == (fired, reason)
+
+
+def test_trigger_thresholds_are_configurable():
+    cfg = AdvisorConfig(variance_threshold=100.0, hot_pct=60.0, rising_pct_per_min=1.0, rising_gpus=3)
+    assert check_trigger(snapshot([40.0, 61.0]), cfg).reason == "variance"  # var 110.25
+    hot = snapshot([61.0, 60.0, 60.0, 60.0], trend=[2.0, 2.0, 2.0, 0.0])
+    assert check_trigger(hot, cfg).reason == "hot_rising"
+    assert not check_trigger(hot, replace(cfg, rising_gpus=4)).fired
+
+
+def test_stale_unhealthy_and_unknown_gpus_do_not_count():
+    nodes = [NodeFacts("a", 1), NodeFacts("b", 1, stale=True), NodeFacts("c", 1), NodeFacts("d", 1)]
+    snap = snapshot([50.0, 100.0, 50.0, np.nan], nodes=nodes)
+    snap.healthy[2] = False
+    t = check_trigger(snap)
+    assert t.gpus == 1 and not t.fired
+
+
+# ---- what moves, and where --------------------------------------------------------------------
+
+
+def test_moves_a_training_task_from_the_hottest_to_the_coolest_gpu():
+    snap = snapshot([95.0, 60.0, 10.0, 55.0])
+    tasks = [leased("train", snap, 0, share=0.5), leased("infer", snap, 0, kind="inference", share=0.5)]
+    moves, before, after, spread0, spread1 = plan_moves(snap, tasks, now=NOW)
+    assert [(m.task_id, m.from_gpu_uuid, m.to_gpu_uuid) for m in moves] == [("train", snap.gpu_uuid[0], snap.gpu_uuid[2])]
+    m = moves[0]
+    assert m.load_pct == pytest.approx(47.5)  # half of the measured 95 %: shares 0.5 / 0.5
+    expected = np.var([95.0 - 47.5, 60.0, 10.0 + 47.5, 55.0])
+    assert after == pytest.approx(expected) and m.variance_after == pytest.approx(expected)
+    assert before == pytest.approx(np.var([95.0, 60.0, 10.0, 55.0])) and after < before
+    assert (spread0, spread1) == (pytest.approx(85.0), pytest.approx(12.5))
+
+
+@pytest.mark.parametrize(
+    "kind, movable",
+    [("inference", False), ("inference", True), ("interactive", False)],
+)
+def test_no_plan_for_non_movable_tasks(kind, movable):
+    snap = snapshot([100.0, 0.0, 0.0, 0.0])
+    tasks = [leased("t", snap, 0, kind=kind, share=1.0, movable=movable, priority=Priority.P0)]
+    state = None
+    for k in range(5):
+        plan, state = advise(snap, tasks, NOW + k, state)
+        assert state.last_trigger.fired and plan is None
+
+
+def test_training_moves_even_without_the_movable_flag_and_batch_with_it():
+    snap = snapshot([100.0, 0.0, 60.0, 40.0])
+    serving = leased("serve", snap, 0, kind="inference", share=0.5)
+    tasks = [serving, leased("t", snap, 0, kind="training", share=0.5, movable=False)]
+    assert [m.task_id for m in plan_moves(snap, tasks, now=NOW)[0]] == ["t"]
+    tasks = [serving, leased("b", snap, 0, kind="batch", share=0.5, movable=True)]
+    assert [m.task_id for m in plan_moves(snap, tasks, now=NOW)[0]] == ["b"]
+    tasks = [serving, leased("b", snap, 0, kind="batch", share=0.5, movable=False)]
+    assert plan_moves(snap, tasks, now=NOW)[0] == []
+
+
+def test_destination_must_pass_the_scheduler_filters():
+    nodes = [NodeFacts("hot", 1), NodeFacts("full", 1), NodeFacts("small", 1, memory_total_mib=4_800.0, model="Tesla K20c"),
+             NodeFacts("ok", 1), NodeFacts("cordoned", 1, schedulable=False)]
+    snap = snapshot([95.0, 0.0, 0.0, 30.0, 0.0], nodes=nodes, memory_used=[8_000.0, 24_000.0, 0.0, 0.0, 0.0])
+    tasks = [leased("t", snap, 0, share=0.5, vram=8_000.0), leased("s", snap, 0, kind="inference", share=0.5)]
+    moves = plan_moves(snap, tasks, now=NOW)[0]
+    # "full" has no memory, "small" is too small for 8 GB, "cordoned" takes nothing: "ok" it is
+    assert [m.to_node_id for m in moves] == ["ok"]
+
+
+def test_a_move_must_narrow_the_gap_by_the_margin():
+    snap = snapshot([70.0, 10.0, 40.0, 40.0])
+    # moving the whole 70 % would make the destination the new hot spot
+    assert plan_moves(snap, [leased("t", snap, 0, share=1.0)], now=NOW)[0] == []
+    # 35 % of it (two equal tasks) narrows 60 -> 10
+    two = [leased("a", snap, 0, share=0.5), leased("b", snap, 0, share=0.5)]
+    assert len(plan_moves(snap, two, now=NOW)[0]) == 1
+    # a 4 % sliver narrows the gap by 8 < 10 points: not worth a migration
+    slivers = [leased(f"s{i}", snap, 0, share=0.04) for i in range(25)]
+    assert plan_moves(snap, slivers, now=NOW, config=AdvisorConfig(margin_pct=10.0))[0] == []
+
+
+def test_new_tasks_and_multi_gpu_tasks_stay():
+    snap = snapshot([100.0, 0.0, 50.0, 50.0])
+    young = leased("young", snap, 0, share=1.0, placed_at=NOW - 10.0)
+    assert plan_moves(snap, [young], now=NOW)[0] == []
+    nodes = [NodeFacts("a", 2), NodeFacts("b", 2)]
+    snap2 = snapshot([100.0, 100.0, 0.0, 0.0], nodes=nodes)
+    multi = leased("multi", snap2, 0, share=1.0)
+    a = multi.assignment
+    multi = replace(multi, assignment=replace(a, gpu_indices=(0, 1), gpu_uuids=tuple(snap2.gpu_uuid[:2])))
+    assert plan_moves(snap2, [multi], now=NOW)[0] == []
+
+
+def test_task_loads_split_measured_util_by_declared_share():
+    snap = snapshot([90.0, 40.0])
+    tasks = [leased("a", snap, 0, share=0.5), leased("b", snap, 0, share=0.25),
+             leased("c", snap, 1, share=0.0), leased("d", snap, 1, share=0.0)]
+    loads = {k: v[1] for k, v in task_loads(snap, tasks).items()}
+    assert loads == pytest.approx({"a": 60.0, "b": 30.0, "c": 20.0, "d": 20.0})
+
+
+def test_at_most_max_moves_per_window_and_cooldown():
+    snap = snapshot([100.0, 100.0, 100.0, 0.0, 0.0, 0.0])
+    tasks = [leased(f"t{r}{k}", snap, r, share=0.5) for r in range(3) for k in range(2)]
+    cfg = AdvisorConfig(max_moves=2, window_s=60.0, persist=1)
+    plan, state = advise(snap, tasks, NOW, None, cfg)
+    assert len(plan.moves) == 2
+    # each move uses its own pair of GPUs
+    gpus = [g for m in plan.moves for g in (m.from_gpu_uuid, m.to_gpu_uuid)]
+    assert len(set(gpus)) == 4
+    # the same readings 30 s later: the window's budget is spent
+    again, state = advise(snap, tasks, NOW + 30.0, state, cfg)
+    assert again is None
+    # after the window, only the GPU pair not yet touched may move (cool-down 300 s)
+    later, state = advise(snap, tasks, NOW + 61.0, state, cfg)
+    moved = {m.task_id for m in plan.moves}
+    assert later is not None and len(later.moves) == 1
+    assert later.moves[0].task_id not in moved
+    assert later.moves[0].from_gpu_uuid not in gpus and later.moves[0].to_gpu_uuid not in gpus
+    assert later.plan_id == plan.plan_id + 1
+
+
+def test_a_single_noisy_reading_never_moves_work():
+    cfg = AdvisorConfig(persist=2, smoothing_alpha=0.3)
+    hot = snapshot([100.0, 0.0, 50.0, 50.0])
+    calm = snapshot([55.0, 45.0, 50.0, 50.0])
+    tasks = [leased("t", hot, 0, share=0.5), leased("u", hot, 0, share=0.5)]
+    state = None
+    for k, snap in enumerate((calm, calm, hot, calm, calm, hot, calm)):  # lone spikes
+        plan, state = advise(snap, tasks, NOW + 10 * k, state, cfg)
+        assert plan is None
+    # an imbalance that lasts is acted on within a few evaluations
+    plans = []
+    for k in range(6):
+        plan, state = advise(hot, tasks, NOW + 100 + 10 * k, state, cfg)
+        plans.append(plan)
+    first = next(i for i, p in enumerate(plans) if p is not None)
+    assert first <= 4 and plans[first].trigger == "variance"
+    assert plans[first].moves[0].from_gpu_uuid == hot.gpu_uuid[0]
+
+
+def test_persist_wants_the_same_source_twice():
+    # readings alternate which GPU is hot: the trigger fires every time, but
+    # the would-be source changes, so nothing moves (averaging off to show it)
+    cfg = AdvisorConfig(persist=2, smoothing_alpha=1.0)
+    a = snapshot([100.0, 0.0, 100.0, 0.0])
+    b = snapshot([0.0, 100.0, 100.0, 0.0])
+    b.util_pct[:] = [0.0, 100.0, 0.0, 100.0]
+    tasks_a = [leased(f"x{r}{k}", a, r, share=0.5) for r in range(4) for k in range(2)]
+    state = None
+    for k, snap in enumerate((a, b, a, b)):
+        plan, state = advise(snap, tasks_a, NOW + 10 * k, state, cfg)
+        assert state.last_trigger.fired and plan is None
+    plan, state = advise(b, tasks_a, NOW + 50, state, cfg)
+    assert plan is not None
+
+
+class _World:
+    """GPUs whose true load is the sum of their tasks' loads; readings add noise."""
+
+    def __init__(self, loads_by_gpu: list[list[float]], seed: int) -> None:
+        self.snap = snapshot([0.0] * len(loads_by_gpu))
+        self.rng = np.random.default_rng(seed)
+        self.tasks: list[Task] = []
+        self.load: dict[str, float] = {}
+        self.row: dict[str, int] = {}
+        for row, loads in enumerate(loads_by_gpu):
+            for k, load in enumerate(loads):
+                tid = f"g{row}-{k}"
+                self.load[tid] = load
+                self.row[tid] = row
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.tasks = [leased(tid, self.snap, self.row[tid], share=self.load[tid] / 100.0) for tid in sorted(self.load)]
+
+    def truth(self) -> np.ndarray:
+        u = np.zeros(self.snap.gpu_count)
+        for tid, load in self.load.items():
+            u[self.row[tid]] += load
+        return np.minimum(u, 100.0)
+
+    def reading(self, sigma: float) -> ClusterSnapshot:
+        noisy = np.clip(self.truth() + self.rng.normal(0.0, sigma, self.snap.gpu_count), 0.0, 100.0)
+        return replace(self.snap, util_pct=noisy, util_forecast_pct=noisy)
+
+    def apply(self, plan) -> None:
+        for m in plan.moves:
+            self.row[m.task_id] = self.snap.gpu_uuid.index(m.to_gpu_uuid)
+        self._rebuild()
+
+
+def _run(world: _World, sigma: float, steps: int, cfg: AdvisorConfig, every_s: float = 10.0):
+    advisor = Advisor(cfg)
+    plans = []
+    for k in range(steps):
+        now = NOW + k * every_s
+        plan = advisor.evaluate(world.reading(sigma), world.tasks, now)
+        if plan is not None:
+            plans.append(plan)
+            world.apply(plan)
+    return plans
+
+
+def test_no_flapping_under_noisy_readings():
+    # two hot GPUs of training work, two idle ones; readings with 8-point noise
+    world = _World([[45.0, 45.0], [45.0, 45.0], [], [], [30.0, 20.0], [25.0, 25.0]], seed=7)
+    cfg = AdvisorConfig()
+    plans = _run(world, sigma=8.0, steps=360, cfg=cfg)  # an hour, every 10 s
+    moves = [(p.created_at_s, m) for p in plans for m in p.moves]
+    assert 1 <= len(moves) <= 6
+    # the imbalance is gone: true variance well under the threshold
+    assert np.var(world.truth()) < cfg.variance_threshold / 2
+    # no task moves twice within the cool-down, and no move is ever undone
+    last: dict[str, float] = {}
+    pairs = set()
+    for t, m in moves:
+        assert t - last.get(m.task_id, -1e9) >= cfg.cooldown_s
+        last[m.task_id] = t
+        assert (m.to_gpu_uuid, m.from_gpu_uuid) not in pairs
+        pairs.add((m.from_gpu_uuid, m.to_gpu_uuid))
+    # and nothing moves in the second half hour: the plan settled
+    assert all(t < NOW + 1_800 for t, _ in moves)
+
+
+def test_balanced_cluster_with_noise_around_the_threshold_stays_put():
+    # true loads balanced at 50 %, readings so noisy that the variance crosses
+    # 400 now and then (sigma 19: expected variance ~360)
+    world = _World([[25.0, 25.0]] * 8, seed=3)
+    plans = _run(world, sigma=19.0, steps=360, cfg=AdvisorConfig())
+    # the advisor's own averaging and the same-source rule see through it
+    assert plans == []
+
+
+def test_plan_to_dict_is_json():
+    snap = snapshot([95.0, 10.0])
+    plan, _ = advise(snap, [leased("t", snap, 0, share=0.5), leased("u", snap, 0, share=0.5)], NOW,
+                     None, AdvisorConfig(persist=1))
+    doc = json.loads(json.dumps(plan.to_dict()))
+    assert doc["trigger"] == "variance" and doc["moves"][0]["task_id"] in ("t", "u")
+    assert set(doc["moves"][0]) >= {"from_node_id", "to_node_id", "to_gpu_uuid", "load_pct", "variance_after"}
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="hot_pct"):
+        AdvisorConfig(hot_pct=120.0).validate()
+    with pytest.raises(ValueError, match="persist"):
+        AdvisorConfig(persist=0).validate()

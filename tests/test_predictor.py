@@ -1,0 +1,162 @@
+"""Speed factors learned from completions (scheduler.predictor)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from scheduler.predictor import (
+    ANY_KIND,
+    Completion,
+    PredictorConfig,
+    SpeedPredictor,
+    completion_term,
+    model_speeds,
+)
+from scheduler.snapshot import ClusterSnapshot, NodeFacts
+
+RTX = "NVIDIA GeForce RTX 4090"
+M40 = "Tesla M40 24GB"
+K20 = "Tesla K20c"
+
+# truth: slowdown (actual / expected) per (model, kind), and node residuals
+TRUE_MODEL = {
+    (RTX, "training"): 1.0,
+    (RTX, "inference"): 1.0,
+    (M40, "training"): 1 / 0.12,
+    (M40, "inference"): 5.0,  # small requests lose less on an old card
+    (K20, "training"): 20.0,
+    (K20, "inference"): 12.0,
+}
+NODES = {"rtx-0": RTX, "rtx-1": RTX, "m40-0": M40, "m40-1": M40, "k20-0": K20, "k20-1": K20}
+TRUE_NODE = {"m40-1": 1.3}  # a throttled host
+
+
+def synthetic(n: int, seed: int, noise: float = 0.1) -> list[Completion]:
+    rng = np.random.default_rng(seed)
+    nodes = sorted(NODES)
+    out = []
+    for _ in range(n):
+        node = nodes[rng.integers(len(nodes))]
+        model = NODES[node]
+        kind = ("training", "inference")[rng.integers(2)]
+        expected = float(rng.uniform(10, 1000))
+        truth = TRUE_MODEL[(model, kind)] * TRUE_NODE.get(node, 1.0)
+        out.append(Completion(node, model, kind, expected, expected * truth * float(rng.lognormal(0.0, noise))))
+    return out
+
+
+def test_factors_converge_on_a_heterogeneous_cluster():
+    p = SpeedPredictor({RTX: 1.0, M40: 0.12, K20: 0.05})
+    train = synthetic(3000, seed=1)
+    for c in train:
+        p.observe_completion(c)
+    for node, model in NODES.items():
+        for kind in ("training", "inference"):
+            truth = TRUE_MODEL[(model, kind)] * TRUE_NODE.get(node, 1.0)
+            assert p.factor(node, model, kind) == pytest.approx(truth, rel=0.1), (node, kind)
+    # the throttled host is told apart from its healthy twin
+    assert p.node_factor("m40-1") / p.node_factor("m40-0") == pytest.approx(1.3, rel=0.1)
+    # held-out completions, never learned from: error close to the noise (10 % lognormal)
+    held_out = synthetic(1000, seed=2)
+    assert p.evaluate(held_out) < 0.12
+    assert p.mape() < 0.12
+    assert p.samples == len(train)
+
+
+def test_learning_beats_the_prior_when_the_prior_is_wrong():
+    # no priors at all: every model starts at 1.0 and is learned
+    p = SpeedPredictor(use_known_models=False)
+    held_out = synthetic(500, seed=4)
+    before = p.evaluate(held_out)
+    for c in synthetic(600, seed=3):
+        p.observe_completion(c)
+    after = p.evaluate(held_out)
+    assert before > 0.5 and after < 0.15
+
+
+def test_prior_from_the_cluster_file_and_the_model_table():
+    facts = [NodeFacts("a", 2, model=M40, speed=0.12), NodeFacts("b", 1, model="Mystery X1", speed=0.5)]
+    snap = ClusterSnapshot.build(facts)
+    speeds = model_speeds(snap)
+    assert speeds == {M40: 0.12, "Mystery X1": 0.5}
+    p = SpeedPredictor(speeds)
+    assert p.factor("a", M40, "training") == pytest.approx(1 / 0.12)
+    assert p.predict("b", "Mystery X1", "inference", 10.0) == pytest.approx(20.0)
+    # not in the cluster file: the known-model table (K20c 0.05), else 1.0
+    assert p.prior(K20) == pytest.approx(20.0)
+    assert p.prior("never heard of it") == 1.0
+    assert SpeedPredictor(use_known_models=False).prior(K20) == 1.0
+
+
+def test_first_completion_moves_a_bad_prior_halfway():
+    p = SpeedPredictor({M40: 1.0}, PredictorConfig(alpha=0.1, prior_weight=1.0))
+    ape = p.observe("n", M40, "training", 100.0, 1600.0)
+    assert ape == pytest.approx(abs(100 - 1600) / 1600)  # predicted with the prior, before learning
+    # log space: halfway from 1 to 16 is 4; the node residual takes half of what is left
+    assert p.model_factor(M40, "training") == pytest.approx(4.0)
+    assert p.node_factor("n") == pytest.approx(2.0)
+    # a new kind on a known model starts from the model's all-kinds factor
+    assert p.model_factor(M40, "inference") == pytest.approx(p.model_factor(M40))
+
+
+@pytest.mark.parametrize(
+    "expected, actual",
+    [(0.0, 10.0), (10.0, 0.0), (-1.0, 5.0), (math.nan, 5.0), (5.0, math.inf)],
+)
+def test_unusable_samples_are_ignored(expected, actual):
+    p = SpeedPredictor()
+    assert p.observe("n", RTX, "training", expected, actual) is None
+    assert p.samples == 0 and math.isnan(p.mape())
+
+
+def test_one_absurd_report_cannot_poison_a_model():
+    p = SpeedPredictor()
+    for _ in range(20):
+        p.observe("n", RTX, "training", 100.0, 100.0)
+    p.observe("n", RTX, "training", 1e-9, 1e9)  # a broken report: 10^18 times too slow
+    assert p.factor("n", RTX, "training") < 2.0
+
+
+def test_slowdown_columns_per_kind_and_node():
+    facts = [NodeFacts("fast", 2, model=RTX), NodeFacts("slow", 2, model=M40, speed=0.12)]
+    snap = ClusterSnapshot.build(facts)
+    p = SpeedPredictor(model_speeds(snap))
+    for _ in range(30):
+        p.observe("slow", M40, "inference", 10.0, 50.0)
+    cols = p.slowdown_columns(snap)
+    assert set(cols) == {ANY_KIND, "inference"}
+    assert cols["inference"][:2].tolist() == [1.0, 1.0]
+    assert cols["inference"][2:] == pytest.approx([5.0, 5.0], rel=0.01)
+    # the same object while nothing was learned (cheap per snapshot)
+    assert p.slowdown_columns(snap) is cols
+    times = p.completion_times(snap, "inference", 2.0)
+    assert times == pytest.approx([2.0, 2.0, 10.0, 10.0], rel=0.01)
+    annotated = p.annotate(snap)
+    assert annotated is not snap and annotated.gpu_slowdown is cols
+    assert p.annotate(annotated) is annotated
+
+
+@pytest.mark.parametrize(
+    "name, slowdown, load, share, expected",
+    [
+        ("equal GPUs", [1.0, 1.0], [0.0, 0.0], 0.5, [0.0, 0.0]),
+        ("20x slower", [1.0, 20.0], [0.0, 0.0], 0.5, [0.0, 0.95]),
+        ("busy fast GPU shares time", [1.0, 2.0], [100.0, 0.0], 1.0, [0.0, 0.0]),
+        ("overcommit stretches", [1.0, 1.0], [150.0, 0.0], 0.5, [0.5, 0.0]),
+        ("NaN slowdown is 1", [np.nan, 2.0], [0.0, 0.0], 0.0, [0.0, 0.5]),
+        ("NaN load is 100 %", [1.0, 1.0], [np.nan, 0.0], 1.0, [0.5, 0.0]),
+        ("empty", [], [], 0.5, []),
+    ],
+)
+def test_completion_term(name, slowdown, load, share, expected):
+    assert completion_term(np.asarray(slowdown), np.asarray(load), share).tolist() == pytest.approx(expected)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="alpha"):
+        PredictorConfig(alpha=0).validate()
+    with pytest.raises(ValueError, match="prior speed"):
+        SpeedPredictor({RTX: 0.0})
