@@ -17,6 +17,12 @@ A policy turns the feasible GPUs (a mask from ``scheduler.filters``) into one
   a set grown greedily by the best-scoring NVLink neighbour (exact for k = 2);
   all growths run in lock-step as vector operations.
 
+When every node has the same number of GPUs in consecutive rows (the usual
+fleet), the same decision is reached on a (node x GPU) view of the scores that
+sorts only the nodes a bound says can matter (``_choose_set_uniform``); a
+single-GPU decision takes the overall minimum when it is a candidate, and
+scores only the candidates when they are few.
+
 Policies are swapped at run time (``Scheduler.set_policy``); weights are
 validated by name and value. Stateful policies (round robin's cursor, weighted
 round robin's virtual times) keep their state across swaps because the
@@ -70,6 +76,7 @@ class Policy(ABC):
 
     NAME: ClassVar[str]
     DEFAULT_WEIGHTS: ClassVar[Mapping[str, float]]
+    SCORES_SOME_ROWS: ClassVar[bool] = False  # gpu_scores_at is cheaper than gpu_scores
 
     def __init__(self, weights: Mapping[str, float] | None = None) -> None:
         self.weights: dict[str, float] = dict(self.DEFAULT_WEIGHTS)
@@ -120,10 +127,41 @@ class Policy(ABC):
         self, view: PlacementView, spec: TaskSpec, candidates: np.ndarray
     ) -> Placement | None:
         """The best GPU (or GPU set) among ``candidates``; None when nothing fits."""
+        if spec.num_gpus == 1:
+            return self._choose_one(view, spec, candidates)
         if not candidates.any():
             return None
+        return self._choose_set(view, spec, candidates, self.gpu_scores(view, spec))
+
+    def gpu_scores_at(self, view: PlacementView, spec: TaskSpec, rows: np.ndarray) -> np.ndarray | None:
+        """``gpu_scores(view, spec)[rows]``, computed for those rows only; None
+        when the policy has no cheaper way than scoring every row. A policy
+        that has one gets ``scores=None`` in ``terms`` for such decisions."""
+        return None
+
+    def _choose_one(self, view: PlacementView, spec: TaskSpec, candidates: np.ndarray) -> Placement | None:
+        """The candidate with the lowest score, the lowest row on ties; the
+        finite ones when some score is NaN."""
+        count = int(np.count_nonzero(candidates))
+        if not count:
+            return None
+        if self.SCORES_SOME_ROWS and count * _SPARSE <= view.gpu_count:
+            # few candidates (labels, models, a big task): score only those
+            rows = np.flatnonzero(candidates)
+            some = self.gpu_scores_at(view, spec, rows)
+            if some is not None:
+                at = int(np.argmin(some))
+                if not some[at] < np.inf:  # NaN or inf: fall back to the finite ones
+                    finite = np.isfinite(some)
+                    if not finite.any():
+                        return None
+                    at = int(np.argmin(np.where(finite, some, np.inf)))
+                return self._placement(view, spec, (int(rows[at]),), None, float(some[at]), 0.0, count)
         scores = self.gpu_scores(view, spec)
-        if spec.num_gpus == 1:
+        row = int(np.argmin(scores))
+        # the first overall minimum, when it is a candidate, is the first
+        # candidate minimum too (argmin finds a NaN first, if there is one)
+        if not (candidates[row] and scores[row] < np.inf):
             masked = np.where(candidates, scores, np.inf)
             row = int(np.argmin(masked))
             if not masked[row] < np.inf:  # NaN or inf: fall back to the finite ones
@@ -131,10 +169,7 @@ class Policy(ABC):
                 if not finite.any():
                     return None
                 row = int(np.argmin(np.where(finite, scores, np.inf)))
-            total = float(scores[row])
-            count = int(np.count_nonzero(candidates))
-            return self._placement(view, spec, (row,), scores, total, 0.0, count)
-        return self._choose_set(view, spec, candidates, scores)
+        return self._placement(view, spec, (row,), scores, float(scores[row]), 0.0, count)
 
     def _placement(
         self,
@@ -164,7 +199,16 @@ class Policy(ABC):
     def _choose_set(
         self, view: PlacementView, spec: TaskSpec, candidates: np.ndarray, scores: np.ndarray
     ) -> Placement | None:
-        """Best k-set on one node (see module docstring), vectorised over nodes.
+        """Best k-set on one node (see module docstring)."""
+        width = view.uniform_width
+        if 0 < width <= _MAX_RANK:
+            return self._choose_set_uniform(view, spec, candidates, scores, width)
+        return self._choose_set_general(view, spec, candidates, scores)
+
+    def _choose_set_general(
+        self, view: PlacementView, spec: TaskSpec, candidates: np.ndarray, scores: np.ndarray
+    ) -> Placement | None:
+        """``_choose_set`` for any layout, vectorised over nodes; the reference.
 
         Works on a (node x rank) grid: row n holds node n's feasible GPUs
         sorted by score. Option A, each node's k best GPUs, is scored for every
@@ -213,19 +257,114 @@ class Policy(ABC):
         order = np.argsort(grid, axis=1, kind="stable")  # ties: lower row first
         grid = np.take_along_axis(grid, order, axis=1)
         row_grid = np.take_along_axis(row_grid, order, axis=1)
+        return self._best_set(view, spec, scores, grid, row_grid, groups)
+
+    def _choose_set_uniform(
+        self,
+        view: PlacementView,
+        spec: TaskSpec,
+        candidates: np.ndarray,
+        scores: np.ndarray,
+        width: int,
+    ) -> Placement | None:
+        """``_choose_set_general`` when every node has ``width`` GPUs in consecutive rows.
+
+        Same decision, less work: the scores reshape to (node x GPU) with
+        unusable GPUs at inf, and only the nodes that can matter are sorted.
+        A node's objective, and its option B bound, are at least ``mean of
+        its k best - w_nvlink`` (no ``- w_nvlink`` without NVLink), hence at
+        least ``its best - w_nvlink``. Option A's objective on a probe (the
+        node with the lowest such bound in each of ``_SET_SEARCH_NODES``
+        blocks of nodes) is an upper bound U of option A's best; a node whose
+        bound exceeds U can neither be option A's best nor hopeful for option
+        B. ``_best_set`` then runs on the remaining nodes, in node order,
+        exactly as the general path runs on all of them (nodes that cannot
+        matter change nothing there). ``test_sched_policies`` checks both
+        paths give the same placements, to the bit, on random fleets.
+        """
+        k = spec.num_gpus
+        count = view.node_count
+        usable = candidates & np.isfinite(scores)
+        ok = _row_counts(usable.reshape(count, width)) >= k
+        if spec.needs_nvlink:
+            ok &= view.node_has_nvlink
+        nodes = np.flatnonzero(ok)
+        groups = int(nodes.size)
+        if not groups:
+            return None
+        grid = np.where(usable, scores, np.inf).reshape(count, width)
+        if groups <= _SET_SEARCH_NODES:
+            return self._best_set(view, spec, scores, *_sorted_rows(grid, nodes, width), groups)
+        bonus = self.weights["nvlink"]
+        penalty = _nvlink_penalty(view, bonus)
+        low = _row_min(grid)
+        if penalty is not None:
+            low -= penalty
+        low[~ok] = np.inf
+        # probe: the lowest bound of each of _SET_SEARCH_NODES blocks of
+        # nodes (the lowest overall among them); their option A gives U
+        probe = _block_argmins(low, _SET_SEARCH_NODES)
+        probe_grid, probe_rows = _sorted_rows(grid, probe, width)
+        option_a = self._option_a(view, spec, probe_grid, probe_rows)
+        upper = float(option_a[0].min())
+        if not upper < np.inf:  # no probe has an option A set (needs_nvlink)
+            return self._best_set(view, spec, scores, *_sorted_rows(grid, nodes, width), groups)
+        keep = _at_most(low, upper, penalty, grid, k)
+        at = np.searchsorted(probe, keep)
+        if keep.size <= probe.size and bool(np.all(probe.take(at, mode="clip") == keep)):
+            # every node kept was probed: reuse its sorted rows and option A
+            sel = np.zeros(probe.size, dtype=bool)
+            sel[at] = True
+            return self._best_set(
+                view, spec, scores, probe_grid[sel], probe_rows[sel], groups,
+                tuple(a[sel] for a in option_a),  # type: ignore[arg-type]
+            )
+        return self._best_set(view, spec, scores, *_sorted_rows(grid, keep, width), groups)
+
+    def _option_a(
+        self, view: PlacementView, spec: TaskSpec, grid: np.ndarray, row_grid: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per node of a sorted grid: option A's objective, the mean of its k
+        best scores, their rows and the NVLink links among them."""
+        k = spec.num_gpus
         full = k * (k - 1) / 2
         bonus = self.weights["nvlink"]
-        mean_top = grid[:, :k].mean(axis=1)
-
+        mean_top = _mean_first(grid, k)
         # option A: each node's k best GPUs; links counted in host-local bit space
         top_rows = row_grid[:, :k]
         top_adj = view.adj_bits[top_rows]
         top_set = np.bitwise_or.reduce(np.left_shift(np.int64(1), view.local_bit[top_rows]), axis=1)
         links_top = np.bitwise_count(top_adj & top_set[:, None]).sum(axis=1) / 2
         objective_top = mean_top - bonus * links_top / full
-        if needs:
+        if spec.needs_nvlink:
             # k-1 links among k <= 3 GPUs always connect them; larger sets rely on option B
             objective_top = np.where((links_top >= k - 1) & (k <= 3), objective_top, np.inf)
+        return objective_top, mean_top, top_rows, links_top
+
+    def _best_set(
+        self,
+        view: PlacementView,
+        spec: TaskSpec,
+        scores: np.ndarray,
+        grid: np.ndarray,
+        row_grid: np.ndarray,
+        groups: int,
+        option_a: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> Placement | None:
+        """Option A, then option B on the hopeful nodes, over a grid sorted per node.
+
+        ``grid`` / ``row_grid``: per candidate node (in node order) its usable
+        GPUs' scores and rows, ascending by score, lower row first on ties,
+        then padding (inf / -1). ``groups``: candidate nodes in all.
+        ``option_a``: ``_option_a`` of this grid, when already known.
+        """
+        k = spec.num_gpus
+        needs = spec.needs_nvlink
+        full = k * (k - 1) / 2
+        bonus = self.weights["nvlink"]
+        if option_a is None:
+            option_a = self._option_a(view, spec, grid, row_grid)
+        objective_top, mean_top, top_rows, links_top = option_a
         g = int(np.argmin(objective_top))
         best = (float(objective_top[g]), tuple(int(r) for r in top_rows[g]), float(links_top[g] / full))
 
@@ -265,36 +404,62 @@ class Policy(ABC):
         """
         groups, width = grid.shape
         valid = row_grid >= 0
-        safe = np.where(valid, row_grid, 0)
-        local = np.where(valid, view.local_bit[safe], -1)
-        adj = np.where(valid, view.adj_bits[safe], 0)
-        # (node, rank a, rank b): a and b joined by NVLink
-        pair = ((adj[:, :, None] >> np.maximum(local, 0)[:, None, :]) & 1).astype(bool)
-        pair &= valid[:, None, :] & (local[:, None, :] >= 0)
-        one = np.int64(1)
-        adjr = np.bitwise_or.reduce(
-            np.where(pair, np.left_shift(one, np.arange(width, dtype=np.int64)), 0), axis=2
-        )
-        size = valid.sum(axis=1)
-        chosen = np.broadcast_to(np.left_shift(one, np.arange(width, dtype=np.int64)), grid.shape).copy()
+        # padding gets no links and bit 63, which no peer mask holds (row -1
+        # reads the last GPU's columns, masked right away)
+        local = np.where(valid, view.local_bit[row_grid], 63)
+        adj = np.where(valid, view.adj_bits[row_grid], 0)
+        # (node, rank a, rank b): 1 when a and b are joined by NVLink; then per
+        # (node, rank) the bit mask of its NVLink neighbours' ranks
+        pair = (adj[:, :, None] >> local[:, None, :]) & 1
+        ranks = np.left_shift(np.int64(1), np.arange(width, dtype=np.int64))
+        adjr = np.matmul(pair, ranks)
+        # (node, rank) -> flat index, for gathers without take_along_axis
+        base = np.arange(0, groups * width, width)[:, None]
+        grid_flat = grid.reshape(-1)
+        full = k * (k - 1) / 2
+        lowest = _LOWEST_BIT if width <= _LOWEST_BIT_WIDTH else None
+        if k == 2 and lowest is not None:
+            # one step: the best-ranked neighbour, else the best other GPU (rank
+            # 0, or 1 for seed 0), which is then no neighbour: links = has
+            has = adjr != 0
+            at = np.where(has, lowest[adjr], _OTHER_RANK[:width])
+            total = grid + grid_flat[base + at]
+            links = has.astype(np.int64)
+            objective = total / k - bonus * links / full
+            if needs:
+                objective = np.where(has, objective, np.inf)
+            flat = int(np.argmin(objective))
+            g, r = divmod(flat, width)
+            if not objective[g, r] < np.inf:
+                return None
+            picked = tuple(int(row_grid[g, b]) for b in sorted((r, int(at[g, r]))))
+            return float(objective[g, r]), picked, float(links[g, r] / full)
+        all_ranks = (np.left_shift(np.int64(1), _row_counts(valid)) - 1)[:, None]
+        chosen = np.repeat(ranks[None, :], groups, axis=0)
         neighbours = adjr.copy()
         total = grid.copy()  # padding seeds stay inf
         links = np.zeros(grid.shape, dtype=np.int64)
         fell_back = np.zeros(grid.shape, dtype=bool)
-        all_ranks = (np.left_shift(one, size) - 1)[:, None]
+        adjr_flat = adjr.reshape(-1)
         for _ in range(k - 1):
-            cand = neighbours & ~chosen
+            free = ~chosen
+            cand = neighbours & free
             has = cand != 0
-            rest = all_ranks & ~chosen
-            pick = np.where(has, cand & -cand, rest & -rest)
-            fell_back |= ~has
-            at = np.bitwise_count(pick - 1).astype(np.intp)  # lowest set bit -> rank
-            peers = np.take_along_axis(adjr, at, axis=1)
+            pick = np.where(has, cand, all_ranks & free)
+            if needs:
+                fell_back |= ~has
+            if lowest is not None:
+                rank = lowest[pick]  # the lowest set bit: the best-ranked
+                pick = np.left_shift(np.int64(1), rank)
+            else:
+                pick &= -pick
+                rank = np.bitwise_count(pick - 1)
+            at = base + rank
+            peers = adjr_flat[at]
             links += np.bitwise_count(peers & chosen)
             chosen |= pick
             neighbours |= peers
-            total += np.take_along_axis(grid, at, axis=1)
-        full = k * (k - 1) / 2
+            total += grid_flat[at]
         objective = total / k - bonus * links / full
         if needs:
             objective = np.where(fell_back, np.inf, objective)
@@ -311,6 +476,18 @@ class Policy(ABC):
 _MAX_RANK = 62
 # Nodes that get the NVLink greedy search in one decision (lowest bound first).
 _SET_SEARCH_NODES = 32
+# A single-GPU decision scores only the candidates when at most 1/_SPARSE of
+# the GPUs are (gathering the columns of more costs more than scoring all).
+_SPARSE = 4
+
+
+# Rank of the lowest set bit of every mask of up to 8 ranks (0 for 0, never read).
+_LOWEST_BIT_WIDTH = 8
+_LOWEST_BIT = np.asarray(
+    [((m & -m).bit_length() - 1) if m else 0 for m in range(1 << _LOWEST_BIT_WIDTH)], dtype=np.intp
+)
+# The best GPU other than the seed, by seed rank: rank 1 for seed 0, else rank 0.
+_OTHER_RANK = np.asarray([1] + [0] * (_MAX_RANK - 1), dtype=np.intp)
 
 
 def _bits(mask: int) -> list[int]:
@@ -323,14 +500,107 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
+def _row_counts(mask: np.ndarray) -> np.ndarray:
+    """True values per row of a C-contiguous 2-D bool array."""
+    width = mask.shape[1]
+    if width in (1, 2, 4, 8):
+        # a row of 1, 2, 4 or 8 bools is one unsigned integer: popcount it
+        return np.bitwise_count(mask.view(f"u{width}").reshape(-1))
+    return np.count_nonzero(mask, axis=1)
+
+
+def _nvlink_penalty(view: PlacementView, bonus: float) -> np.ndarray | None:
+    """Per node: ``bonus`` if it has NVLink, else 0 (None when ``bonus`` is 0); cached per view."""
+    if not bonus:
+        return None
+    key = ("nvlink_penalty", bonus)
+    penalty = view.static_cache.get(key)
+    if penalty is None:
+        penalty = np.where(view.node_has_nvlink, bonus, 0.0)
+        view.static_cache[key] = penalty
+    return penalty
+
+
+def _block_argmins(values: np.ndarray, blocks: int) -> np.ndarray:
+    """Ascending indices of the minimum of each of ``blocks`` consecutive
+    blocks of ``values`` (first on ties), finite ones only; the overall
+    minimum is among them."""
+    size = -(-values.size // blocks)
+    padded = np.full(blocks * size, np.inf)
+    padded[: values.size] = values
+    at = padded.reshape(blocks, size).argmin(axis=1) + np.arange(0, blocks * size, size)
+    return at[padded[at] < np.inf]
+
+
+def _with_margin(bound: float) -> float:
+    """``bound`` plus a margin for rounding in means and bonuses (bounds are exact in reals)."""
+    return bound + 1e-9 * max(1.0, abs(bound))
+
+
+def _at_most(
+    low: np.ndarray, bound: float, penalty: np.ndarray | None, grid: np.ndarray, k: int
+) -> np.ndarray:
+    """Ascending nodes whose objective bound may be <= ``bound``: first by
+    ``low`` (best score - bonus); when that leaves many, by the mean of the k
+    best - bonus, from their sorted scores."""
+    limit = _with_margin(bound)
+    keep = np.flatnonzero(low <= limit)
+    if keep.size > 4 * _SET_SEARCH_NODES:
+        mean = _mean_first(np.sort(grid[keep], axis=1), k)
+        if penalty is not None:
+            mean -= penalty[keep]
+        keep = keep[mean <= limit]
+    return keep
+
+
+def _mean_first(grid: np.ndarray, k: int) -> np.ndarray:
+    """Mean of the first ``k`` columns per row, as ``grid[:, :k].mean(axis=1)``
+    computes it (bit for bit: numpy adds fewer than 8 terms in order, then
+    divides), without its per-row reduction overhead."""
+    if k >= 8 or grid.shape[1] < k:
+        return grid[:, :k].mean(axis=1)
+    total = grid[:, 0].copy()
+    for j in range(1, k):
+        total += grid[:, j]
+    total /= k
+    return total
+
+
+def _row_min(grid: np.ndarray) -> np.ndarray:
+    """Minimum per row; column by column for narrow grids (numpy's per-row
+    reduction is slow for short rows)."""
+    width = grid.shape[1]
+    if width > 16:
+        return grid.min(axis=1)
+    low = grid[:, 0].copy()
+    for j in range(1, width):
+        np.minimum(low, grid[:, j], out=low)
+    return low
+
+
+def _sorted_rows(grid: np.ndarray, nodes: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, rows) of ``nodes`` from the (node x GPU) score grid, each row
+    ascending by score (lower row first on ties); unusable GPUs (inf) become
+    padding: inf / -1."""
+    rows = np.argsort(grid[nodes], axis=1, kind="stable")
+    rows += (nodes * width)[:, None]
+    sub = grid.reshape(-1)[rows]
+    rows[sub == np.inf] = -1
+    return sub, rows
+
+
 class LoadAware(Policy):
     """The weighted multi-metric score of ``scheduler.scoring`` (the default)."""
 
     NAME = "load_aware"
     DEFAULT_WEIGHTS = LOAD_AWARE_WEIGHTS
+    SCORES_SOME_ROWS = True
 
     def gpu_scores(self, view: PlacementView, spec: TaskSpec) -> np.ndarray:
         return load_aware_scores(view, spec, self.weights)
+
+    def gpu_scores_at(self, view: PlacementView, spec: TaskSpec, rows: np.ndarray) -> np.ndarray:
+        return load_aware_scores(view, spec, self.weights, rows)
 
     def terms(
         self, view: PlacementView, spec: TaskSpec, rows: Sequence[int], scores: np.ndarray

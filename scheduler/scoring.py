@@ -106,29 +106,55 @@ def _static(view: PlacementView, w: Mapping[str, float]) -> np.ndarray:
     return static
 
 
-def load_aware_scores(view: PlacementView, spec: TaskSpec, weights: Mapping[str, float]) -> np.ndarray:
-    """S_g for every GPU row (module docstring); callers mask out infeasible rows."""
+def _weighted_load(view: PlacementView, rows: object, weight: float) -> np.ndarray:
+    return view.load[rows] * (weight / 100.0)
+
+
+def _weighted_active(view: PlacementView, rows: object, weight: float) -> np.ndarray:
+    return weight * view.active[rows]
+
+
+def load_aware_scores(
+    view: PlacementView,
+    spec: TaskSpec,
+    weights: Mapping[str, float],
+    rows: np.ndarray | None = None,
+) -> np.ndarray:
+    """S_g for every GPU row (module docstring), or for ``rows`` only, in their order.
+
+    Callers mask out infeasible rows. The task-independent products
+    (``w_load * load / 100``, ``w_jitter * active``) are columns the view keeps
+    current (``PlacementView.derived``), so a decision starts from them; the
+    arithmetic per row is the same, so the scores are the same to the bit
+    whether computed for all rows or some.
+    """
     w = weights
     cfg = view.config
     warn = cfg.memory_warn_pct / 100.0
     band = cfg.memory_reject_pct / 100.0 - warn
-    score = view.load * (w["load"] / 100.0)
-    score += w["load"] * spec.gpu_share
+    w_load, w_jitter = w["load"], w["jitter"]
+    load = view.derived(("load_aware.load", w_load), lambda v, r: _weighted_load(v, r, w_load))
+
+    def take(column: np.ndarray) -> np.ndarray:
+        return column if rows is None else column[rows]
+
+    score = np.add(take(load), w_load * spec.gpu_share)
     # memory pressure after placement, in place to spare temporaries
-    pressure = view.committed + spec.vram_mib
-    pressure *= view.inv_total
+    pressure = take(view.committed) + spec.vram_mib
+    pressure *= take(view.inv_total)
     pressure -= warn
     pressure *= w["memory"] / band
     np.clip(pressure, 0.0, w["memory"], out=pressure)
     score += pressure
-    score += _static(view, w)
-    if w["jitter"]:
-        score += w["jitter"] * view.active
+    score += take(_static(view, w))
+    if w_jitter:
+        jitter = view.derived(("load_aware.jitter", w_jitter), lambda v, r: _weighted_active(v, r, w_jitter))
+        score += take(jitter)
     if spec.preferred_node_labels and w["preferred_labels"]:
-        score -= w["preferred_labels"] * view.preferred_fraction(spec.preferred_node_labels)
+        score -= w["preferred_labels"] * take(view.preferred_fraction(spec.preferred_node_labels))
     if view.any_stale:
         stale = w["stale"] * (1.0 + view.stale_busy)
-        score = np.where(view.stale, stale[view.node], score)
+        score = np.where(take(view.stale), stale[take(view.node)], score)
     return score
 
 

@@ -413,8 +413,8 @@ class PlacementView:
 
         ``compute`` must be row-local (row r of the result depends only on
         row r of view columns); it is called with ``slice(None)`` once, and by
-        ``refresh`` with the index array of the rows that changed, so the
-        column stays what a fresh computation would give. Do not modify it.
+        ``refresh`` with each row (an int) that changed, so the column stays
+        what a fresh computation would give. Do not modify it.
         """
         entry = self._derived.get(key)
         if entry is None:
@@ -445,11 +445,17 @@ class PlacementView:
             self.stale_busy = np.zeros(self.node_count)
 
     def refresh(self, gpu_uuids: Iterable[str]) -> None:
-        """Re-read the reservations of these GPUs into the dynamic columns."""
+        """Re-read the reservations of these GPUs into the dynamic columns.
+
+        Row by row in scalars (a placement touches a few rows; the same IEEE
+        arithmetic as the vector form in ``_set_dynamic``).
+        """
         res = self._reservations
-        rows = []
+        row_of = self.row_of
+        derived = tuple(self._derived.values())
+        stale_rows = []
         for gpu_uuid in gpu_uuids:
-            row = self.row_of.get(gpu_uuid)
+            row = row_of.get(gpu_uuid)
             if row is None:
                 continue
             gpu = res.gpu(gpu_uuid) if res is not None else None
@@ -461,20 +467,21 @@ class PlacementView:
             self.res_vram[row] = eff
             self.res_util[row] = util
             self.leases[row] = leases
-            rows.append(row)
-        if not rows:
-            return
-        r = np.asarray(rows, dtype=np.intp)
-        self.active[r] = np.maximum(self.snapshot.active_tasks[r], self.leases[r])
-        self.committed[r] = self.used_fit[r] + self.res_vram[r]
-        self.headroom[r] = self.total[r] - self.committed[r]
-        self.reject_headroom[r] = self.reject_total[r] - self.committed[r]
-        self.load[r] = self.util_base[r] + self.res_util[r]
-        self.avail[r] = self.base_ok[r] & ~(self.stale[r] & (self.active[r] > 0))
-        for compute, column in self._derived.values():
-            column[r] = compute(self, r)
-        if self.any_stale and self.stale[r].any():
-            for n in np.unique(self.node[r][self.stale[r]]):
+            active = max(int(self.snapshot.active_tasks[row]), leases)
+            self.active[row] = active
+            committed = self.used_fit[row] + self.res_vram[row]
+            self.committed[row] = committed
+            self.headroom[row] = self.total[row] - committed
+            self.reject_headroom[row] = self.reject_total[row] - committed
+            self.load[row] = self.util_base[row] + self.res_util[row]
+            stale = bool(self.stale[row])
+            self.avail[row] = bool(self.base_ok[row]) and not (stale and active > 0)
+            for compute, column in derived:
+                column[row] = compute(self, row)
+            if stale:
+                stale_rows.append(row)
+        if stale_rows:
+            for n in np.unique(self.node[stale_rows]):
                 on_node = self.node == n
                 free = int(np.count_nonzero(on_node & (self.active == 0)))
                 self.node_free[n] = free

@@ -283,3 +283,170 @@ def test_every_breakdown_adds_up_to_its_total(name: str, k: int) -> None:
     assert choice is not None and len(choice.rows) == k
     assert sum(choice.score.terms.values()) == pytest.approx(choice.score.total)
     assert choice.score.policy == name and choice.score.candidates >= 1
+
+
+# ---- the (node x GPU) fast path against the general set selection ---------------------------------
+
+TOPOLOGIES = {
+    "none": [],
+    "pairs": [(0, 1), (2, 3), (4, 5), (6, 7)],
+    "ring": [(g, (g + 1) % 8) for g in range(8)],
+    "mesh": [(a, b) for a in range(8) for b in range(a + 1, 8)],
+}
+
+
+def uniform_snapshot(rng: np.random.Generator, nodes: int, width: int, ties: bool) -> ClusterSnapshot:
+    """``nodes`` nodes of ``width`` GPUs, mixed NVLink topologies, some stale or full GPUs."""
+    facts = []
+    for i in range(nodes):
+        kind = list(TOPOLOGIES)[int(rng.integers(0, 4))]
+        if rng.random() < 0.2:  # an odd topology of its own
+            pairs = [tuple(int(x) for x in rng.integers(0, width, 2)) for _ in range(int(rng.integers(1, 6)))]
+        else:
+            pairs = [(a, b) for a, b in TOPOLOGIES[kind] if a < width and b < width]
+        facts.append(NodeFacts(f"n{i:03d}", width, nvlink_pairs=pairs, stale=bool(rng.random() < 0.05),
+                               response_time_s=float(rng.choice([0.5, 1.0])) if ties else float(rng.uniform(0.1, 3))))
+    count = nodes * width
+    if ties:  # few distinct readings: equal scores within and across nodes
+        util = rng.choice([0.0, 25.0, 50.0], count)
+        used = rng.choice([0.0, 4_096.0, 23_000.0], count)
+    else:
+        util = rng.uniform(0, 100, count)
+        used = np.where(rng.random(count) < 0.1, 23_000.0, rng.uniform(0, 16_000, count))
+    snap = ClusterSnapshot.build(facts, util_pct=util, memory_used_mib=used,
+                                 temperature_c=rng.choice([40.0, 70.0], count) if ties else rng.uniform(30, 80, count))
+    snap.active_tasks[:] = rng.integers(0, 3, count)
+    return snap
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("ties", [False, True])
+def test_uniform_set_choice_matches_the_general_path(seed: int, ties: bool) -> None:
+    rng = np.random.default_rng(seed)
+    width = int(rng.choice([2, 3, 4, 8, 8, 8]))
+    nodes = int(rng.choice([1, 5, 40, 120]))
+    snap = uniform_snapshot(rng, nodes, width, ties)
+    view = PlacementView(snap, res := Reservations())
+    assert view.uniform_width == width
+    name = ["load_aware", "binpack", "least_connections", "round_robin"][seed % 4]
+    policy = make_policy(name, {"nvlink": float(rng.choice([0.0, 0.5, 0.5, 3.0]))})
+    for i in range(12):
+        k = int(rng.integers(2, width + 1))
+        task = spec(task_id=f"t{i}", num_gpus=k, needs_nvlink=bool(rng.random() < 0.4),
+                    preferred_node_labels={"x": "y"} if rng.random() < 0.2 else {})
+        mask = feasible(view, task)
+        fast = policy.choose(view, task, mask)
+        reference = policy._choose_set_general(view, task, mask, policy.gpu_scores(view, task))
+        assert fast == reference, (k, task.needs_nvlink)
+        if fast is not None:  # place it, so later decisions see reservations
+            res.add(f"k{i}", fast.gpu_uuids, task.vram_mib, 100 * task.gpu_share, [float(view.used[r]) for r in fast.rows])
+            view.refresh(fast.gpu_uuids)
+
+
+def test_non_uniform_layouts_take_the_general_path() -> None:
+    snap = ClusterSnapshot.build([NodeFacts("a", 4), NodeFacts("b", 2)])
+    assert PlacementView(snap).uniform_width == 0
+    assert PlacementView(ClusterSnapshot.build([NodeFacts("a", 4), NodeFacts("b", 4)])).uniform_width == 4
+
+
+def set_objective(view: PlacementView, scores: np.ndarray, rows, bonus: float) -> tuple[float, bool]:
+    """(mean score - bonus * links / (k(k-1)/2), connected) of a GPU set, from the snapshot's pairs."""
+    snap = view.snapshot
+    node = int(view.node[rows[0]])
+    members = [int(snap.gpu_index[r]) for r in rows]
+    links = sum(frozenset(p) in snap.node_nvlink[node] for p in itertools.combinations(members, 2))
+    k = len(rows)
+    connected = len(nvlink_groups(snap.node_nvlink[node], members)) == 1
+    return float(np.mean(scores[list(rows)])) - bonus * links / (k * (k - 1) / 2), connected
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), needs=st.booleans(), k=st.integers(3, 4))
+def test_larger_sets_against_brute_force(seed: int, needs: bool, k: int) -> None:
+    """k = 3, 4: the greedy growth is not exact, but the choice is a real set
+    whose objective is the reported total, no better than the brute-force
+    optimum, no worse than the best plain k best GPUs of a node (option A), and
+    connected when NVLink is needed; None only when no connected set exists."""
+    rng = np.random.default_rng(seed)
+    snap = uniform_snapshot(rng, 6, 5, ties=bool(seed % 2))
+    view = PlacementView(snap)
+    policy = make_policy("load_aware")
+    bonus = policy.weights["nvlink"]
+    task = spec(num_gpus=k, needs_nvlink=needs)
+    mask = feasible(view, task)
+    scores = policy.gpu_scores(view, task)
+    optimum, plain = math.inf, math.inf
+    for n in range(snap.node_count):
+        rows = [int(r) for r in np.flatnonzero(mask & (view.node == n))]
+        if len(rows) < k:
+            continue
+        best_k = sorted(rows, key=lambda r: (scores[r], r))[:k]
+        value, connected = set_objective(view, scores, best_k, bonus)
+        if connected or not needs:
+            plain = min(plain, value)
+        for combo in itertools.combinations(rows, k):
+            value, connected = set_objective(view, scores, combo, bonus)
+            if connected or not needs:
+                optimum = min(optimum, value)
+    choice = policy.choose(view, task, mask)
+    assert choice == policy._choose_set_general(view, task, mask, scores)
+    if choice is None:
+        assert optimum == math.inf
+        return
+    value, connected = set_objective(view, scores, choice.rows, bonus)
+    assert choice.score.total == pytest.approx(value)
+    assert optimum - 1e-9 <= value <= plain + 1e-9
+    assert connected or not needs
+    assert len(set(view.node[list(choice.rows)])) == 1 and all(mask[list(choice.rows)])
+
+
+# ---- single-GPU fast paths against the plain masked argmin ----------------------------------------
+
+
+def masked_argmin(policy: Policy, view: PlacementView, task: TaskSpec, mask: np.ndarray):
+    """The reference single-GPU choice: (row, total, candidates) or None."""
+    scores = policy.gpu_scores(view, task)
+    masked = np.where(mask, scores, np.inf)
+    row = int(np.argmin(masked))
+    if not masked[row] < np.inf:
+        finite = mask & np.isfinite(scores)
+        if not finite.any():
+            return None
+        row = int(np.argmin(np.where(finite, scores, np.inf)))
+    return row, float(scores[row]), int(np.count_nonzero(mask))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_single_gpu_choice_matches_the_masked_argmin(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    width = int(rng.choice([1, 4, 8]))
+    nodes = [
+        NodeFacts(f"n{i}", width if seed % 3 else int(rng.integers(1, 9)), labels={"zone": f"z{i % 6}"},
+                  stale=bool(rng.random() < 0.1), schedulable=bool(rng.random() < 0.95))
+        for i in range(int(rng.choice([3, 30, 200])))
+    ]
+    count = sum(n.gpus for n in nodes)
+    snap = ClusterSnapshot.build(
+        nodes,
+        util_pct=np.where(rng.random(count) < 0.05, math.nan, rng.choice([0.0, 50.0], count) if seed % 2 else rng.uniform(0, 100, count)),
+        memory_used_mib=np.where(rng.random(count) < 0.05, math.nan, rng.uniform(0, 22_000, count)),
+        temperature_c=rng.uniform(30, 90, count),
+    )
+    snap.active_tasks[:] = rng.integers(0, 3, count)
+    view = PlacementView(snap, res := Reservations())
+    policy = make_policy(["load_aware", "binpack", "least_connections", "weighted_round_robin"][seed % 4])
+    for i in range(25):
+        task = spec(task_id=f"t{i}", vram_mib=float(rng.choice([500.0, 4_000.0, 12_000.0, 19_000.0])),
+                    gpu_share=float(rng.uniform(0, 0.5)),
+                    required_node_labels={"zone": f"z{int(rng.integers(0, 7))}"} if rng.random() < 0.4 else {},
+                    preferred_node_labels={"zone": "z2"} if rng.random() < 0.3 else {})
+        mask = feasible(view, task)
+        expected = masked_argmin(policy, view, task, mask)
+        choice = place(policy, view, task, res, f"k{i}")
+        if expected is None:
+            assert choice is None
+        else:
+            assert choice is not None
+            assert (choice.rows[0], choice.score.total, choice.score.candidates) == expected
+            if policy.NAME == "load_aware":
+                assert sum(choice.score.terms.values()) == pytest.approx(choice.score.total)

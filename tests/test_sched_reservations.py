@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.reservations import GpuReservation, LeaseBook, Reservations
+from scheduler.scoring import LOAD_AWARE_WEIGHTS, load_aware_scores
 from scheduler.snapshot import ClusterSnapshot, NodeFacts
+from scheduler.task import TaskSpec
 from scheduler.view import PlacementView
 
 NAN = math.nan
@@ -115,6 +117,8 @@ def test_incremental_refresh_equals_a_rebuilt_view(used: list[float], ops: list)
     res = Reservations()
     view = PlacementView(snap, res)
     view.attach(res)
+    task = TaskSpec("t", vram_mib=1_000.0, gpu_share=0.3)
+    load_aware_scores(view, task, LOAD_AWARE_WEIGHTS)  # its derived columns are patched from here on
     live: list[str] = []
     for n, (add, rows, vram) in enumerate(ops):
         if add or not live:
@@ -130,6 +134,9 @@ def test_incremental_refresh_equals_a_rebuilt_view(used: list[float], ops: list)
         np.testing.assert_allclose(
             getattr(view, column).astype(float), getattr(rebuilt, column).astype(float), err_msg=column
         )
+    np.testing.assert_allclose(
+        load_aware_scores(view, task, LOAD_AWARE_WEIGHTS), load_aware_scores(rebuilt, task, LOAD_AWARE_WEIGHTS)
+    )
 
 
 # ---- leases ----------------------------------------------------------------------------------------------

@@ -158,3 +158,30 @@ def test_nothing_feasible_means_no_placement() -> None:
     snap = one_gpu(used=24_000.0)
     view = PlacementView(snap)
     assert LoadAware().choose(view, SPEC, feasible(view, SPEC)) is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_scores_of_some_rows_are_those_of_all_rows_to_the_bit(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    nodes = [
+        NodeFacts(f"n{i}", 4, labels={"zone": f"z{i % 3}"}, stale=bool(rng.random() < 0.2),
+                  response_time_s=float(rng.choice([NAN, 0.5, 2.0])))
+        for i in range(12)
+    ]
+    count = 48
+    snap = ClusterSnapshot.build(
+        nodes,
+        util_pct=np.where(rng.random(count) < 0.1, NAN, rng.uniform(0, 100, count)),
+        memory_used_mib=np.where(rng.random(count) < 0.1, NAN, rng.uniform(0, 24_000, count)),
+        temperature_c=np.where(rng.random(count) < 0.1, NAN, rng.uniform(30, 90, count)),
+    )
+    snap.active_tasks[:] = rng.integers(0, 4, count)
+    view = PlacementView(snap)
+    weights = dict(W, jitter=float(rng.choice([0.0, 0.1])))
+    for i in range(10):
+        spec = TaskSpec(f"t{i}", vram_mib=float(rng.uniform(100, 8_000)), gpu_share=float(rng.uniform(0, 1)),
+                        preferred_node_labels={"zone": "z1"} if i % 2 else {})
+        rows = np.sort(rng.choice(count, int(rng.integers(1, count)), replace=False))
+        every = load_aware_scores(view, spec, weights)
+        assert np.array_equal(load_aware_scores(view, spec, weights, rows), every[rows], equal_nan=True)
+        assert np.array_equal(LoadAware(weights).gpu_scores_at(view, spec, rows), every[rows], equal_nan=True)
