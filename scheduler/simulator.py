@@ -117,13 +117,15 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence, TextIO
 
 import numpy as np
 
+from scheduler.advisor import Advisor, AdvisorConfig
 from scheduler.cluster import ClusterNode, convert_openb_nodes, homogeneous, read_cluster, write_cluster
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Scheduler
 from scheduler.policies import POLICIES
+from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
 from scheduler.reservations import Reservations, ReservedColumns
 from scheduler.snapshot import ClusterSnapshot, NodeFacts
-from scheduler.task import TaskState
+from scheduler.task import Task, TaskState
 from scheduler.traces import TraceTask, convert_openb, read_trace, scale_trace
 
 __all__ = [
@@ -238,6 +240,20 @@ class SimConfig:
     heatmap_samples: int = 120
     # stop at this virtual time (None: when every task has ended)
     horizon_s: float | None = None
+    # ---- learning (module docstring, "Prediction and rebalancing") ----
+    # learn speeds from completions and score placements with them
+    prediction: bool = False
+    # where learned speeds start: "cluster" (the cluster file's speeds),
+    # "table" (scheduler.cluster.KNOWN_MODELS only) or "none" (every model 1.0)
+    prediction_prior: str = "cluster"
+    predictor: PredictorConfig | None = None
+    # the rebalance advisor; None runs without it
+    advisor: AdvisorConfig | None = None
+    # s between advisor evaluations
+    advisor_interval_s: float = 30.0
+    # s a migrated task loses on its new GPU (checkpoint, transfer, restart),
+    # at that GPU's speed: it redoes cost * speed s of reference work
+    migration_cost_s: float = 30.0
 
     @property
     def visible_after_s(self) -> float:
@@ -272,6 +288,7 @@ class TaskRecord:
     oom_kills: int = 0
     state: str = "pending"  # completed | dropped | rejected | unfinished
     reason: str = ""
+    migrations: int = 0  # times the advisor moved it
 
     @property
     def jct_s(self) -> float:
@@ -302,6 +319,10 @@ class SimResult:
     wall_s: float
     saturation: "SaturationResult | None" = None
     meta: dict = field(default_factory=dict)
+    plans: int = 0  # rebalance plans applied
+    migrations: int = 0  # moves of those plans carried out
+    prediction_mape: float = math.nan  # predictor's MAPE (ratio) over its last completions
+    prediction_samples: int = 0  # completions the predictor learned from
 
 
 @dataclass
@@ -406,7 +427,10 @@ class ColumnarReservations(Reservations):
 # ---- the simulation ------------------------------------------------------------------------------
 
 # event kinds, in the order they are handled at one instant
-_SUBMIT, _STEP, _VISIBLE, _SAMPLE = 0, 1, 2, 3
+_SUBMIT, _STEP, _VISIBLE, _SAMPLE, _ADVISE = 0, 1, 2, 3, 4
+
+# node label the simulator pins a migrated task's restart with (the plan's destination node)
+NODE_LABEL = "gpulb.sim/node"
 
 
 class _Run:
@@ -428,6 +452,7 @@ class _Run:
         "t_last",
         "version",
         "start",
+        "migrated",
     )
 
     def __init__(self, idx: int, run_id: str, lease_id: str, rows: tuple[int, ...], speed: float,
@@ -447,6 +472,7 @@ class _Run:
         self.t_last = now
         self.version = 0
         self.start = now
+        self.migrated = False  # a restart after a migration (its run time is not a clean sample)
 
     def next_milestone(self) -> float:
         """Work at which the next phase starts (or the run ends)."""
@@ -498,6 +524,11 @@ class Simulation:
         facts = [n.facts() if isinstance(n, ClusterNode) else n for n in nodes]
         if not facts:
             raise ValueError("the cluster has no nodes")
+        if cfg.advisor is not None:
+            # a migrated task restarts on its plan's destination node (by this label)
+            facts = [replace(f, labels={**f.labels, NODE_LABEL: f.node_id}) for f in facts]
+        if cfg.prediction_prior not in ("cluster", "table", "none"):
+            raise ValueError(f"prediction_prior must be 'cluster', 'table' or 'none', got {cfg.prediction_prior!r}")
         self.facts = facts
         self._progress = progress
         if profiles is None:
@@ -558,6 +589,19 @@ class Simulation:
             reservations=ColumnarReservations(base.gpu_uuid) if cfg.columnar_reservations else None,
         )
         self.sched.add_listener(self._on_change)
+        # learning
+        self.predictor: SpeedPredictor | None = None
+        if cfg.prediction:
+            prior = cfg.prediction_prior
+            self.predictor = SpeedPredictor(
+                model_speeds(base) if prior == "cluster" else None,
+                cfg.predictor,
+                use_known_models=prior != "none",
+            )
+        self.advisor = Advisor(cfg.advisor, sched_cfg) if cfg.advisor is not None else None
+        self._resume: dict[str, float] = {}  # migrated run id -> reference work left
+        self.plans = 0
+        self.migrations = 0
         # bookkeeping
         self.records = [
             TaskRecord(t.task_id, int(t.priority), t.kind, t.submit_s, t.duration_s, t.num_gpus, t.gpu_share)
@@ -608,6 +652,8 @@ class Simulation:
             step = (self._window_end - self._window_start) / cfg.heatmap_samples
             for k in range(cfg.heatmap_samples + 1):
                 self._push(self._window_start + k * step, _SAMPLE, None)
+        if self.advisor is not None and self.tasks:
+            self._push(self.tasks[0].submit_s + cfg.advisor_interval_s, _ADVISE, None)
         heap = self._heap
         report_every = max(1, len(self.tasks) // 200)
         last_report = -1
@@ -631,6 +677,10 @@ class Simulation:
                 elif kind == _VISIBLE:
                     self._visible_pending.discard(t)
                     need |= bool(self._queued)
+                elif kind == _ADVISE:
+                    need |= self._advise()
+                    if self._remaining > 0:
+                        self._push(t + cfg.advisor_interval_s, _ADVISE, None)
                 else:
                     self._sample()
             if need and self._queued:
@@ -678,6 +728,10 @@ class Simulation:
                 "seed": self.cfg.seed,
                 "tasks": len(self.tasks),
             },
+            plans=self.plans,
+            migrations=self.migrations,
+            prediction_mape=self.predictor.mape() if self.predictor is not None else math.nan,
+            prediction_samples=self.predictor.samples if self.predictor is not None else 0,
         )
 
     # ---- submissions and dispatch -----------------------------------------------------------------
@@ -760,6 +814,8 @@ class Simulation:
             node_nvlink=b.node_nvlink,
             taken_at_s=now,
         )
+        if self.predictor is not None:
+            snap.gpu_slowdown = self.predictor.slowdown_columns(snap)
         self._snap = snap
         self._snap_at = now
         self.snapshots += 1
@@ -939,9 +995,13 @@ class Simulation:
         a = task.assignment
         rows = tuple(self._row_of[u] for u in a.gpu_uuids)
         t = self.tasks[idx]
+        speed = self._speed[rows[0]]
+        left = self._resume.pop(run_id, None)
+        # a migrated task redoes the migration's cost on its new GPU
+        work = t.duration_s if left is None else left + self.cfg.migration_cost_s * speed
         # a raised ask (after an OOM kill) changes the request, not what the task uses
-        run = _Run(idx, run_id, a.lease_id, rows, self._speed[rows[0]], t.util_pct, self.profiles[idx],
-                   ask, t.duration_s, now)
+        run = _Run(idx, run_id, a.lease_id, rows, speed, t.util_pct, self.profiles[idx], ask, work, now)
+        run.migrated = left is not None
         self._running[run_id] = run
         first = run.mem[0]
         for r in rows:
@@ -999,10 +1059,71 @@ class Simulation:
     def _end(self, run: _Run) -> None:
         self._remove(run)
         self.sched.complete(run.run_id, run.lease_id)
+        if self.predictor is not None and not run.migrated:
+            row = run.rows[0]
+            b = self._base
+            self.predictor.observe(
+                b.node_ids[int(b.gpu_node[row])], str(b.gpu_model[row]), self.tasks[run.idx].kind,
+                run.work, self.now - run.start,
+            )
         rec = self.records[run.idx]
         rec.finish_s = self.now
         rec.state = "completed"
         self._remaining -= 1
+
+    # ---- rebalancing ---------------------------------------------------------------------------------
+    def _advise(self) -> bool:
+        """One advisor evaluation; carries out its plan. True when runs were re-queued."""
+        advisor = self.advisor
+        assert advisor is not None
+        if not self._running:
+            return False
+        snap = self._snapshot()
+        tasks: list[Task] = []
+        for run_id in self._running:
+            task = self.sched.get(run_id)
+            if task.state == TaskState.LEASED:
+                tasks.append(task)
+        plan = advisor.evaluate(snap, tasks, self.now, reservations=self.sched.reservations)
+        if plan is None:
+            return False
+        self.plans += 1
+        moved = False
+        for m in plan.moves:
+            run = self._running.get(m.task_id)
+            if run is None or run.rows != (self._row_of[m.from_gpu_uuid],):
+                continue
+            moved |= self._migrate(run, m.to_node_id)
+        return moved
+
+    def _migrate(self, run: _Run, to_node: str) -> bool:
+        """Checkpoint ``run`` now, end its lease, and queue the rest of its work
+        pinned to ``to_node`` (the executor a real cluster would run)."""
+        now = self.now
+        run.done += run.rate * (now - run.t_last)
+        run.t_last = now
+        left = max(run.work - run.done, 0.0)
+        self._remove(run)
+        self.sched.complete(run.run_id, run.lease_id)
+        idx = run.idx
+        rec = self.records[idx]
+        rec.migrations += 1
+        self.migrations += 1
+        task = self.tasks[idx]
+        run_id = f"{task.task_id}~m{rec.migrations}"
+        spec = replace(task.to_spec(task_id=run_id, vram_mib=run.ask), required_node_labels={NODE_LABEL: to_node})
+        result = self.sched.submit(spec)
+        if result.state == TaskState.REJECTED:  # the node left meanwhile: anywhere will do
+            spec = replace(spec, task_id=f"{run_id}~any", required_node_labels={})
+            result = self.sched.submit(spec)
+            if result.state == TaskState.REJECTED:
+                rec.state = "dropped"
+                rec.reason = result.reason
+                self._remaining -= 1
+                return False
+        self._queued[spec.task_id] = (idx, run.ask, now)
+        self._resume[spec.task_id] = left
+        return True
 
     def _kill(self, run: _Run, used: float) -> None:
         """Out of memory: the run whose allocation overflowed dies and is resubmitted."""
