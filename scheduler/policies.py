@@ -292,24 +292,25 @@ class Policy(ABC):
         groups = int(nodes.size)
         if not groups:
             return None
-        grid = np.where(usable, scores, np.inf).reshape(count, width)
+        grid = _UsableGrid(scores.reshape(count, width), usable.reshape(count, width))
         if groups <= _SET_SEARCH_NODES:
-            return self._best_set(view, spec, scores, *_sorted_rows(grid, nodes, width), groups)
+            return self._best_set(view, spec, scores, *grid.sorted_rows(nodes), groups)
         bonus = self.weights["nvlink"]
         penalty = _nvlink_penalty(view, bonus)
-        low = _row_min(grid)
+        # over every GPU of the node, usable or not: a lower bound all the same
+        low = _row_min(grid.scores)
         if penalty is not None:
             low -= penalty
         low[~ok] = np.inf
         # probe: the lowest bound of each of _SET_SEARCH_NODES blocks of
         # nodes (the lowest overall among them); their option A gives U
         probe = _block_argmins(low, _SET_SEARCH_NODES)
-        probe_grid, probe_rows = _sorted_rows(grid, probe, width)
+        probe_grid, probe_rows = grid.sorted_rows(probe)
         option_a = self._option_a(view, spec, probe_grid, probe_rows)
         upper = float(option_a[0].min())
         if not upper < np.inf:  # no probe has an option A set (needs_nvlink)
-            return self._best_set(view, spec, scores, *_sorted_rows(grid, nodes, width), groups)
-        keep = _at_most(low, upper, penalty, grid, k)
+            return self._best_set(view, spec, scores, *grid.sorted_rows(nodes), groups)
+        keep = grid.at_most(low, upper, penalty, k)
         at = np.searchsorted(probe, keep)
         if keep.size <= probe.size and bool(np.all(probe.take(at, mode="clip") == keep)):
             # every node kept was probed: reuse its sorted rows and option A
@@ -319,7 +320,7 @@ class Policy(ABC):
                 view, spec, scores, probe_grid[sel], probe_rows[sel], groups,
                 tuple(a[sel] for a in option_a),  # type: ignore[arg-type]
             )
-        return self._best_set(view, spec, scores, *_sorted_rows(grid, keep, width), groups)
+        return self._best_set(view, spec, scores, *grid.sorted_rows(keep), groups)
 
     def _option_a(
         self, view: PlacementView, spec: TaskSpec, grid: np.ndarray, row_grid: np.ndarray
@@ -478,7 +479,7 @@ _MAX_RANK = 62
 _SET_SEARCH_NODES = 32
 # A single-GPU decision scores only the candidates when at most 1/_SPARSE of
 # the GPUs are (gathering the columns of more costs more than scoring all).
-_SPARSE = 4
+_SPARSE = 5
 
 
 # Rank of the lowest set bit of every mask of up to 8 ranks (0 for 0, never read).
@@ -537,22 +538,6 @@ def _with_margin(bound: float) -> float:
     return bound + 1e-9 * max(1.0, abs(bound))
 
 
-def _at_most(
-    low: np.ndarray, bound: float, penalty: np.ndarray | None, grid: np.ndarray, k: int
-) -> np.ndarray:
-    """Ascending nodes whose objective bound may be <= ``bound``: first by
-    ``low`` (best score - bonus); when that leaves many, by the mean of the k
-    best - bonus, from their sorted scores."""
-    limit = _with_margin(bound)
-    keep = np.flatnonzero(low <= limit)
-    if keep.size > 4 * _SET_SEARCH_NODES:
-        mean = _mean_first(np.sort(grid[keep], axis=1), k)
-        if penalty is not None:
-            mean -= penalty[keep]
-        keep = keep[mean <= limit]
-    return keep
-
-
 def _mean_first(grid: np.ndarray, k: int) -> np.ndarray:
     """Mean of the first ``k`` columns per row, as ``grid[:, :k].mean(axis=1)``
     computes it (bit for bit: numpy adds fewer than 8 terms in order, then
@@ -567,26 +552,53 @@ def _mean_first(grid: np.ndarray, k: int) -> np.ndarray:
 
 
 def _row_min(grid: np.ndarray) -> np.ndarray:
-    """Minimum per row; column by column for narrow grids (numpy's per-row
-    reduction is slow for short rows)."""
+    """Minimum per row, NaN ignored (NaN only for an all-NaN row); column by
+    column for narrow grids (numpy's per-row reduction is slow for short rows)."""
     width = grid.shape[1]
     if width > 16:
-        return grid.min(axis=1)
+        with np.errstate(invalid="ignore"):
+            return np.fmin.reduce(grid, axis=1)
     low = grid[:, 0].copy()
     for j in range(1, width):
-        np.minimum(low, grid[:, j], out=low)
+        np.fmin(low, grid[:, j], out=low)
     return low
 
 
-def _sorted_rows(grid: np.ndarray, nodes: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, rows) of ``nodes`` from the (node x GPU) score grid, each row
-    ascending by score (lower row first on ties); unusable GPUs (inf) become
-    padding: inf / -1."""
-    rows = np.argsort(grid[nodes], axis=1, kind="stable")
-    rows += (nodes * width)[:, None]
-    sub = grid.reshape(-1)[rows]
-    rows[sub == np.inf] = -1
-    return sub, rows
+class _UsableGrid:
+    """A policy's scores as (node x GPU), with the usable GPUs (candidates,
+    finite score) marked; unusable ones count as inf where it matters."""
+
+    def __init__(self, scores: np.ndarray, usable: np.ndarray) -> None:
+        self.scores = scores
+        self.usable = usable
+        self.width = scores.shape[1]
+
+    def masked(self, nodes: np.ndarray) -> np.ndarray:
+        """Rows of ``nodes``, unusable GPUs at inf."""
+        return np.where(self.usable[nodes], self.scores[nodes], np.inf)
+
+    def sorted_rows(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows) of ``nodes``, each row ascending by score (lower
+        row first on ties); unusable GPUs become padding: inf / -1."""
+        sub = self.masked(nodes)
+        order = np.argsort(sub, axis=1, kind="stable")
+        width = self.width
+        sub = sub.reshape(-1)[order + np.arange(0, sub.size, width)[:, None]]
+        rows = order + (nodes * width)[:, None]
+        rows[sub == np.inf] = -1
+        return sub, rows
+
+    def at_most(self, low: np.ndarray, bound: float, penalty: np.ndarray | None, k: int) -> np.ndarray:
+        """Ascending nodes whose objective bound may be <= ``bound``: first by
+        ``low``; when that leaves many, by the mean of their k best - bonus."""
+        limit = _with_margin(bound)
+        keep = np.flatnonzero(low <= limit)
+        if keep.size > 4 * _SET_SEARCH_NODES:
+            mean = _mean_first(np.sort(self.masked(keep), axis=1), k)
+            if penalty is not None:
+                mean -= penalty[keep]
+            keep = keep[mean <= limit]
+        return keep
 
 
 class LoadAware(Policy):
