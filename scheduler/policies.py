@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Sequence
+from typing import Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 
@@ -304,23 +304,52 @@ class Policy(ABC):
         low[~ok] = np.inf
         # probe: the lowest bound of each of _SET_SEARCH_NODES blocks of
         # nodes (the lowest overall among them); their option A gives U
+        if spec.needs_nvlink and k > 3:
+            # option A has no connected set: option B over every linked node
+            return self._best_of(view, spec, scores, grid, nodes, grid.sorted_values(nodes), np.inf, groups)
         probe = _block_argmins(low, _SET_SEARCH_NODES)
-        probe_grid, probe_rows = grid.sorted_rows(probe)
-        option_a = self._option_a(view, spec, probe_grid, probe_rows)
-        upper = float(option_a[0].min())
-        if not upper < np.inf:  # no probe has an option A set (needs_nvlink)
-            return self._best_set(view, spec, scores, *grid.sorted_rows(nodes), groups)
-        keep = grid.at_most(low, upper, penalty, k)
-        at = np.searchsorted(probe, keep)
-        if keep.size <= probe.size and bool(np.all(probe.take(at, mode="clip") == keep)):
-            # every node kept was probed: reuse its sorted rows and option A
-            sel = np.zeros(probe.size, dtype=bool)
-            sel[at] = True
-            return self._best_set(
-                view, spec, scores, probe_grid[sel], probe_rows[sel], groups,
-                tuple(a[sel] for a in option_a),  # type: ignore[arg-type]
-            )
-        return self._best_set(view, spec, scores, *grid.sorted_rows(keep), groups)
+        upper = float(self._option_a(view, spec, *grid.sorted_rows(probe))[0].min())
+        if not upper < np.inf:  # no probe has a connected option A set (needs_nvlink)
+            return self._best_of(view, spec, scores, grid, nodes, grid.sorted_values(nodes), upper, groups)
+        keep, values = grid.at_most(low, upper, penalty, k)
+        return self._best_of(view, spec, scores, grid, keep, values, upper, groups)
+
+    def _best_of(
+        self,
+        view: PlacementView,
+        spec: TaskSpec,
+        scores: np.ndarray,
+        grid: "_UsableGrid",
+        keep: np.ndarray,
+        values: np.ndarray,
+        upper: float,
+        groups: int,
+    ) -> Placement | None:
+        """``_best_set`` over the nodes ``keep`` (ascending; every node that can
+        be option A's best or hopeful), their scores sorted (``values``) and
+        U >= option A's best (``upper``), sorting GPU rows only where needed.
+
+        ``lower`` needs every kept node's mean of k best, which the sorted
+        scores give; GPU identities (a stable sort) are needed only for
+        option A's contenders, whose objective floor ``mean - w_nvlink * most
+        links among k of the node's GPUs / (k(k-1)/2)`` is <= U, and for the
+        hopeful nodes option B grows sets on.
+        """
+        k = spec.num_gpus
+        full = k * (k - 1) / 2
+        bonus = self.weights["nvlink"]
+        mean_top = _mean_first(values, k)
+        lower = np.where(view.node_has_nvlink[keep], mean_top - bonus, np.inf)
+        best: tuple[float, tuple[int, ...], float] = (np.inf, (), 0.0)
+        if not (spec.needs_nvlink and k > 3):  # else option A has no connected set
+            contenders = keep
+            if upper < np.inf:
+                floor = mean_top - bonus * view.max_links(k)[keep] / full if bonus else mean_top
+                contenders = keep[floor <= _with_margin(upper)]
+            objective_top, _, top_rows, links_top = self._option_a(view, spec, *grid.sorted_rows(contenders))
+            g = int(np.argmin(objective_top))
+            best = (float(objective_top[g]), tuple(int(r) for r in top_rows[g]), float(links_top[g] / full))
+        return self._finish_set(view, spec, scores, groups, best, lower, lambda h: grid.sorted_rows(keep[h]))
 
     def _option_a(
         self, view: PlacementView, spec: TaskSpec, grid: np.ndarray, row_grid: np.ndarray
@@ -360,7 +389,6 @@ class Policy(ABC):
         ``option_a``: ``_option_a`` of this grid, when already known.
         """
         k = spec.num_gpus
-        needs = spec.needs_nvlink
         full = k * (k - 1) / 2
         bonus = self.weights["nvlink"]
         if option_a is None:
@@ -368,16 +396,37 @@ class Policy(ABC):
         objective_top, mean_top, top_rows, links_top = option_a
         g = int(np.argmin(objective_top))
         best = (float(objective_top[g]), tuple(int(r) for r in top_rows[g]), float(links_top[g] / full))
-
-        # option B on the few nodes where links could still win
         linked = view.node_has_nvlink[view.node[row_grid[:, 0]]]
         lower = np.where(linked, mean_top - bonus, np.inf)
-        hopeful = np.flatnonzero(lower < best[0]) if best[0] < np.inf else np.flatnonzero(linked)
+        return self._finish_set(view, spec, scores, groups, best, lower, lambda h: (grid[h], row_grid[h]))
+
+    def _finish_set(
+        self,
+        view: PlacementView,
+        spec: TaskSpec,
+        scores: np.ndarray | None,
+        groups: int,
+        best: tuple[float, tuple[int, ...], float],
+        lower: np.ndarray,
+        sorted_of: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    ) -> Placement | None:
+        """Option B on the hopeful nodes, then the placement of the best set.
+
+        ``best``: option A's best (objective, rows, link fraction); ``lower``:
+        per node, in node order, ``mean of k best - w_nvlink`` (inf without
+        NVLink), over a list of nodes that holds every hopeful one;
+        ``sorted_of(i)``: the sorted grid and rows of the nodes at positions i.
+        """
+        k = spec.num_gpus
+        needs = spec.needs_nvlink
+        bonus = self.weights["nvlink"]
+        # option B on the few nodes where links could still win
+        hopeful = np.flatnonzero(lower < best[0]) if best[0] < np.inf else np.flatnonzero(lower < np.inf)
         if hopeful.size and (bonus > 0 or needs):
             if hopeful.size > _SET_SEARCH_NODES:
                 part = np.argpartition(lower[hopeful], _SET_SEARCH_NODES - 1)[:_SET_SEARCH_NODES]
                 hopeful = hopeful[part]
-            found = self._grow_sets(view, grid[hopeful], row_grid[hopeful], k, bonus, needs)
+            found = self._grow_sets(view, *sorted_of(hopeful), k, bonus, needs)
             if found is not None and found[0] < best[0]:
                 best = found
 
@@ -588,17 +637,24 @@ class _UsableGrid:
         rows[sub == np.inf] = -1
         return sub, rows
 
-    def at_most(self, low: np.ndarray, bound: float, penalty: np.ndarray | None, k: int) -> np.ndarray:
-        """Ascending nodes whose objective bound may be <= ``bound``: first by
-        ``low``; when that leaves many, by the mean of their k best - bonus."""
+    def sorted_values(self, nodes: np.ndarray) -> np.ndarray:
+        """Scores of ``nodes``, each row ascending, unusable GPUs (inf) last."""
+        return np.sort(self.masked(nodes), axis=1)
+
+    def at_most(
+        self, low: np.ndarray, bound: float, penalty: np.ndarray | None, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Ascending nodes whose objective bound may be <= ``bound`` (first by
+        ``low``, then by the mean of their k best - bonus), and their sorted
+        scores."""
         limit = _with_margin(bound)
         keep = np.flatnonzero(low <= limit)
-        if keep.size > 4 * _SET_SEARCH_NODES:
-            mean = _mean_first(np.sort(self.masked(keep), axis=1), k)
-            if penalty is not None:
-                mean -= penalty[keep]
-            keep = keep[mean <= limit]
-        return keep
+        values = self.sorted_values(keep)
+        mean = _mean_first(values, k)
+        if penalty is not None:
+            mean -= penalty[keep]
+        sel = mean <= limit
+        return keep[sel], values[sel]
 
 
 class LoadAware(Policy):

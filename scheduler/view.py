@@ -29,6 +29,7 @@ NaN and staleness rules (applied here, relied on by filters and scores):
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -233,12 +234,58 @@ class _Topology:
         for arr in (self.node, self.node_has_nvlink, self.adj_bits, self.local_bit, self.has_peer, self.node_gpus):
             arr.flags.writeable = False
         self._row_of: dict[str, int] | None = None
+        self._max_links: dict[int, np.ndarray] = {}
 
     @property
     def row_of(self) -> dict[str, int]:
         if self._row_of is None:
             self._row_of = {u: i for i, u in enumerate(self.gpu_uuid)}
         return self._row_of
+
+    def max_links(self, k: int) -> np.ndarray:
+        """Per node: the most NVLink-joined pairs among any ``k`` of its GPUs
+        (uniform layouts; past ``_MAX_LINKS_WIDTH`` GPUs a node, an upper
+        bound: its pairs, at most k(k-1)/2). Read-only, cached per k."""
+        cached = self._max_links.get(k)
+        if cached is None:
+            cached = _max_links(self.adj_bits, self.local_bit, self.uniform_width, k)
+            cached.flags.writeable = False
+            self._max_links[k] = cached
+        return cached
+
+
+# Nodes up to this many GPUs get the exact most links among k of them (by trying every k-set).
+_MAX_LINKS_WIDTH = 16
+
+
+def _max_links(adj_bits: np.ndarray, local_bit: np.ndarray, width: int, k: int) -> np.ndarray:
+    """``_Topology.max_links`` over (node x GPU) columns; one search per distinct node topology."""
+    if not width:
+        raise ValueError("max_links needs a uniform layout")
+    nodes = adj_bits.shape[0] // width
+    full = k * (k - 1) // 2
+    if not nodes or k < 2:
+        return np.zeros(nodes, dtype=np.int64)
+    adj = adj_bits.reshape(nodes, width)
+    local = local_bit.reshape(nodes, width)
+    patterns, which = np.unique(np.concatenate([adj, local], axis=1), axis=0, return_inverse=True)
+    best = np.zeros(len(patterns), dtype=np.int64)
+    for p, pattern in enumerate(patterns):
+        row_adj, row_local = pattern[:width], pattern[width:]
+        # (a, b): GPUs at positions a and b of the node are joined by NVLink
+        joined = ((row_adj[:, None] >> row_local[None, :]) & 1).astype(bool)
+        pairs = int(np.count_nonzero(np.triu(joined, 1)))
+        if width > _MAX_LINKS_WIDTH or k > width:
+            best[p] = min(full, pairs)
+            continue
+        most = 0
+        for combo in itertools.combinations(range(width), k):
+            sub = joined[np.ix_(combo, combo)]
+            most = max(most, int(np.count_nonzero(np.triu(sub, 1))))
+            if most == full or most == pairs:
+                break
+        best[p] = most
+    return best[np.asarray(which).reshape(-1)]
 
 
 def _nvlink_bits(s: ClusterSnapshot, node: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -372,6 +419,7 @@ class PlacementView:
         self.max_node_gpus = topo.max_node_gpus
         # GPUs per node when every node has that many in consecutive rows, else 0
         self.uniform_width = topo.uniform_width
+        self.max_links = topo.max_links
         self._labels = label_index(s.node_labels)
         self._spec_masks: dict[str, np.ndarray] = {}
         self.static_cache: dict[object, np.ndarray] = {}  # policies keep weighted statics here

@@ -450,3 +450,22 @@ def test_single_gpu_choice_matches_the_masked_argmin(seed: int) -> None:
             assert (choice.rows[0], choice.score.total, choice.score.candidates) == expected
             if policy.NAME == "load_aware":
                 assert sum(choice.score.terms.values()) == pytest.approx(choice.score.total)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_uniform_set_choice_when_no_node_has_its_best_gpus_connected(k: int) -> None:
+    # NVLink 0-1-3-2 and 4-5-7-6 (no even pair); the even GPUs are the least
+    # loaded, so no node's k best GPUs are connected and option A has nothing
+    # to bound the search by
+    rng = np.random.default_rng(k)
+    links = [(0, 1), (1, 3), (3, 2), (4, 5), (5, 7), (7, 6)]
+    nodes = [NodeFacts(f"n{i:03d}", 8, nvlink_pairs=links) for i in range(100)]
+    util = np.where(np.arange(800) % 2 == 0, rng.uniform(0, 10, 800), rng.uniform(50, 100, 800))
+    snap = ClusterSnapshot.build(nodes, util_pct=util)
+    view = PlacementView(snap)
+    policy = make_policy("load_aware")
+    task = spec(num_gpus=k, needs_nvlink=True)
+    mask = feasible(view, task)
+    choice = policy.choose(view, task, mask)
+    assert choice == policy._choose_set_general(view, task, mask, policy.gpu_scores(view, task))
+    assert choice is not None and len(nvlink_groups(snap.node_nvlink[0], list(choice.gpu_indices))) == 1
