@@ -10,6 +10,16 @@ one patched incrementally (tested).
 
 The snapshot is treated as immutable once a view is built over it.
 
+What depends only on a snapshot's static columns is shared by every view over
+snapshots that pass the same column objects (the coordinator and the
+simulator do, until node membership changes), held in small caches keyed by
+object identity (``IdentityCache``): the label index (``(key, value)`` -> node
+mask; required labels are ANDs of those, preferred ones their mean), the GPU
+rows by uuid, the NVLink bit masks and the node layout (``uniform_width``:
+every node with the same GPU count in consecutive rows). Policies keep
+task-independent per-GPU products of the dynamic columns as ``derived``
+columns, which ``refresh`` patches with the rest.
+
 NaN and staleness rules (applied here, relied on by filters and scores):
 
 * memory used NaN on a fresh node: committed memory is NaN, so the VRAM and
@@ -420,7 +430,7 @@ class PlacementView:
         # GPUs per node when every node has that many in consecutive rows, else 0
         self.uniform_width = topo.uniform_width
         self.max_links = topo.max_links
-        self._labels = label_index(s.node_labels)
+        self._labels: LabelIndex | None = None  # built on the first label lookup
         self._spec_masks: dict[str, np.ndarray] = {}
         self.static_cache: dict[object, np.ndarray] = {}  # policies keep weighted statics here
         # per-GPU columns derived from the dynamic ones, kept current by refresh
@@ -446,13 +456,20 @@ class PlacementView:
             self._spec_masks[gpu_spec] = mask
         return mask
 
+    @property
+    def labels(self) -> LabelIndex:
+        """The label index of the snapshot's ``node_labels``."""
+        if self._labels is None:
+            self._labels = label_index(self.snapshot.node_labels)
+        return self._labels
+
     def label_mask(self, required: Mapping[str, str]) -> np.ndarray:
         """Per GPU: its node carries every required label (read-only)."""
-        return self._labels.required_gpu(required, self.snapshot.gpu_node, self.node)
+        return self.labels.required_gpu(required, self.snapshot.gpu_node, self.node)
 
     def preferred_fraction(self, preferred: Mapping[str, str]) -> np.ndarray:
         """Per GPU: fraction of the preferred node labels its node carries (read-only)."""
-        return self._labels.preferred_gpu(preferred, self.snapshot.gpu_node, self.node)
+        return self.labels.preferred_gpu(preferred, self.snapshot.gpu_node, self.node)
 
     def derived(
         self, key: object, compute: Callable[["PlacementView", object], np.ndarray]
