@@ -306,13 +306,12 @@ class Policy(ABC):
         # nodes (the lowest overall among them); their option A gives U
         if spec.needs_nvlink and k > 3:
             # option A has no connected set: option B over every linked node
-            return self._best_of(view, spec, scores, grid, nodes, grid.sorted_values(nodes), np.inf, groups)
+            return self._best_of(view, spec, scores, grid, nodes, grid.sorted_values(nodes), None, np.inf, groups)
         probe = _block_argmins(low, _SET_SEARCH_NODES)
         upper = float(self._option_a(view, spec, *grid.sorted_rows(probe))[0].min())
         if not upper < np.inf:  # no probe has a connected option A set (needs_nvlink)
-            return self._best_of(view, spec, scores, grid, nodes, grid.sorted_values(nodes), upper, groups)
-        keep, values = grid.at_most(low, upper, penalty, k)
-        return self._best_of(view, spec, scores, grid, keep, values, upper, groups)
+            return self._best_of(view, spec, scores, grid, nodes, grid.sorted_values(nodes), None, upper, groups)
+        return self._best_of(view, spec, scores, grid, *grid.at_most(low, upper, penalty, k), upper, groups)
 
     def _best_of(
         self,
@@ -322,12 +321,14 @@ class Policy(ABC):
         grid: "_UsableGrid",
         keep: np.ndarray,
         values: np.ndarray,
+        rows: np.ndarray | None,
         upper: float,
         groups: int,
     ) -> Placement | None:
         """``_best_set`` over the nodes ``keep`` (ascending; every node that can
-        be option A's best or hopeful), their scores sorted (``values``) and
-        U >= option A's best (``upper``), sorting GPU rows only where needed.
+        be option A's best or hopeful), their scores sorted (``values``), their
+        sorted rows when known (``rows``, else None) and U >= option A's best
+        (``upper``), sorting GPU rows only where needed.
 
         ``lower`` needs every kept node's mean of k best, which the sorted
         scores give; GPU identities (a stable sort) are needed only for
@@ -342,14 +343,20 @@ class Policy(ABC):
         lower = np.where(view.node_has_nvlink[keep], mean_top - bonus, np.inf)
         best: tuple[float, tuple[int, ...], float] = (np.inf, (), 0.0)
         if not (spec.needs_nvlink and k > 3):  # else option A has no connected set
-            contenders = keep
+            contenders = keep  # or positions in keep
             if upper < np.inf:
                 floor = mean_top - bonus * view.max_links(k)[keep] / full if bonus else mean_top
-                contenders = keep[floor <= _with_margin(upper)]
-            objective_top, _, top_rows, links_top = self._option_a(view, spec, *grid.sorted_rows(contenders))
+                contenders = np.flatnonzero(floor <= _with_margin(upper))
+            if rows is None:
+                sorted_grid = grid.sorted_rows(keep if contenders is keep else keep[contenders])
+            else:
+                sorted_grid = (values, rows) if contenders is keep else (values[contenders], rows[contenders])
+            objective_top, _, top_rows, links_top = self._option_a(view, spec, *sorted_grid)
             g = int(np.argmin(objective_top))
             best = (float(objective_top[g]), tuple(int(r) for r in top_rows[g]), float(links_top[g] / full))
-        return self._finish_set(view, spec, scores, groups, best, lower, lambda h: grid.sorted_rows(keep[h]))
+        if rows is None:
+            return self._finish_set(view, spec, scores, groups, best, lower, lambda h: grid.sorted_rows(keep[h]))
+        return self._finish_set(view, spec, scores, groups, best, lower, lambda h: (values[h], rows[h]))
 
     def _option_a(
         self, view: PlacementView, spec: TaskSpec, grid: np.ndarray, row_grid: np.ndarray
@@ -526,6 +533,9 @@ class Policy(ABC):
 _MAX_RANK = 62
 # Nodes that get the NVLink greedy search in one decision (lowest bound first).
 _SET_SEARCH_NODES = 32
+# Set choice sorts the GPUs of up to this many kept nodes once, by score and
+# GPU, rather than by score for all and by GPU for some.
+_SORT_ALL_NODES = 256
 # A single-GPU decision scores only the candidates when at most 1/_SPARSE of
 # the GPUs are (gathering the columns of more costs more than scoring all).
 _SPARSE = 5
@@ -643,18 +653,23 @@ class _UsableGrid:
 
     def at_most(
         self, low: np.ndarray, bound: float, penalty: np.ndarray | None, k: int
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Ascending nodes whose objective bound may be <= ``bound`` (first by
-        ``low``, then by the mean of their k best - bonus), and their sorted
-        scores."""
+        ``low``, then by the mean of their k best - bonus), their sorted
+        scores and, when they are few (one sort of them all is cheaper than
+        two of some), their sorted rows (else None)."""
         limit = _with_margin(bound)
         keep = np.flatnonzero(low <= limit)
-        values = self.sorted_values(keep)
+        rows = None
+        if keep.size <= _SORT_ALL_NODES:
+            values, rows = self.sorted_rows(keep)
+        else:
+            values = self.sorted_values(keep)
         mean = _mean_first(values, k)
         if penalty is not None:
             mean -= penalty[keep]
         sel = mean <= limit
-        return keep[sel], values[sel]
+        return keep[sel], values[sel], None if rows is None else rows[sel]
 
 
 class LoadAware(Policy):

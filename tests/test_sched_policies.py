@@ -469,3 +469,19 @@ def test_uniform_set_choice_when_no_node_has_its_best_gpus_connected(k: int) -> 
     choice = policy.choose(view, task, mask)
     assert choice == policy._choose_set_general(view, task, mask, policy.gpu_scores(view, task))
     assert choice is not None and len(nvlink_groups(snap.node_nvlink[0], list(choice.gpu_indices))) == 1
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_uniform_set_choice_on_a_large_fleet_of_linked_nodes(k: int) -> None:
+    # every node has NVLink pairs, so nearly every node is hopeful: the fast
+    # path keeps hundreds of nodes and sorts most of them by score only
+    rng = np.random.default_rng(10 + k)
+    nodes = [NodeFacts(f"n{i:03d}", 8, nvlink_pairs=[(0, 1), (2, 3), (4, 5), (6, 7)]) for i in range(600)]
+    snap = ClusterSnapshot.build(nodes, util_pct=rng.uniform(0, 100, 4_800), memory_used_mib=rng.uniform(0, 12_000, 4_800))
+    view = PlacementView(snap, res := Reservations())
+    policy = make_policy("load_aware")
+    for i in range(8):
+        task = spec(task_id=f"t{i}", num_gpus=k, needs_nvlink=i % 2 == 1)
+        mask = feasible(view, task)
+        expected = policy._choose_set_general(view, task, mask, policy.gpu_scores(view, task))
+        assert place(policy, view, task, res, f"k{i}") == expected
