@@ -120,3 +120,49 @@ async def test_runbook_commands_work_through_reflection_alone():
             assert "InvalidArgument" in error and "spec.vram_mib" in error
     finally:
         await coord.stop(grace_s=0.1)
+
+
+@needs_grpcurl
+async def test_runbook_over_tls_with_a_token(tmp_path):
+    certs = pytest.importorskip("certs", reason="tests/certs.py needs the cryptography package")
+    from coordinator.security import Security, ServerCredentialsConfig, TokenAuth
+
+    pki = certs.make_test_pki(tmp_path / "pki")
+    security = Security(
+        tokens=TokenAuth.from_tokens({"ops-token": {"role": "admin", "name": "ops"}, "alice-token": {"role": "tenant", "tenant": "alice"}}),
+        tls=ServerCredentialsConfig(cert_file=str(pki.server.cert_file), key_file=str(pki.server.key_file), client_ca_file=str(pki.ca_file)),
+    )
+    from coordinator.demo import free_port
+
+    client_port, agent_port = free_port(), free_port()
+    coord = Coordinator(CoordinatorConfig(listen=f"127.0.0.1:{client_port}", agent_listen=f"127.0.0.1:{agent_port}"), security=security)
+    await coord.start()
+    target = f"127.0.0.1:{client_port}"
+
+    async def tls(*args: str, token: str | None, data: dict | None = None, check: bool = True) -> str:
+        argv = [GRPCURL, "-cacert", str(pki.ca_file)]
+        if token:
+            argv += ["-H", f"authorization: Bearer {token}"]
+        if data is not None:
+            argv += ["-d", json.dumps(data)]
+        proc = await asyncio.create_subprocess_exec(*argv, target, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 20)
+        if check and proc.returncode != 0:
+            raise AssertionError(err.decode())
+        return out.decode() + ("" if check else err.decode())
+
+    try:
+        # reflection and health answer without a token
+        assert "gpulb.v1.Scheduler" in (await tls("list", token=None)).split()
+        assert _objects(await tls("grpc.health.v1.Health/Check", token=None)) == [{"status": "SERVING"}]
+        # the API does not
+        denied = await tls("gpulb.v1.Scheduler/GetQueue", token=None, check=False)
+        assert "Unauthenticated" in denied
+        assert "classes" in _objects(await tls("gpulb.v1.Scheduler/GetQueue", token="ops-token"))[0]
+        assert _objects(await tls("gpulb.v1.Scheduler/SetPolicy", token="ops-token", data={"name": "binpack"}))[0]["name"] == "binpack"
+        refused = await tls("gpulb.v1.Scheduler/SetPolicy", token="alice-token", data={"name": "round_robin"}, check=False)
+        assert "PermissionDenied" in refused
+        drain = await tls("gpulb.v1.ClusterOperator/DrainNode", token="alice-token", data={"node_id": "x"}, check=False)
+        assert "PermissionDenied" in drain
+    finally:
+        await coord.stop(grace_s=0.1)
