@@ -14,6 +14,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from waiting import until as _until
 from agent.fleet import SimFleet
 from coordinator.config import CoordinatorConfig
 from coordinator.liveness import ManualClock
@@ -28,19 +29,6 @@ from protos import telemetry_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
-
-async def _until(predicate, timeout: float = 10.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def test_list_filters_smoothing_cordon_and_watch():

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from waiting import until as _until
 from agent.fleet import SimFleet
 from coordinator.config import CoordinatorConfig
 from coordinator.demo import free_port
@@ -26,22 +27,6 @@ from protos import tasks_pb2_grpc as tpb_grpc
 
 GIB = 1024
 
-
-async def _until(predicate, timeout: float = 20.0, what: str = "condition", every: float = 0.05):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            value = predicate()
-            if asyncio.iscoroutine(value):
-                value = await value
-        except grpc.aio.AioRpcError:
-            value = None
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(every)
 
 
 def _start_coordinator(port: int, state_dir: Path, log: Path) -> subprocess.Popen:

@@ -10,6 +10,7 @@ import math
 import grpc
 import pytest
 
+from waiting import until as _until
 from agent.fleet import SimFleet
 from coordinator.config import CoordinatorConfig
 from coordinator.server import Coordinator
@@ -26,19 +27,6 @@ async def _start(**config) -> tuple[Coordinator, int]:
     port = await coord.start()
     return coord, port
 
-
-async def _until(predicate, timeout: float = 15.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def _spec(task_id: str, **kw) -> tpb.TaskSpec:

@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+from waiting import until as _eventually
 from agent.client import Agent, AgentConfig
 from agent.sim import SimBackend
 from coordinator.config import CoordinatorConfig
@@ -34,18 +35,6 @@ def _agent(node_id: str, port: int, seed: int, gpus: int = 4) -> Agent:
     )
     return Agent(cfg, SimBackend(gpus=gpus, seed=seed), seed=seed)
 
-
-async def _eventually(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def _list_gpus(port: int, **kw) -> list[cpb.Gpu]:
