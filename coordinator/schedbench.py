@@ -315,9 +315,9 @@ class _Probe:
 
         service.ScheduleTask = timed_schedule_task
 
-        def timed_try_place(task, view, now, failed, fenced=frozenset()):
+        def timed_try_place(task, view, now, failed, *fence_state):
             t0 = clock()
-            outcome = try_place(task, view, now, failed, fenced)
+            outcome = try_place(task, view, now, failed, *fence_state)
             if outcome is placed:
                 self.phase.decisions.append(clock() - t0)
             return outcome

@@ -262,7 +262,9 @@ class Scheduler:
         failed: dict[tuple, str] = {}
         for task_id in [t for t in self._held_nodes if self._tasks.get(t) is None or self._tasks[t].state != TaskState.QUEUED]:
             del self._held_nodes[task_id]
-        placed = self._queue.drain(lambda t, fenced: self._try_place(t, view, now, failed, fenced), now)
+        held: dict[str, int | None] = {}  # barrier -> held node index, once per dispatch
+        fences: dict[frozenset, np.ndarray] = {}  # held node set -> GPUs fenced tasks may use
+        placed = self._queue.drain(lambda t, fenced: self._try_place(t, view, now, failed, fenced, held, fences), now)
         self._flush()
         return [copy.copy(t) for t in placed]
 
@@ -307,12 +309,21 @@ class Scheduler:
         return index
 
     def _try_place(
-        self, task: Task, view: PlacementView, now: float, failed: dict[tuple, str], fenced: frozenset[str] = frozenset()
+        self,
+        task: Task,
+        view: PlacementView,
+        now: float,
+        failed: dict[tuple, str],
+        fenced: frozenset[str] = frozenset(),
+        held_cache: dict[str, int | None] | None = None,
+        fences: dict[frozenset, np.ndarray] | None = None,
     ) -> Outcome:
         spec = task.spec
-        held = frozenset(
-            index for index in (self._held_node(b, view) for b in fenced) if index is not None
-        )
+        held_cache = {} if held_cache is None else held_cache
+        for barrier in fenced:
+            if barrier not in held_cache:
+                held_cache[barrier] = self._held_node(barrier, view)
+        held = frozenset(held_cache[b] for b in fenced if held_cache[b] is not None)
         # Within one dispatch free resources only shrink, so a shape that did not
         # fit once will not fit later in the same dispatch: skip the work.
         shape = (
@@ -329,7 +340,11 @@ class Scheduler:
         if reason is None:
             mask = feasible(view, spec, self.config)
             if held:
-                mask = mask & ~np.isin(view.node, list(held))
+                fences = {} if fences is None else fences
+                allowed = fences.get(held)
+                if allowed is None:
+                    allowed = fences[held] = ~np.isin(view.node, list(held))
+                mask = mask & allowed
             placement = self._policy.choose(view, spec, mask)
             if placement is not None:
                 self._apply(task, view, placement, now)

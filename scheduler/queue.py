@@ -32,11 +32,12 @@ Backfill rule (no starvation)
     (since it first failed) or has failed ``backfill_max_skips`` times. After a
     barrier of class ``c`` has been tried in a drain, the tasks of class ``c``
     and every less urgent class are still offered, but *fenced*: ``try_place``
-    receives the ids of the barriers ahead of them and must keep them off the
-    resources it holds for those barriers (the engine reserves, per barrier,
-    one node the barrier fits when empty: EASY-style backfill). More urgent
-    classes are not fenced. The blocked state survives promotion, so a barrier
-    stays one.
+    receives the id of the most urgent barrier met so far and must keep them
+    off the resources it holds for it (the engine holds one node the barrier
+    fits when empty: EASY-style backfill, where only the head has a
+    reservation). More urgent classes are not fenced. The blocked state
+    survives promotion, so a barrier stays one, and when the head is placed
+    the next barrier becomes the head.
 
     Why no task starves, given finite lease durations and a task that fits an
     empty node (the engine rejects the rest at submission): a blocked task
@@ -274,7 +275,10 @@ class AgingQueue:
         lists = [list(d.values()) for d in self._classes]
         pos = [0] * CLASSES
         credit = list(self._credit)
-        barriers: list[tuple[int, str]] = []  # (class, task id) met in this drain
+        # The most urgent barrier met so far in this drain (class, task id): only
+        # it holds a node. Holding one per barrier would, with many blocked
+        # tasks, hold every node and stall the cluster as a global barrier did.
+        head: tuple[int, str] | None = None
         while True:
             active = [c for c in range(CLASSES) if pos[c] < len(lists[c])]
             if not active:
@@ -284,7 +288,7 @@ class AgingQueue:
             pos[c] += 1
             if not self._live(entry):
                 continue
-            fenced = frozenset(task_id for cls, task_id in barriers if cls <= entry.cls)
+            fenced = frozenset((head[1],)) if head is not None and head[0] <= entry.cls else frozenset()
             outcome = try_place(entry.task, fenced)
             if outcome is Outcome.PLACED:
                 self._charge(entry.cls)
@@ -295,8 +299,8 @@ class AgingQueue:
             entry.skips += 1
             if entry.blocked_since is None:
                 entry.blocked_since = now
-            if self.is_barrier(entry.task.task_id, now):
-                barriers.append((entry.cls, entry.task.task_id))
+            if self.is_barrier(entry.task.task_id, now) and (head is None or entry.cls < head[0]):
+                head = (entry.cls, entry.task.task_id)
             if outcome is Outcome.EXHAUSTED:
                 break
         return placed
