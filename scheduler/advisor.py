@@ -43,7 +43,11 @@ Moves (``plan_moves``), greedy, at most ``max_moves`` per ``window_s``:
    movable tasks the destination is the coolest GPU that passes the
    scheduler's own filters (``scheduler.filters.feasible`` over a
    ``PlacementView`` with the live reservations) for the task's spec, after
-   the memory of moves already planned, and is not the source;
+   the memory of moves already planned, is not the source, and is not much
+   slower for the task: its slowdown (the snapshot's learned ``gpu_slowdown``
+   for the task's kind, else ``1 / node_speed``) at most ``max_slowdown_ratio``
+   times the source's (on a mixed cluster a move must not trade a hot fast
+   GPU for a cool one 20 times slower);
 4. moving load ``l`` from a source at ``u_h`` to a destination at ``u_c``
    (gap ``d = u_h - u_c``) changes the variance by ``2 l (l - d) / N``; the
    move is taken only when it narrows the pair's difference by at least
@@ -121,6 +125,8 @@ class AdvisorConfig:
     min_age_s: float = 60.0
     # %: a move must narrow the source/destination difference by at least this.
     margin_pct: float = 10.0
+    # a destination may be at most this many times slower for the task than its source.
+    max_slowdown_ratio: float = 1.5
     # kinds that move even when spec.movable is not set.
     movable_kinds: frozenset[str] = frozenset({"training"})
     # kinds that never move, whatever spec.movable says.
@@ -134,6 +140,8 @@ class AdvisorConfig:
 
         for name in ("variance_threshold", "rising_pct_per_min", "cooldown_s", "min_age_s", "margin_pct"):
             non_negative(name)
+        if not (math.isfinite(self.max_slowdown_ratio) and self.max_slowdown_ratio >= 1.0):
+            raise ValueError(f"max_slowdown_ratio: must be a finite number >= 1, got {self.max_slowdown_ratio!r}")
         if not (math.isfinite(self.hot_pct) and 0 <= self.hot_pct <= 100):
             raise ValueError(f"hot_pct: must be in [0, 100], got {self.hot_pct!r}")
         if not (math.isfinite(self.smoothing_alpha) and 0 < self.smoothing_alpha <= 1):
@@ -352,21 +360,28 @@ def plan_moves(
 
     view = PlacementView(snapshot, reservations, scheduler_config)
     added_vram = np.zeros(snapshot.gpu_count)
+    slowdowns: dict[str, np.ndarray] = {}
     u = util.copy()
     moves: list[Move] = []
     half = cfg.margin_pct / 2.0
     s = snapshot
     while len(moves) < budget:
         mean = float(u[counted].mean())
+        free = counted & ~busy
+        coolest = float(u[free].min()) if free.any() else math.inf
         best: tuple[float, int, int, str, float] | None = None
         sources = [r for r in sorted(candidates, key=lambda r: -u[r]) if not busy[r] and counted[r] and u[r] > mean]
         for h in sources[:_MAX_SOURCES]:
             for task_id, load in candidates[h]:
-                if task_id in cooling_task_set:
-                    continue
+                if task_id in cooling_task_set or not (half <= load <= u[h] - coolest - half):
+                    continue  # not even the coolest GPU would make this move worth it
                 spec = by_id[task_id].spec
                 mask = feasible(view, spec) & counted & ~busy
                 mask[h] = False
+                slow = slowdowns.get(spec.kind)
+                if slow is None:
+                    slow = slowdowns[spec.kind] = _slowdown_of(snapshot, spec.kind)
+                mask &= slow <= slow[h] * cfg.max_slowdown_ratio
                 mask &= view.headroom - added_vram >= spec.vram_mib
                 mask &= view.reject_headroom - added_vram > spec.vram_mib
                 if not mask.any():
@@ -426,6 +441,16 @@ def _smooth(snapshot: ClusterSnapshot, state: AdvisorState, alpha: float) -> tup
     # unknown before (or now): start from (keep) the reading
     smoothed = np.where(np.isfinite(old), old + alpha * (reading - old), reading)
     return uuids, np.where(np.isfinite(reading), smoothed, np.nan)
+
+
+def _slowdown_of(snapshot: ClusterSnapshot, kind: str) -> np.ndarray:
+    """Per GPU row: the learned slowdown for ``kind`` (else any kind), else 1 / node speed."""
+    columns = snapshot.gpu_slowdown
+    column = columns.get(kind, columns.get("")) if columns else None
+    if column is None or column.shape != (snapshot.gpu_count,):
+        speed = np.asarray(snapshot.node_speed, dtype=np.float64)[snapshot.gpu_node]
+        column = 1.0 / np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
+    return np.where(np.isfinite(column) & (column > 0), column, 1.0)
 
 
 def _prune(times: Mapping[str, float], now: float, keep_s: float) -> dict[str, float]:

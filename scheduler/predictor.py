@@ -188,25 +188,31 @@ def model_speeds(snapshot: ClusterSnapshot) -> dict[str, float]:
     return {model: float(np.median(v)) for model, v in speeds.items()}
 
 
-def completion_term(slowdown: np.ndarray, load_pct: np.ndarray, share: float) -> np.ndarray:
-    """C_g = 1 - min_h(t_h) / t_g, with t_g = slowdown_g * max(1, (load_g + 100 * share) / 100).
+def completion_term(
+    slowdown: np.ndarray, load_pct: np.ndarray, share: float, fastest: float | None = None
+) -> np.ndarray:
+    """C_g = 1 - fastest / t_g, with t_g = slowdown_g * max(1, (load_g + 100 * share) / 100).
 
     ``t_g`` is the task's predicted run time on GPU g relative to its
     ``duration_s``: the learned slowdown of the GPU, stretched by processor
-    sharing when the GPU would be asked for more than 100 %. ``C`` is the
-    share of that time lost against the GPU that would finish the task
-    soonest: 0 there, towards 1 on GPUs many times slower; unitless and
-    independent of ``duration_s``, so it weighs the same for a 100 ms request
-    and a day-long job. NaN or non-positive slowdowns count as 1.0.
+    sharing when the GPU would be asked for more than 100 %. ``fastest`` is
+    the smallest slowdown in the cluster (default: of ``slowdown``), so ``C``
+    is the share of the run time lost against the fastest GPU running the
+    task alone: 0 there, towards 1 on GPUs many times slower or shared. It is
+    unitless, row-local (a row's value needs only its own columns and the
+    constant ``fastest``) and independent of ``duration_s``, so it weighs the
+    same for a 100 ms request and a day-long job. NaN or non-positive
+    slowdowns count as 1.0, NaN load as 100 %.
     """
     s = np.asarray(slowdown, dtype=np.float64)
     s = np.where(np.isfinite(s) & (s > 0), s, 1.0)
+    if s.size == 0:
+        return s
+    if fastest is None:
+        fastest = float(s.min())
     load = np.asarray(load_pct, dtype=np.float64)
     stretch = np.maximum(1.0, (np.where(np.isfinite(load), load, 100.0) + 100.0 * share) / 100.0)
-    t = s * stretch
-    if t.size == 0:
-        return t
-    return 1.0 - float(t.min()) / t
+    return 1.0 - fastest / (s * stretch)
 
 
 class SpeedPredictor:

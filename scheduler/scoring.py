@@ -10,11 +10,19 @@ with like. The load-aware score of GPU g on a fresh node::
          + w_jitter           * active_g
          + w_response_time    * RT(response_time_node(g))
          - w_preferred_labels * F(node(g))
+         + w_completion       * C(g)             (only with predicted slowdowns)
 
     P(x)  = clip((x - warn) / (reject - warn), 0, 1)   warn 70 %, reject 85 %
     T(t)  = clip((t - 60 °C) / (85 °C - 60 °C), 0, 1)  (NaN -> 1)
     RT(r) = clip(r / response_time_ref_s, 0, 1)        (NaN -> median of known)
     F     = fraction of preferred_node_labels the node carries
+    C(g)  = 1 - fastest / (slowdown_g * max(1, (util_g + reserved_util_g + 100 * share) / 100))
+
+``C`` (``scheduler.predictor.completion_term``) is the share of the task's
+run time lost on GPU g against the fastest GPU of the cluster running it
+alone; ``slowdown`` is the snapshot's learned column for the task's kind
+(``ClusterSnapshot.gpu_slowdown``), so among equally loaded GPUs the one that
+finishes the task soonest wins. A snapshot without slowdowns has no such term.
 
 ``util`` is the EWMA forecast (or smoothed util, see config; NaN -> 100 %),
 ``reserved_*`` the effective reservations, ``active`` the tasks on the GPU
@@ -35,6 +43,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
+from scheduler.predictor import ANY_KIND, completion_term
 from scheduler.task import TaskSpec
 
 if TYPE_CHECKING:  # the view imports the term functions below
@@ -58,6 +67,7 @@ LOAD_AWARE_WEIGHTS: Mapping[str, float] = {
     "jitter": 0.1,
     "response_time": 0.2,
     "preferred_labels": 0.3,
+    "completion": 1.0,  # predicted completion time; needs the snapshot's slowdown columns
     "stale": 1.0,
     "nvlink": 0.5,  # bonus for a fully NVLink-connected multi-GPU set (see policies)
 }
@@ -106,6 +116,25 @@ def _static(view: PlacementView, w: Mapping[str, float]) -> np.ndarray:
     return static
 
 
+def _slowdown(view: PlacementView, kind: str) -> tuple[np.ndarray, float] | None:
+    """The snapshot's slowdown column for ``kind`` (else any kind) and its minimum, cached."""
+    columns = view.snapshot.gpu_slowdown
+    if not columns:
+        return None
+    key = ("load_aware.completion", kind)
+    cached = view.static_cache.get(key)
+    if cached is None:
+        column = columns.get(kind)
+        if column is None:
+            column = columns.get(ANY_KIND)
+        if column is None or column.size == 0:
+            return None
+        known = column[np.isfinite(column) & (column > 0)]
+        cached = (column, float(known.min()) if known.size else 1.0)
+        view.static_cache[key] = cached
+    return cached
+
+
 def _weighted_load(view: PlacementView, rows: object, weight: float) -> np.ndarray:
     return view.load[rows] * (weight / 100.0)
 
@@ -152,6 +181,9 @@ def load_aware_scores(
         score += take(jitter)
     if spec.preferred_node_labels and w["preferred_labels"]:
         score -= w["preferred_labels"] * take(view.preferred_fraction(spec.preferred_node_labels))
+    slowdown = _slowdown(view, spec.kind) if w["completion"] else None
+    if slowdown is not None:
+        score += w["completion"] * completion_term(take(slowdown[0]), take(view.load), spec.gpu_share, slowdown[1])
     if view.any_stale:
         stale = w["stale"] * (1.0 + view.stale_busy)
         score = np.where(take(view.stale), stale[take(view.node)], score)
@@ -171,6 +203,7 @@ def load_aware_terms(
     warn = cfg.memory_warn_pct / 100.0
     band = cfg.memory_reject_pct / 100.0 - warn
     pref = view.preferred_fraction(spec.preferred_node_labels) if spec.preferred_node_labels else None
+    slowdown = _slowdown(view, spec.kind) if w["completion"] else None
     fresh_terms = ("load", "memory", "temperature", "jitter", "response_time")
     sums: dict[str, float] = {}
     for r in rows:
@@ -190,5 +223,8 @@ def load_aware_terms(
             sums[name] = sums.get(name, 0.0) + value
         if pref is not None:
             sums["preferred_labels"] = sums.get("preferred_labels", 0.0) - w["preferred_labels"] * float(pref[r])
+        if slowdown is not None:
+            c = completion_term(slowdown[0][r : r + 1], view.load[r : r + 1], spec.gpu_share, slowdown[1])
+            sums["completion"] = sums.get("completion", 0.0) + w["completion"] * float(c[0])
     count = len(rows)
     return {name: total / count for name, total in sums.items()}

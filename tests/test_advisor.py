@@ -131,6 +131,20 @@ def test_destination_must_pass_the_scheduler_filters():
     assert [m.to_node_id for m in moves] == ["ok"]
 
 
+def test_a_move_does_not_trade_a_fast_gpu_for_a_much_slower_one():
+    nodes = [NodeFacts("rtx", 1), NodeFacts("k20", 1, model="Tesla K20c", speed=0.05), NodeFacts("m40", 1, speed=0.12),
+             NodeFacts("rtx2", 1)]
+    snap = snapshot([95.0, 0.0, 10.0, 40.0], nodes=nodes)
+    tasks = [leased("t", snap, 0, share=0.5), leased("s", snap, 0, kind="inference", share=0.5)]
+    # by the cluster file's speeds the idle K20c and M40 are 20x / 8x slower: the busier RTX it is
+    assert [m.to_node_id for m in plan_moves(snap, tasks, now=NOW)[0]] == ["rtx2"]
+    # learned slowdowns win over the cluster file: this kind runs about as fast on the M40
+    snap.gpu_slowdown = {"training": np.asarray([1.0, 20.0, 1.2, 1.0])}
+    assert [m.to_node_id for m in plan_moves(snap, tasks, now=NOW)[0]] == ["m40"]
+    cfg = AdvisorConfig(max_slowdown_ratio=100.0)
+    assert [m.to_node_id for m in plan_moves(snap, tasks, config=cfg, now=NOW)[0]] == ["k20"]
+
+
 def test_a_move_must_narrow_the_gap_by_the_margin():
     snap = snapshot([70.0, 10.0, 40.0, 40.0])
     # moving the whole 70 % would make the destination the new hot spot

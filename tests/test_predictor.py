@@ -140,19 +140,21 @@ def test_slowdown_columns_per_kind_and_node():
 
 
 @pytest.mark.parametrize(
-    "name, slowdown, load, share, expected",
+    "name, slowdown, load, share, fastest, expected",
     [
-        ("equal GPUs", [1.0, 1.0], [0.0, 0.0], 0.5, [0.0, 0.0]),
-        ("20x slower", [1.0, 20.0], [0.0, 0.0], 0.5, [0.0, 0.95]),
-        ("busy fast GPU shares time", [1.0, 2.0], [100.0, 0.0], 1.0, [0.0, 0.0]),
-        ("overcommit stretches", [1.0, 1.0], [150.0, 0.0], 0.5, [0.5, 0.0]),
-        ("NaN slowdown is 1", [np.nan, 2.0], [0.0, 0.0], 0.0, [0.0, 0.5]),
-        ("NaN load is 100 %", [1.0, 1.0], [np.nan, 0.0], 1.0, [0.5, 0.0]),
-        ("empty", [], [], 0.5, []),
+        ("equal GPUs", [1.0, 1.0], [0.0, 0.0], 0.5, None, [0.0, 0.0]),
+        ("20x slower", [1.0, 20.0], [0.0, 0.0], 0.5, None, [0.0, 0.95]),
+        ("a shared fast GPU loses time too", [1.0, 2.0], [100.0, 0.0], 1.0, None, [0.5, 0.5]),
+        ("overcommit stretches", [1.0, 1.0], [150.0, 0.0], 0.5, None, [0.5, 0.0]),
+        ("NaN slowdown is 1", [np.nan, 2.0], [0.0, 0.0], 0.0, None, [0.0, 0.5]),
+        ("NaN load is 100 %", [1.0, 1.0], [np.nan, 0.0], 1.0, None, [0.5, 0.0]),
+        ("fastest GPU elsewhere", [2.0, 4.0], [0.0, 0.0], 0.5, 1.0, [0.5, 0.75]),
+        ("empty", [], [], 0.5, None, []),
     ],
 )
-def test_completion_term(name, slowdown, load, share, expected):
-    assert completion_term(np.asarray(slowdown), np.asarray(load), share).tolist() == pytest.approx(expected)
+def test_completion_term(name, slowdown, load, share, fastest, expected):
+    got = completion_term(np.asarray(slowdown), np.asarray(load), share, fastest)
+    assert got.tolist() == pytest.approx(expected)
 
 
 def test_config_is_validated():
@@ -160,3 +162,52 @@ def test_config_is_validated():
         PredictorConfig(alpha=0).validate()
     with pytest.raises(ValueError, match="prior speed"):
         SpeedPredictor({RTX: 0.0})
+
+
+# ---- the load-aware "completion" term -------------------------------------------------------------
+
+
+def _place(snap, spec, weights=None):
+    from scheduler.config import SchedulerConfig
+    from scheduler.engine import Scheduler
+
+    sched = Scheduler(SchedulerConfig(weights=weights or {}), clock=lambda: 0.0)
+    sched.submit(spec, snap)
+    (task,) = sched.dispatch(snap)
+    return task.assignment
+
+
+def test_scoring_prefers_the_gpu_that_finishes_sooner_when_load_is_equal():
+    from scheduler.task import Priority, TaskSpec
+
+    # the slow node comes first, so without predictions it wins the tie
+    facts = [NodeFacts("k20", 1, model=K20, memory_total_mib=24_576.0, speed=0.05), NodeFacts("rtx", 1, model=RTX)]
+    snap = ClusterSnapshot.build(facts, util_pct=[20.0, 20.0])
+    spec = TaskSpec("p0", priority=Priority.P0, kind="inference", vram_mib=1_000.0, gpu_share=0.3, duration_s=0.1)
+    assert _place(snap, spec).node_id == "k20"
+    p = SpeedPredictor(model_speeds(snap))
+    a = _place(p.annotate(snap), spec)
+    assert a.node_id == "rtx"
+    assert a.score.terms["completion"] == pytest.approx(0.0)
+    # the term is a weight like any other: 0 turns it off
+    assert _place(p.annotate(snap), spec, {"completion": 0.0}).node_id == "k20"
+
+
+def test_completion_term_trades_against_load_and_agrees_with_the_breakdown():
+    from scheduler.task import TaskSpec
+
+    facts = [NodeFacts("rtx", 1, model=RTX), NodeFacts("m40", 1, model=M40, speed=0.12)]
+    spec = TaskSpec("t", kind="training", vram_mib=1_000.0, gpu_share=0.5)
+    p = SpeedPredictor({RTX: 1.0, M40: 0.12})
+    # a busy RTX (60 % + 50 % = 110 %: 1.1x) beats an idle M40 (8.3x) ...
+    busy = p.annotate(ClusterSnapshot.build(facts, util_pct=[60.0, 0.0]))
+    a = _place(busy, spec)
+    assert a.node_id == "rtx"
+    assert a.score.total == pytest.approx(sum(a.score.terms.values()))
+    assert a.score.terms["completion"] == pytest.approx(1.0 - 1.0 / 1.1)
+    # ... but not a very busy one: the load term weighs the harm to its tenants
+    assert _place(p.annotate(ClusterSnapshot.build(facts, util_pct=[90.0, 0.0])), spec).node_id == "m40"
+    # and not once the M40 is known to run this kind nearly as fast
+    for _ in range(40):
+        p.observe("m40", M40, "training", 100.0, 110.0)
+    assert _place(p.annotate(ClusterSnapshot.build(facts, util_pct=[60.0, 0.0])), spec).node_id == "m40"
