@@ -254,6 +254,9 @@ class SimConfig:
     # s a migrated task loses on its new GPU (checkpoint, transfer, restart),
     # at that GPU's speed: it redoes cost * speed s of reference work
     migration_cost_s: float = 30.0
+    # load drift after placement (module docstring): sigma of the log step of
+    # a task's utilisation from one phase of work to the next; 0 = constant
+    util_drift: float = 0.0
 
     @property
     def visible_after_s(self) -> float:
@@ -453,6 +456,7 @@ class _Run:
         "version",
         "start",
         "migrated",
+        "utils",
     )
 
     def __init__(self, idx: int, run_id: str, lease_id: str, rows: tuple[int, ...], speed: float,
@@ -473,6 +477,7 @@ class _Run:
         self.version = 0
         self.start = now
         self.migrated = False  # a restart after a migration (its run time is not a clean sample)
+        self.utils: tuple[float, ...] = ()  # % per phase when the load drifts (else util throughout)
 
     def next_milestone(self) -> float:
         """Work at which the next phase starts (or the run ends)."""
@@ -489,6 +494,18 @@ def _resolve_memory(memory: object) -> MemoryModel:
     if not hasattr(memory, "ratios"):
         raise ValueError("memory must be 'genai', 'asked' or have a ratios() method")
     return memory  # type: ignore[return-value]
+
+
+def _drift_ratios(phases: Sequence[int], sigma: float, seed: int) -> list[tuple[float, ...]]:
+    """Per task, its utilisation ratio per phase: 1 at the start (what placement
+    was told), then a random walk in log space with steps of ``sigma``,
+    clipped to [0.25, 2] (seeded, in trace order: every policy sees the same)."""
+    rng = np.random.default_rng([seed, 0x6472696674])  # a stream apart from the memory draws
+    out = []
+    for n in phases:
+        steps = rng.normal(0.0, sigma, max(n - 1, 0))
+        out.append(tuple(np.clip(np.exp(np.concatenate(([0.0], np.cumsum(steps)))), 0.25, 2.0).tolist()))
+    return out
 
 
 def _memory_profiles(tasks: Sequence[TraceTask], model: MemoryModel, seed: int) -> list[tuple[float, ...]]:
@@ -536,6 +553,9 @@ class Simulation:
         elif len(profiles) != len(self.tasks):
             raise ValueError("need one memory profile per task")
         self.profiles = profiles
+        self._drift = (
+            _drift_ratios([len(p) for p in profiles], cfg.util_drift, cfg.seed) if cfg.util_drift > 0 else None
+        )
 
         base = ClusterSnapshot.build(facts)
         self._base = base
@@ -599,7 +619,8 @@ class Simulation:
                 use_known_models=prior != "none",
             )
         self.advisor = Advisor(cfg.advisor, sched_cfg) if cfg.advisor is not None else None
-        self._resume: dict[str, float] = {}  # migrated run id -> reference work left
+        self._resume: dict[str, tuple[float, float]] = {}  # migrated run id -> (reference work left, util %)
+        self._advised: ClusterSnapshot | None = None  # snapshot of the last advisor evaluation
         self.plans = 0
         self.migrations = 0
         # bookkeeping
@@ -996,12 +1017,23 @@ class Simulation:
         rows = tuple(self._row_of[u] for u in a.gpu_uuids)
         t = self.tasks[idx]
         speed = self._speed[rows[0]]
-        left = self._resume.pop(run_id, None)
-        # a migrated task redoes the migration's cost on its new GPU
-        work = t.duration_s if left is None else left + self.cfg.migration_cost_s * speed
+        resumed = self._resume.pop(run_id, None)
+        util = t.util_pct
+        if resumed is None:
+            work = t.duration_s
+            if self._drift is not None:
+                run_utils = tuple(min(100.0, util * r) for r in self._drift[idx])
+                util = run_utils[0]
+        else:
+            # a migrated task redoes the migration's cost on its new GPU and
+            # keeps the load it had when it left
+            left, util = resumed
+            work = left + self.cfg.migration_cost_s * speed
         # a raised ask (after an OOM kill) changes the request, not what the task uses
-        run = _Run(idx, run_id, a.lease_id, rows, speed, t.util_pct, self.profiles[idx], ask, work, now)
-        run.migrated = left is not None
+        run = _Run(idx, run_id, a.lease_id, rows, speed, util, self.profiles[idx], ask, work, now)
+        run.migrated = resumed is not None
+        if resumed is None and self._drift is not None:
+            run.utils = run_utils
         self._running[run_id] = run
         first = run.mem[0]
         for r in rows:
@@ -1027,12 +1059,21 @@ class Simulation:
         old = run.mem[run.phase]
         run.phase += 1
         new = run.mem[run.phase]
+        old_util = run.util
+        if run.phase < len(run.utils) and run.utils[run.phase] != old_util:
+            run.util = run.utils[run.phase]  # the load drifts
+            for r in run.rows:
+                self._set_util(r, self._demand[r] - old_util + run.util)
         for r in run.rows:
             self._mem[r] += new - old
             self._observe(r)
         if new > old and any(self._mem[r] > self._cap[r] for r in run.rows):
             self._kill(run, new)
             return True
+        if run.util != old_util:
+            self._rerate(self._affected(run.rows))
+            if run.util < old_util:
+                self._schedule_visible()
         run.version += 1
         left = run.next_milestone() - run.done
         self._push(now + max(left, 0.0) / run.rate, _STEP, (run, run.version))
@@ -1079,6 +1120,9 @@ class Simulation:
         if not self._running:
             return False
         snap = self._snapshot()
+        if snap is self._advised and advisor.state.streak == 0:
+            return False  # the same readings as last time, and nothing pending: the same answer
+        self._advised = snap
         tasks: list[Task] = []
         for run_id in self._running:
             task = self.sched.get(run_id)
@@ -1122,7 +1166,7 @@ class Simulation:
                 self._remaining -= 1
                 return False
         self._queued[spec.task_id] = (idx, run.ask, now)
-        self._resume[spec.task_id] = left
+        self._resume[spec.task_id] = (left, run.util)
         return True
 
     def _kill(self, run: _Run, used: float) -> None:
