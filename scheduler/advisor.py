@@ -568,21 +568,23 @@ class Advisor:
         now: float,
         *,
         reservations: Reservations | None = None,
-    ) -> tuple[Trigger, list[Move], float, float]:
+    ) -> tuple[Trigger, Plan | None]:
         """What a plan would be now, with this reading in the averages but
-        ignoring persistence and leaving the state untouched: (trigger, moves,
-        variance before, variance after)."""
+        ignoring persistence and leaving the state untouched: the trigger's
+        figures and the plan (``plan_id`` 0; None when nothing would move)."""
         cfg = self.config
         _, smoothed = _smooth(snapshot, self.state, cfg.smoothing_alpha)
         snapshot = replace(snapshot, util_pct=smoothed)
         trigger = check_trigger(snapshot, cfg)
-        moved_at = _prune(self.state.moved_at, now, cfg.cooldown_s)
-        touched_at = _prune(self.state.touched_at, now, cfg.cooldown_s)
         budget = cfg.max_moves - self.state.moves_in_window(now, cfg.window_s)
-        if not trigger.fired:
-            return trigger, [], trigger.variance, trigger.variance
-        moves, before, after, _, _ = plan_moves(
-            snapshot, tasks, cfg, now=now, budget=max(budget, 0), cooling_tasks=moved_at,
-            cooling_gpus=touched_at, reservations=reservations, scheduler_config=self.scheduler_config,
+        if not trigger.fired or budget <= 0:
+            return trigger, None
+        moves, before, after, spread0, spread1 = plan_moves(
+            snapshot, tasks, cfg, now=now, budget=budget,
+            cooling_tasks=_prune(self.state.moved_at, now, cfg.cooldown_s),
+            cooling_gpus=_prune(self.state.touched_at, now, cfg.cooldown_s),
+            reservations=reservations, scheduler_config=self.scheduler_config,
         )
-        return trigger, moves, before, after
+        if not moves:
+            return trigger, None
+        return trigger, Plan(0, now, trigger.reason, before, after, spread0, spread1, tuple(moves))

@@ -1,0 +1,509 @@
+"""The advisor inside the coordinator: speed prediction from completed tasks,
+the periodic rebalance advisor, its optional command hook, its metrics, and
+the thin ``gpulb.v1.Advisor`` servicer.
+
+``AdvisorRuntime`` owns a ``SpeedPredictor`` and an ``Advisor`` and reads the
+cluster through three callables (the snapshot, the leased tasks, the live
+reservations), so it runs on the coordinator's event loop without touching
+its internals and tests drive it with fakes. It learns from completions
+through ``on_task_change`` (a scheduler listener), evaluates the advisor every
+``interval_s`` (``start``/``stop``), publishes plans to watchers and, when
+configured, hands each plan to a ``CommandHook``.
+
+The hook runs an operator-chosen executor: ``argv`` with the plan as JSON on
+stdin (``Plan.to_dict``, one object) and ``GPULB_PLAN_ID`` in its environment,
+at most ``timeout_s`` (then killed), one at a time (a plan made while the
+previous hook still runs is not handed over; it stays visible through the
+RPCs), its exit status and output tails logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import grpc
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from protos import advisor_pb2 as apb
+from protos import advisor_pb2_grpc as apb_grpc
+from scheduler.advisor import Advisor, AdvisorConfig, Move, Plan, Trigger
+from scheduler.config import SchedulerConfig
+from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
+from scheduler.reservations import Reservations
+from scheduler.snapshot import ClusterSnapshot
+from scheduler.task import Task, TaskState
+
+__all__ = [
+    "AdvisorRuntime",
+    "AdvisorService",
+    "CommandHook",
+    "HookResult",
+    "ADVISOR_METRIC_NAMES",
+    "ADVISOR_SERVICE_NAME",
+    "plan_to_proto",
+    "add_to_server",
+]
+
+log = structlog.get_logger("gpulb.advisor")
+
+ADVISOR_SERVICE_NAME = apb.DESCRIPTOR.services_by_name["Advisor"].full_name
+
+#: metric families the runtime's collector exports
+ADVISOR_METRIC_NAMES = (
+    "gpulb_predictor_mape_ratio",
+    "gpulb_predictor_completions_total",
+    "gpulb_predictor_slowdown_ratio",
+    "gpulb_gpu_utilization_variance",
+    "gpulb_rebalance_plans_total",
+    "gpulb_rebalance_moves_total",
+    "gpulb_rebalance_hook_runs_total",
+)
+
+_OUTPUT_TAIL = 2_000  # bytes of hook stdout/stderr kept for the log
+
+
+# ---- the command hook ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HookResult:
+    outcome: str  # "ok", "failed" (non-zero exit), "timeout" or "error" (could not start)
+    returncode: int | None
+    duration_s: float
+    stdout_tail: str
+    stderr_tail: str
+
+
+class CommandHook:
+    """Runs ``argv`` with a plan as JSON on stdin, for at most ``timeout_s``."""
+
+    def __init__(self, argv: Sequence[str], timeout_s: float = 60.0, *, env: dict[str, str] | None = None) -> None:
+        if not argv:
+            raise ValueError("advisor hook: the command is empty")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"advisor hook: timeout_s must be > 0, got {timeout_s!r}")
+        self.argv = list(argv)
+        self.timeout_s = float(timeout_s)
+        self.env = env
+
+    async def run(self, plan: Plan) -> HookResult:
+        started = time.perf_counter()
+        payload = json.dumps(plan.to_dict()).encode()
+        env = {**(self.env if self.env is not None else os.environ), "GPULB_PLAN_ID": str(plan.plan_id)}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+            )
+        except OSError as exc:
+            return HookResult("error", None, time.perf_counter() - started, "", str(exc))
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(payload), timeout=self.timeout_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            out, err = await proc.communicate()
+            return HookResult("timeout", proc.returncode, time.perf_counter() - started, _tail(out), _tail(err))
+        except asyncio.CancelledError:
+            proc.kill()
+            await proc.wait()
+            raise
+        outcome = "ok" if proc.returncode == 0 else "failed"
+        return HookResult(outcome, proc.returncode, time.perf_counter() - started, _tail(out), _tail(err))
+
+
+def _tail(data: bytes | None) -> str:
+    return (data or b"")[-_OUTPUT_TAIL:].decode("utf-8", "replace")
+
+
+# ---- the runtime ---------------------------------------------------------------------------------
+
+
+class AdvisorRuntime:
+    """Predictor + advisor over the live cluster (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        snapshot: Callable[[], ClusterSnapshot],
+        tasks: Callable[[], Sequence[Task]],
+        clock: Callable[[], float],
+        reservations: Callable[[], Reservations | None] | None = None,
+        advisor_config: AdvisorConfig | None = None,
+        predictor_config: PredictorConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        interval_s: float = 30.0,
+        hook: CommandHook | None = None,
+        unix_ns: Callable[[float], int] | None = None,
+    ) -> None:
+        """``snapshot``: the current ``ClusterSnapshot``; ``tasks``: the leased
+        tasks; ``clock``: monotonic seconds (the scheduler's); ``unix_ns``:
+        clock seconds -> Unix ns for the wire (default: offset taken now)."""
+        if not (math.isfinite(interval_s) and interval_s > 0):
+            raise ValueError(f"advisor interval_s must be > 0, got {interval_s!r}")
+        self._snapshot = snapshot
+        self._tasks = tasks
+        self._reservations = reservations or (lambda: None)
+        self.clock = clock
+        if unix_ns is None:
+            offset = time.time_ns() - int(clock() * 1e9)
+            unix_ns = lambda s: int(s * 1e9) + offset  # noqa: E731
+        self.unix_ns = unix_ns
+        self.predictor = SpeedPredictor(config=predictor_config)
+        self.advisor = Advisor(advisor_config, scheduler_config)
+        self.interval_s = float(interval_s)
+        self.hook = hook
+        self._priors_from: object = None  # the snapshot layout the priors were read from
+        self._started: dict[str, float] = {}  # task id -> clock s of its agent's STARTED event
+        self._actual: dict[str, float] = {}  # task id -> s of run time its client reported
+        self._gpus: tuple[object, dict[str, tuple[str, str]]] | None = None  # uuid -> (node, model)
+        self._watchers: set[asyncio.Queue] = set()
+        self._loop_task: asyncio.Task | None = None
+        self._hook_task: asyncio.Task | None = None
+        self.last_evaluated_at: float | None = None
+        # counters for the metrics
+        self.plans_by_trigger: dict[str, int] = {}
+        self.moves = 0
+        self.hook_runs: dict[str, int] = {}
+        self.last_hook: HookResult | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._loop(), name="gpulb-advisor")
+
+    async def stop(self) -> None:
+        for attr in ("_loop_task", "_hook_task"):
+            task = getattr(self, attr)
+            setattr(self, attr, None)
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.evaluate_now()
+            except Exception:  # one bad evaluation must not stop the advisor for good
+                log.exception("advisor_evaluation_failed")
+
+    # ---- the cluster ------------------------------------------------------------------------
+    def _current(self) -> ClusterSnapshot:
+        snap = self._snapshot()
+        self._priors(snap)
+        return snap
+
+    def _priors(self, snap: ClusterSnapshot) -> None:
+        """The cluster's speeds (``node_speed``) are the priors of models not yet learned."""
+        if self._priors_from is not snap.gpu_model:
+            speeds = model_speeds(snap)
+            if speeds:
+                self.predictor.set_priors(speeds)
+            self._priors_from = snap.gpu_model
+
+    def _leased(self) -> list[Task]:
+        return [t for t in self._tasks() if t.state == TaskState.LEASED and t.assignment is not None]
+
+    def annotate(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
+        """``snapshot`` with the predictor's slowdown columns, for the scheduler's
+        ``completion`` score term (a new object only when they changed)."""
+        self._priors(snapshot)
+        return self.predictor.annotate(snapshot)
+
+    # ---- learning from completions ------------------------------------------------------------
+    def task_started(self, task_id: str) -> None:
+        """The agent reported the task running: its run time counts from now."""
+        self._started[task_id] = self.clock()
+
+    def note_actual_duration(self, task_id: str, actual_s: float) -> None:
+        """The client reported the task's measured run time (CompleteTask.actual_duration_s)."""
+        if isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0:
+            self._actual[task_id] = float(actual_s)
+
+    def on_task_change(self, task: Task) -> None:
+        """Scheduler listener: learn from every COMPLETED task that says how long
+        it was expected to run (``spec.duration_s``)."""
+        if not task.terminal:
+            return
+        started = self._started.pop(task.task_id, None)
+        actual = self._actual.pop(task.task_id, None)
+        a = task.assignment
+        if task.state != TaskState.COMPLETED or a is None or task.spec.duration_s <= 0:
+            return
+        if actual is None:
+            end = task.finished_at if task.finished_at is not None else self.clock()
+            actual = end - (started if started is not None else a.placed_at)
+        node_model = self._gpu(a.gpu_uuids[0]) if a.gpu_uuids else None
+        if node_model is None:
+            return  # its GPU left the view: nothing to attribute it to
+        node_id, model = node_model
+        ape = self.predictor.observe(node_id, model, task.spec.kind, task.spec.duration_s, actual)
+        if ape is not None:
+            log.debug("prediction_scored", task_id=task.task_id, node_id=node_id, model=model,
+                      kind=task.spec.kind, actual_s=round(actual, 3), error=round(ape, 4))
+
+    def _gpu(self, uuid: str) -> tuple[str, str] | None:
+        snap = self._current()
+        cached = self._gpus
+        if cached is None or cached[0] is not snap.gpu_uuid:
+            table = {
+                u: (snap.node_ids[int(snap.gpu_node[r])], str(snap.gpu_model[r])) for r, u in enumerate(snap.gpu_uuid)
+            }
+            self._gpus = cached = (snap.gpu_uuid, table)
+        return cached[1].get(uuid)
+
+    # ---- advising -----------------------------------------------------------------------------
+    def evaluate_now(self) -> Plan | None:
+        """One advisor evaluation (what the loop runs); publishes a plan when made."""
+        snap = self.annotate(self._current())
+        now = self.clock()
+        self.last_evaluated_at = now
+        if snap.gpu_count == 0:
+            return None
+        plan = self.advisor.evaluate(snap, self._leased(), now, reservations=self._reservations())
+        if plan is None:
+            return None
+        self.plans_by_trigger[plan.trigger] = self.plans_by_trigger.get(plan.trigger, 0) + 1
+        self.moves += len(plan.moves)
+        log.info(
+            "rebalance_plan",
+            plan_id=plan.plan_id,
+            trigger=plan.trigger,
+            variance_before=round(plan.variance_before, 1),
+            variance_after=round(plan.variance_after, 1),
+            moves=[f"{m.task_id}: {m.from_node_id}/{m.from_gpu_index} -> {m.to_node_id}/{m.to_gpu_index}" for m in plan.moves],
+        )
+        for queue in list(self._watchers):
+            try:
+                queue.put_nowait(plan)
+            except asyncio.QueueFull:
+                log.warning("advisor_watcher_behind", plan_id=plan.plan_id)
+        self._run_hook(plan)
+        return plan
+
+    def dry_run(self) -> tuple[Trigger, Plan | None]:
+        """What a plan would be now (``Advisor.dry_run``); changes nothing."""
+        snap = self.annotate(self._current())
+        return self.advisor.dry_run(snap, self._leased(), self.clock(), reservations=self._reservations())
+
+    @property
+    def last_plan(self) -> Plan | None:
+        return self.advisor.last_plan
+
+    @property
+    def last_trigger(self) -> Trigger | None:
+        return self.advisor.state.last_trigger
+
+    def watch(self, size: int = 64) -> tuple[asyncio.Queue, Callable[[], None]]:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=size)
+        self._watchers.add(queue)
+        return queue, lambda: self._watchers.discard(queue)
+
+    # ---- the hook ---------------------------------------------------------------------------------
+    def _run_hook(self, plan: Plan) -> None:
+        if self.hook is None:
+            return
+        if self._hook_task is not None and not self._hook_task.done():
+            self.hook_runs["skipped"] = self.hook_runs.get("skipped", 0) + 1
+            log.warning("advisor_hook_busy", plan_id=plan.plan_id)
+            return
+        self._hook_task = asyncio.get_running_loop().create_task(self._hook_run(plan), name="gpulb-advisor-hook")
+
+    async def _hook_run(self, plan: Plan) -> None:
+        assert self.hook is not None
+        result = await self.hook.run(plan)
+        self.last_hook = result
+        self.hook_runs[result.outcome] = self.hook_runs.get(result.outcome, 0) + 1
+        event = log.info if result.outcome == "ok" else log.warning
+        event(
+            "advisor_hook_ran",
+            plan_id=plan.plan_id,
+            outcome=result.outcome,
+            returncode=result.returncode,
+            duration_s=round(result.duration_s, 3),
+            stdout=result.stdout_tail,
+            stderr=result.stderr_tail,
+        )
+
+    async def hook_idle(self) -> None:
+        """Wait for a running hook to finish (tests, graceful stop)."""
+        if self._hook_task is not None:
+            await asyncio.shield(self._hook_task)
+
+    # ---- metrics ------------------------------------------------------------------------------------
+    def collector(self) -> "_AdvisorCollector":
+        """A prometheus collector to ``register`` in the coordinator's registry."""
+        return _AdvisorCollector(self)
+
+
+class _AdvisorCollector:
+    def __init__(self, runtime: AdvisorRuntime) -> None:
+        self.r = runtime
+
+    def describe(self):
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        r = self.r
+        p = r.predictor
+        mape = GaugeMetricFamily(
+            "gpulb_predictor_mape_ratio",
+            "Mean absolute percentage error of run-time predictions over the last completions, each predicted before it was learned from (ratio)",
+        )
+        if not math.isnan(p.mape()):
+            mape.add_metric([], p.mape())
+        yield mape
+        yield CounterMetricFamily("gpulb_predictor_completions", "Completed tasks the predictor learned from", value=p.samples)
+        slowdown = GaugeMetricFamily(
+            "gpulb_predictor_slowdown_ratio",
+            "Learned slowdown (actual / expected run time) per GPU model and task kind; kind empty = every kind",
+            labels=["model", "kind"],
+        )
+        models, _ = p.stats()
+        for f in models:
+            slowdown.add_metric([f.model, f.kind], f.factor)
+        yield slowdown
+        variance = GaugeMetricFamily(
+            "gpulb_gpu_utilization_variance",
+            "Variance of GPU utilisation across GPUs at the last advisor evaluation (ratio squared; 0.04 = 400 %²)",
+        )
+        trigger = r.last_trigger
+        if trigger is not None:
+            variance.add_metric([], trigger.variance / 10_000.0)
+        yield variance
+        plans = CounterMetricFamily("gpulb_rebalance_plans", "Rebalance plans proposed, by trigger", labels=["trigger"])
+        for name in ("variance", "hot_rising"):
+            plans.add_metric([name], r.plans_by_trigger.get(name, 0))
+        yield plans
+        yield CounterMetricFamily("gpulb_rebalance_moves", "Migrations proposed in rebalance plans", value=r.moves)
+        hooks = CounterMetricFamily("gpulb_rebalance_hook_runs", "Advisor command hook runs, by outcome", labels=["outcome"])
+        for name in ("ok", "failed", "timeout", "error", "skipped"):
+            hooks.add_metric([name], r.hook_runs.get(name, 0))
+        yield hooks
+
+
+# ---- proto conversion and the servicer -------------------------------------------------------------
+
+
+def plan_to_proto(plan: Plan, unix_ns: Callable[[float], int], *, dry_run: bool = False) -> apb.RebalancePlan:
+    return apb.RebalancePlan(
+        plan_id=0 if dry_run else plan.plan_id,
+        created_at_ns=unix_ns(plan.created_at_s),
+        trigger=plan.trigger,
+        variance_before=plan.variance_before,
+        variance_after=plan.variance_after,
+        spread_before=plan.spread_before,
+        spread_after=plan.spread_after,
+        moves=[_move_to_proto(m) for m in plan.moves],
+        dry_run=dry_run,
+    )
+
+
+def _move_to_proto(m: Move) -> apb.Migration:
+    return apb.Migration(
+        task_id=m.task_id,
+        lease_id=m.lease_id,
+        kind=m.kind,
+        from_node_id=m.from_node_id,
+        from_gpu_index=m.from_gpu_index,
+        from_gpu_uuid=m.from_gpu_uuid,
+        to_node_id=m.to_node_id,
+        to_gpu_index=m.to_gpu_index,
+        to_gpu_uuid=m.to_gpu_uuid,
+        load_pct=m.load_pct,
+        from_util_pct=m.from_util_pct,
+        to_util_pct=m.to_util_pct,
+        variance_after=m.variance_after,
+    )
+
+
+def _trigger_to_proto(t: Trigger) -> apb.TriggerState:
+    return apb.TriggerState(
+        fired=t.fired,
+        reason=t.reason,
+        variance=t.variance,
+        hottest_pct=t.hottest_pct if math.isfinite(t.hottest_pct) else 0.0,
+        rising=t.rising,
+        gpus=t.gpus,
+    )
+
+
+class AdvisorService(apb_grpc.AdvisorServicer):
+    """gpulb.v1.Advisor: decode, ask the runtime, encode.
+
+    ``authorize(context, admin=...)`` is the coordinator's check (tokens);
+    predictions are open to every caller with a token, plans (which name
+    every tenant's tasks) to admins."""
+
+    def __init__(self, runtime: AdvisorRuntime, authorize: Callable[..., object] | None = None) -> None:
+        self.r = runtime
+        self._authorize = authorize or (lambda context, admin: None)
+
+    async def GetPredictions(self, request: apb.GetPredictionsRequest, context) -> apb.GetPredictionsResponse:
+        self._authorize(context, admin=False)
+        p = self.r.predictor
+        models, nodes = p.stats()
+        return apb.GetPredictionsResponse(
+            models=[
+                apb.SpeedFactor(model=f.model, kind=f.kind, slowdown=f.factor, prior=f.prior, samples=f.samples,
+                                mape_ratio=f.mape)
+                for f in models
+                if (not request.model or f.model == request.model) and (not request.kind or f.kind in ("", request.kind))
+            ],
+            nodes=[
+                apb.NodeFactor(node_id=f.node_id, residual=f.factor, samples=f.samples, mape_ratio=f.mape)
+                for f in nodes
+                if not request.node_id or f.node_id == request.node_id
+            ],
+            mape_ratio=p.mape(),
+            samples=p.samples,
+            error_window=p.config.error_window,
+        )
+
+    async def GetPlan(self, request: apb.GetPlanRequest, context) -> apb.GetPlanResponse:
+        self._authorize(context, admin=True)
+        r = self.r
+        if request.evaluate_now:
+            trigger, plan = r.dry_run()
+            out = apb.GetPlanResponse(trigger=_trigger_to_proto(trigger), evaluated_at_ns=r.unix_ns(r.clock()))
+            if plan is not None:
+                out.plan.CopyFrom(plan_to_proto(plan, r.unix_ns, dry_run=True))
+            return out
+        out = apb.GetPlanResponse()
+        if r.last_trigger is not None:
+            out.trigger.CopyFrom(_trigger_to_proto(r.last_trigger))
+        if r.last_evaluated_at is not None:
+            out.evaluated_at_ns = r.unix_ns(r.last_evaluated_at)
+        if r.last_plan is not None:
+            out.plan.CopyFrom(plan_to_proto(r.last_plan, r.unix_ns))
+        return out
+
+    async def WatchPlans(self, request: apb.WatchPlansRequest, context):
+        self._authorize(context, admin=True)
+        queue, unsubscribe = self.r.watch()
+        try:
+            if request.include_latest and self.r.last_plan is not None:
+                yield plan_to_proto(self.r.last_plan, self.r.unix_ns)
+            while True:
+                plan = await queue.get()
+                yield plan_to_proto(plan, self.r.unix_ns)
+        finally:
+            unsubscribe()
+
+
+def add_to_server(service: AdvisorService, server: grpc.aio.Server) -> None:
+    """Register the servicer (the coordinator adds ``ADVISOR_SERVICE_NAME`` to reflection)."""
+    apb_grpc.add_AdvisorServicer_to_server(service, server)

@@ -1,0 +1,299 @@
+"""The coordinator's advisor runtime and the gpulb.v1.Advisor servicer, over a
+real grpc.aio server on port 0, a real Scheduler and a snapshot provider."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from dataclasses import replace
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from coordinator.advisor import ADVISOR_METRIC_NAMES, AdvisorRuntime, AdvisorService, CommandHook, add_to_server
+from protos import advisor_pb2 as apb
+from protos import advisor_pb2_grpc as apb_grpc
+from scheduler.advisor import AdvisorConfig
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Scheduler
+from scheduler.snapshot import ClusterSnapshot, NodeFacts
+from scheduler.task import Priority, TaskSpec, TaskState
+
+pytestmark = pytest.mark.timeout(30)
+
+RTX = "NVIDIA GeForce RTX 4090"
+M40 = "Tesla M40 24GB"
+
+
+class Cluster:
+    """What the coordinator would pass the runtime: a snapshot, the engine's
+    leased tasks and a clock; util readings are set by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+        facts = [
+            NodeFacts("rtx-a", 2, model=RTX, labels={"name": "rtx-a"}),
+            NodeFacts("rtx-b", 2, model=RTX, labels={"name": "rtx-b"}),
+            NodeFacts("m40", 2, model=M40, memory_total_mib=24_472.0, speed=0.12, labels={"name": "m40"}),
+        ]
+        self.snap = ClusterSnapshot.build(facts)
+        self.engine = Scheduler(SchedulerConfig(lease_s=1e9), clock=lambda: self.now)
+
+    def snapshot(self) -> ClusterSnapshot:
+        return self.snap
+
+    def leased(self):
+        return self.engine.tasks(state=TaskState.LEASED, limit=10_000)
+
+    def readings(self, util) -> None:
+        u = np.asarray(util, dtype=np.float64)
+        self.snap = replace(self.snap, util_pct=u, util_forecast_pct=u.copy())
+
+    def place(self, task_id, node, *, kind="training", duration_s=10.0, share=0.4, priority=Priority.P1):
+        """Place a task through the scheduler on ``node`` (the others cordoned for the moment)."""
+        spec = TaskSpec(task_id, kind=kind, priority=priority, vram_mib=2_000.0, gpu_share=share,
+                        duration_s=duration_s, movable=kind != "inference")
+        self.engine.submit(spec, self.snap)
+        only = replace(self.snap, node_schedulable=np.asarray([n == node for n in self.snap.node_ids]))
+        (task,) = self.engine.dispatch(only)
+        return task
+
+
+def runtime_for(cluster: Cluster, **kw) -> AdvisorRuntime:
+    kw.setdefault("advisor_config", AdvisorConfig(persist=2, min_age_s=0.0))
+    rt = AdvisorRuntime(snapshot=cluster.snapshot, tasks=cluster.leased, clock=lambda: cluster.now,
+                        reservations=lambda: cluster.engine.reservations, unix_ns=lambda s: int(s * 1e9), **kw)
+    cluster.engine.add_listener(rt.on_task_change)
+    return rt
+
+
+async def serve(runtime: AdvisorRuntime):
+    server = grpc.aio.server()
+    add_to_server(AdvisorService(runtime), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return server, channel, apb_grpc.AdvisorStub(channel)
+
+
+def hot_spot(cluster: Cluster) -> list:
+    """Two training tasks and a server on the first RTX node, the rest idle."""
+    tasks = [cluster.place("train-1", "rtx-a"), cluster.place("train-2", "rtx-a"),
+             cluster.place("serve", "rtx-a", kind="inference", share=0.2, priority=Priority.P0)]
+    rows = {t.assignment.gpu_uuids[0] for t in tasks}
+    util = [0.0] * cluster.snap.gpu_count
+    for uuid in rows:
+        util[cluster.snap.gpu_uuid.index(uuid)] = 95.0
+    cluster.readings(util)
+    return tasks
+
+
+# ---- predictions ----------------------------------------------------------------------------------
+
+
+async def test_get_predictions_reports_learned_factors_and_their_error():
+    c = Cluster()
+    rt = runtime_for(c)
+    for i in range(6):
+        t = c.place(f"m40-{i}", "m40", duration_s=10.0)
+        c.now += 80.0  # 8x slower than on the reference GPU
+        c.engine.complete(t.task_id, t.assignment.lease_id)
+    # the client's measured run time wins over the lease's span
+    t = c.place("reported", "rtx-a", kind="inference", duration_s=2.0)
+    rt.note_actual_duration("reported", 2.5)
+    c.now += 60.0
+    c.engine.complete(t.task_id, t.assignment.lease_id)
+    # the agent's STARTED time counts instead of the placement time
+    t = c.place("started", "rtx-b", kind="inference", duration_s=2.0)
+    c.now += 30.0
+    rt.task_started("started")
+    c.now += 2.0
+    c.engine.complete(t.task_id, t.assignment.lease_id)
+    # failed and cancelled tasks teach nothing
+    t = c.place("failed", "rtx-b", duration_s=5.0)
+    c.now += 500.0
+    c.engine.complete(t.task_id, t.assignment.lease_id, failed=True)
+
+    server, channel, stub = await serve(rt)
+    try:
+        resp = await stub.GetPredictions(apb.GetPredictionsRequest())
+        assert resp.samples == 8 and resp.error_window == rt.predictor.config.error_window
+        assert 0.0 < resp.mape_ratio < 1.0
+        by = {(f.model, f.kind): f for f in resp.models}
+        m40 = by[(M40, "training")]
+        assert m40.samples == 6 and m40.prior == pytest.approx(1 / 0.12)
+        assert m40.slowdown * rt.predictor.node_factor("m40") == pytest.approx(8.0, rel=0.05)
+        rtx = by[(RTX, "inference")]
+        assert rtx.samples == 2
+        assert rt.predictor.factor("rtx-a", RTX, "inference") < 1.3  # 2.5 s and 2 s for 2 s of work
+        assert {n.node_id for n in resp.nodes} == {"m40", "rtx-a", "rtx-b"}
+        only = await stub.GetPredictions(apb.GetPredictionsRequest(model=M40, kind="training", node_id="m40"))
+        assert {(f.model, f.kind) for f in only.models} == {(M40, ""), (M40, "training")}
+        assert [n.node_id for n in only.nodes] == ["m40"]
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+def test_annotate_gives_the_scheduler_slowdown_columns():
+    c = Cluster()
+    rt = runtime_for(c)
+    snap = rt.annotate(c.snap)
+    assert snap is not c.snap
+    assert snap.gpu_slowdown[""].tolist() == pytest.approx([1.0] * 4 + [1 / 0.12] * 2)
+    assert rt.annotate(snap) is snap  # nothing learned since: the same object
+
+
+# ---- plans -------------------------------------------------------------------------------------------
+
+
+async def test_get_plan_dry_run_then_a_plan_after_persistent_imbalance():
+    c = Cluster()
+    rt = runtime_for(c)
+    hot_spot(c)
+    server, channel, stub = await serve(rt)
+    try:
+        empty = await stub.GetPlan(apb.GetPlanRequest())
+        assert not empty.HasField("plan") and empty.evaluated_at_ns == 0
+        dry = await stub.GetPlan(apb.GetPlanRequest(evaluate_now=True))
+        assert dry.trigger.fired and dry.trigger.reason == "variance"
+        assert dry.plan.dry_run and dry.plan.plan_id == 0
+        assert [m.task_id for m in dry.plan.moves] == ["train-1"]
+        # a dry run starts nothing: the first evaluation makes no plan yet (persist 2)
+        assert rt.evaluate_now() is None
+        c.now += 30.0
+        plan = rt.evaluate_now()
+        assert plan is not None and plan.plan_id == 1
+        got = await stub.GetPlan(apb.GetPlanRequest())
+        assert got.plan.plan_id == 1 and not got.plan.dry_run
+        assert got.evaluated_at_ns == int(c.now * 1e9) and got.plan.created_at_ns == int(c.now * 1e9)
+        move = got.plan.moves[0]
+        assert move.from_node_id == "rtx-a" and move.to_node_id == "rtx-b"  # never the 8x slower M40
+        # train-2 has its GPU to itself: moving all of it would just move the hot spot
+        assert move.task_id == "train-1" and move.load_pct == pytest.approx(95.0 * 0.4 / 0.6)
+        assert got.plan.variance_after < got.plan.variance_before
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def test_no_plan_for_inference_only_hot_spots():
+    c = Cluster()
+    rt = runtime_for(c)
+    c.place("serve-1", "rtx-a", kind="inference", share=0.5, priority=Priority.P0)
+    c.place("serve-2", "rtx-a", kind="inference", share=0.5, priority=Priority.P0)
+    c.readings([100.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    for _ in range(4):
+        c.now += 30.0
+        assert rt.evaluate_now() is None
+    assert rt.last_trigger.fired
+
+
+async def test_watch_plans_streams_each_plan():
+    c = Cluster()
+    rt = runtime_for(c)
+    hot_spot(c)
+    server, channel, stub = await serve(rt)
+    try:
+        stream = stub.WatchPlans(apb.WatchPlansRequest(include_latest=True))
+        first = asyncio.ensure_future(stream.read())
+        await asyncio.sleep(0.2)  # the watch is registered
+        assert not first.done()
+        rt.evaluate_now()
+        c.now += 30.0
+        plan = rt.evaluate_now()
+        msg = await asyncio.wait_for(first, 5)
+        assert msg.plan_id == plan.plan_id and len(msg.moves) == len(plan.moves)
+        stream.cancel()
+        # a late watcher asking for the latest gets it at once
+        late = stub.WatchPlans(apb.WatchPlansRequest(include_latest=True))
+        assert (await asyncio.wait_for(late.read(), 5)).plan_id == plan.plan_id
+        late.cancel()
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def test_the_loop_evaluates_on_its_own_and_stops_cleanly():
+    c = Cluster()
+    rt = runtime_for(c, interval_s=0.02)
+    hot_spot(c)
+    rt.start()
+    try:
+        for _ in range(100):
+            if rt.last_plan is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert rt.last_plan is not None
+    finally:
+        await rt.stop()
+    assert rt._loop_task is None
+
+
+# ---- the command hook ---------------------------------------------------------------------------------
+
+
+async def test_hook_gets_the_plan_as_json_on_stdin(tmp_path):
+    out = tmp_path / "plan.json"
+    script = f"import sys, os, json; d = json.load(sys.stdin); d['env'] = os.environ['GPULB_PLAN_ID']; open({str(out)!r}, 'w').write(json.dumps(d))"
+    c = Cluster()
+    rt = runtime_for(c, hook=CommandHook([sys.executable, "-c", script], timeout_s=10))
+    hot_spot(c)
+    rt.evaluate_now()
+    c.now += 30.0
+    plan = rt.evaluate_now()
+    await rt.hook_idle()
+    assert rt.last_hook.outcome == "ok" and rt.hook_runs == {"ok": 1}
+    doc = json.loads(out.read_text())
+    assert doc["plan_id"] == plan.plan_id and doc["env"] == str(plan.plan_id)
+    assert doc["moves"][0]["task_id"] == plan.moves[0].task_id
+
+
+async def test_hook_is_bounded_in_time_and_failures_are_counted():
+    c = Cluster()
+    slow = CommandHook([sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=0.3)
+    rt = runtime_for(c, hook=slow)
+    hot_spot(c)
+    rt.evaluate_now()
+    c.now += 30.0
+    rt.evaluate_now()
+    await asyncio.wait_for(rt.hook_idle(), 5)
+    assert rt.last_hook.outcome == "timeout" and rt.last_hook.duration_s < 5
+    failing = CommandHook([sys.executable, "-c", "import sys; print('no', file=sys.stderr); sys.exit(3)"])
+    plan = rt.last_plan
+    result = await failing.run(plan)
+    assert (result.outcome, result.returncode, result.stderr_tail.strip()) == ("failed", 3, "no")
+    missing = await CommandHook(["/nonexistent/executor"]).run(plan)
+    assert missing.outcome == "error"
+    with pytest.raises(ValueError):
+        CommandHook([])
+
+
+# ---- metrics -------------------------------------------------------------------------------------------
+
+
+async def test_metric_families():
+    c = Cluster()
+    rt = runtime_for(c)
+    hot_spot(c)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(rt.collector())
+    rt.evaluate_now()
+    c.now += 30.0
+    rt.evaluate_now()
+    t = c.place("m40-x", "m40", duration_s=10.0)
+    c.now += 80.0
+    c.engine.complete(t.task_id, t.assignment.lease_id)
+    text = generate_latest(registry).decode()
+    for name in ADVISOR_METRIC_NAMES:
+        assert f"# TYPE {name} " in text or f"# TYPE {name.removesuffix('_total')} counter" in text, name
+    assert 'gpulb_rebalance_plans_total{trigger="variance"} 1.0' in text
+    assert "gpulb_predictor_completions_total 1.0" in text
+    variance = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("gpulb_gpu_utilization_variance ")))
+    assert variance == pytest.approx(rt.last_trigger.variance / 10_000)
+    assert f'gpulb_predictor_slowdown_ratio{{kind="training",model="{M40}"}}' in text
+    assert not math.isnan(rt.predictor.mape())
