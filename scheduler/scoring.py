@@ -67,7 +67,7 @@ LOAD_AWARE_WEIGHTS: Mapping[str, float] = {
     "jitter": 0.1,
     "response_time": 0.2,
     "preferred_labels": 0.3,
-    "completion": 1.0,  # predicted completion time; needs the snapshot's slowdown columns
+    "completion": 2.0,  # predicted completion time; needs the snapshot's slowdown columns
     "stale": 1.0,
     "nvlink": 0.5,  # bonus for a fully NVLink-connected multi-GPU set (see policies)
 }

@@ -199,15 +199,18 @@ def test_completion_term_trades_against_load_and_agrees_with_the_breakdown():
     facts = [NodeFacts("rtx", 1, model=RTX), NodeFacts("m40", 1, model=M40, speed=0.12)]
     spec = TaskSpec("t", kind="training", vram_mib=1_000.0, gpu_share=0.5)
     p = SpeedPredictor({RTX: 1.0, M40: 0.12})
+    w = {"completion": 1.0}
     # a busy RTX (60 % + 50 % = 110 %: 1.1x) beats an idle M40 (8.3x) ...
     busy = p.annotate(ClusterSnapshot.build(facts, util_pct=[60.0, 0.0]))
-    a = _place(busy, spec)
+    a = _place(busy, spec, w)
     assert a.node_id == "rtx"
     assert a.score.total == pytest.approx(sum(a.score.terms.values()))
     assert a.score.terms["completion"] == pytest.approx(1.0 - 1.0 / 1.1)
     # ... but not a very busy one: the load term weighs the harm to its tenants
-    assert _place(p.annotate(ClusterSnapshot.build(facts, util_pct=[90.0, 0.0])), spec).node_id == "m40"
+    assert _place(p.annotate(ClusterSnapshot.build(facts, util_pct=[90.0, 0.0])), spec, w).node_id == "m40"
+    # (at the default weight 2 finishing sooner still wins there)
+    assert _place(p.annotate(ClusterSnapshot.build(facts, util_pct=[90.0, 0.0])), spec).node_id == "rtx"
     # and not once the M40 is known to run this kind nearly as fast
     for _ in range(40):
         p.observe("m40", M40, "training", 100.0, 110.0)
-    assert _place(p.annotate(ClusterSnapshot.build(facts, util_pct=[60.0, 0.0])), spec).node_id == "m40"
+    assert _place(p.annotate(ClusterSnapshot.build(facts, util_pct=[60.0, 0.0])), spec, w).node_id == "m40"
