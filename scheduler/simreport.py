@@ -18,6 +18,13 @@ Definitions (every figure is computed from ``SimResult`` alone):
   at each moment, which per-GPU means average away).
 * **hottest**: the GPU (node) with the highest window-mean utilisation, and
   the largest share of the window any GPU spent at 90 % or more.
+* **spread**: the largest load difference between GPUs, hottest minus
+  coolest at each heat-map sample (``SimConfig.heatmap_samples`` evenly over
+  the window); ``util_spread`` its mean over the samples, ``util_spread_p95``
+  its 95th percentile.
+* **learning** (when on): rebalance ``plans`` and ``migrations`` carried
+  out, and the predictor's ``prediction_mape`` (each completion predicted
+  before it was learned from, over its last completions).
 * **oom_kills**, **sla_misses** (P0 tasks queued past the SLA, from the
   scheduler's own counter), **throughput** (completed tasks per hour of
   makespan), **makespan** (last completion).
@@ -92,6 +99,8 @@ def figures(r: SimResult) -> dict[str, Any]:
         else np.zeros(0)
     )
     makespan = r.makespan_s
+    heat = np.asarray(r.heatmap, dtype=np.float64)
+    spread = heat.max(axis=1) - heat.min(axis=1) if heat.ndim == 2 and heat.size else np.zeros(0)
     out: dict[str, Any] = {
         "policy": r.policy,
         "tasks": len(recs),
@@ -111,6 +120,11 @@ def figures(r: SimResult) -> dict[str, Any]:
         "hottest_gpu_util": float(util.max()) if util.size else math.nan,
         "hottest_node_util": float(node_util.max()) if node_util.size else math.nan,
         "hottest_gpu_time_above_90": float(np.max(r.gpu_hot_share)) if r.gpu_hot_share.size else math.nan,
+        "util_spread": float(spread.mean()) if spread.size else math.nan,
+        "util_spread_p95": _pct(spread, 95),
+        "plans": r.plans,
+        "migrations": r.migrations,
+        "prediction_mape": r.prediction_mape,
         "oom_kills": r.oom_kills,
         "sla_misses": r.sla_misses,
         "throughput_per_h": len(done) / (makespan / 3600.0) if makespan > 0 else math.nan,
