@@ -324,3 +324,49 @@ def test_config_is_validated():
         AdvisorConfig(hot_pct=120.0).validate()
     with pytest.raises(ValueError, match="persist"):
         AdvisorConfig(persist=0).validate()
+
+
+# ---- the simulator carries plans out -------------------------------------------------------------
+
+
+def _sim_tasks():
+    from scheduler.traces import TraceTask
+
+    def t(task_id, submit, duration, share):
+        return TraceTask(task_id, submit, duration, 1, 4_000.0, share, Priority.P1, "training")
+
+    # A, B, C one per GPU; D joins A (lowest row on the tie); B and C end at 100 s,
+    # leaving [90 %, 0, 0]: the advisor moves A or D to an idle GPU
+    return [t("A", 0.0, 20_000.0, 0.5), t("B", 0.0, 100.0, 0.5), t("C", 0.0, 100.0, 0.5), t("D", 1.0, 20_000.0, 0.4)]
+
+
+@pytest.mark.parametrize("cost_s", [30.0, 300.0])
+def test_simulator_applies_plans_with_a_checkpoint_and_restart_cost(cost_s):
+    from scheduler.simulator import SimConfig, Simulation
+
+    nodes = [NodeFacts(f"n{i}", 1) for i in range(3)]
+    cfg = SimConfig(memory="asked", advisor=AdvisorConfig(), migration_cost_s=cost_s)
+    r = Simulation(_sim_tasks(), nodes, "load_aware", cfg).run()
+    assert (r.plans, r.migrations) == (1, 1)
+    (moved,) = [x for x in r.records if x.migrations]
+    assert moved.task_id in ("A", "D") and moved.state == "completed" and moved.runs == 2
+    # restarted at once on the idle GPU; the cost is redone there at speed 1.0
+    assert moved.finish_s == pytest.approx(moved.submit_s + 20_000.0 + cost_s, abs=1.0)
+    stay = next(x for x in r.records if x.task_id in ("A", "D") and not x.migrations)
+    assert stay.finish_s == pytest.approx(stay.submit_s + 20_000.0, abs=1.0)
+    off = Simulation(_sim_tasks(), nodes, "load_aware", replace(cfg, advisor=None)).run()
+    assert (off.plans, off.migrations) == (0, 0)
+
+
+def test_simulator_prediction_switch_learns_from_completions():
+    from scheduler.simulator import SimConfig, Simulation
+
+    nodes = [NodeFacts("fast", 1), NodeFacts("slow", 1, model="Tesla M40 24GB", speed=0.12)]
+    on = Simulation(_sim_tasks(), nodes, "load_aware", SimConfig(memory="asked", prediction=True)).run()
+    assert on.prediction_samples == 4 and 0.0 <= on.prediction_mape < 1.0
+    off = Simulation(_sim_tasks(), nodes, "load_aware", SimConfig(memory="asked")).run()
+    assert off.prediction_samples == 0
+    # with predictions the short tasks are kept off the 8x slower GPU while the fast one has room
+    slow_jct = {x.task_id: x.jct_s for x in off.records}
+    fast_jct = {x.task_id: x.jct_s for x in on.records}
+    assert sum(fast_jct.values()) < sum(slow_jct.values())
