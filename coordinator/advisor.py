@@ -163,6 +163,7 @@ class AdvisorRuntime:
         self.interval_s = float(interval_s)
         self.hook = hook
         self._priors_from: object = None  # the snapshot layout the priors were read from
+        self._columns_at: tuple | None = None  # (snapshot, clock s, annotated snapshot) of the last refresh
         self._started: dict[str, float] = {}  # task id -> clock s of its agent's STARTED event
         self._actual: dict[str, float] = {}  # task id -> s of run time its client reported
         self._gpus: tuple[object, dict[str, tuple[str, str]]] | None = None  # uuid -> (node, model)
@@ -217,11 +218,24 @@ class AdvisorRuntime:
     def _leased(self) -> list[Task]:
         return [t for t in self._tasks() if t.state == TaskState.LEASED and t.assignment is not None]
 
+    #: s between refreshes of the slowdown columns the scheduler scores with:
+    #: every refresh makes a new snapshot object and so a new placement view
+    columns_refresh_s = 1.0
+
     def annotate(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
         """``snapshot`` with the predictor's slowdown columns, for the scheduler's
-        ``completion`` score term (a new object only when they changed)."""
+        ``completion`` score term: the same object for the same snapshot, and
+        what was learned since reaches the columns at most every
+        ``columns_refresh_s``."""
         self._priors(snapshot)
-        return self.predictor.annotate(snapshot)
+        now = self.clock()
+        last = self._columns_at
+        if last is not None and last[0] is snapshot and now - last[1] < self.columns_refresh_s:
+            return last[2]
+        annotated = self.predictor.annotate(snapshot)
+        if last is None or last[0] is not snapshot or annotated is not last[2]:
+            self._columns_at = (snapshot, now, annotated)
+        return annotated
 
     # ---- learning from completions ------------------------------------------------------------
     def task_started(self, task_id: str) -> None:

@@ -245,6 +245,7 @@ class SpeedPredictor:
         #: bumped on every change that can move a prediction
         self.version = 0
         self._columns_cache: tuple | None = None
+        self._annotated: tuple | None = None  # (snapshot, columns, annotated snapshot)
         if prior_speeds:
             self.set_priors(prior_speeds)
 
@@ -425,4 +426,9 @@ class SpeedPredictor:
         columns = self.slowdown_columns(snapshot)
         if snapshot.gpu_slowdown is columns:
             return snapshot
-        return replace(snapshot, gpu_slowdown=columns)
+        last = self._annotated
+        if last is not None and last[0] is snapshot and last[1] is columns:
+            return last[2]  # the same snapshot again: the same annotated object (the scheduler's view stays warm)
+        annotated = replace(snapshot, gpu_slowdown=columns)
+        self._annotated = (snapshot, columns, annotated)
+        return annotated

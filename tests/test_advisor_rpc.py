@@ -146,6 +146,13 @@ def test_annotate_gives_the_scheduler_slowdown_columns():
     assert snap is not c.snap
     assert snap.gpu_slowdown[""].tolist() == pytest.approx([1.0] * 4 + [1 / 0.12] * 2)
     assert rt.annotate(snap) is snap  # nothing learned since: the same object
+    assert rt.annotate(c.snap) is snap  # the same snapshot again: the same annotated object
+    # what is learned reaches the columns at most once a second (each refresh is a new placement view)
+    rt.predictor.observe("m40", M40, "training", 10.0, 20.0)
+    assert rt.annotate(c.snap) is snap
+    c.now += 1.0
+    fresh = rt.annotate(c.snap)
+    assert fresh is not snap and fresh.gpu_slowdown["training"][4] < 1 / 0.12
 
 
 # ---- plans -------------------------------------------------------------------------------------------
