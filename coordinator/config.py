@@ -47,6 +47,9 @@ class CoordinatorConfig:
     max_queued_per_tenant: int = _opt(0, "queued tasks a tenant may have at once; 0 = unlimited", "tasks")
     state_synchronous: str = _opt("NORMAL", "SQLite synchronous mode: NORMAL survives process crashes, FULL also power loss")
     finished_retention_s: float = _opt(86400.0, "finished tasks are kept this long for GetTask and idempotent resubmission", "s")
+    advisor_interval_s: float = _opt(30.0, "period of the rebalance advisor's evaluation", "s")
+    advisor_hook: str = _opt("", "command run with each rebalance plan as JSON on stdin (the operator's executor); empty = none")
+    advisor_hook_timeout_s: float = _opt(60.0, "the advisor hook is killed after this long", "s")
     log_level: str = _opt("info", "debug, info, warning or error")
     log_format: str = _opt("auto", "json, console, or auto (console on a terminal)")
 

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from coordinator.advisor import ADVISOR_METRIC_NAMES
 from protos import cluster_pb2 as cpb
 from protos.fields import BY_NAME
 
@@ -237,4 +238,5 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_queue_depth",
     "gpulb_queue_oldest_wait_seconds",
     "gpulb_tasks",
+    *ADVISOR_METRIC_NAMES,  # the rebalance advisor's and the speed predictor's
 )

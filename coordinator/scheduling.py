@@ -37,6 +37,7 @@ from scheduler.errors import (
     TaskFinished,
     UnknownTask,
 )
+from scheduler.snapshot import ClusterSnapshot
 from scheduler.task import Priority, Task, TaskState
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class Dispatcher:
         self.interval_s = coordinator.config.dispatch_interval_s
         self._last_view_dispatch = 0.0
         self._sla_misses_seen = 0
+        #: adds learned per-node/model slowdowns to the snapshot (the advisor runtime sets it)
+        self.annotate: Callable[[ClusterSnapshot], ClusterSnapshot] = lambda snapshot: snapshot
 
     def restored(self, tasks) -> None:
         """Tasks restored from durable state: remember their states so later
@@ -137,7 +140,7 @@ class Dispatcher:
 
     def dispatch_now(self) -> list[Task]:
         started = time.perf_counter()
-        snapshot = self.snapshots.snapshot()
+        snapshot = self.annotate(self.snapshots.snapshot())
         if snapshot.gpu_count == 0:
             # No node yet (a fresh start, or a restart before agents are back):
             # nothing can be placed, and judging "never fits" against an empty
@@ -221,6 +224,7 @@ class Dispatcher:
         if a is None or a.node_id != node_id or task.state != TaskState.LEASED:
             return  # a late event for a task that moved on, or from the wrong node
         if event.kind == pb.TASK_EVENT_KIND_STARTED:
+            self.c.advisor.task_started(task.task_id)
             observed = max(0.0, self.clock() - a.placed_at)
             old = self.snapshots.response_time_s.get(node_id)
             self.snapshots.response_time_s[node_id] = observed if old is None else 0.8 * old + 0.2 * observed
@@ -395,6 +399,8 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
     async def CompleteTask(self, request: tpb.CompleteTaskRequest, context) -> tpb.CompleteTaskResponse:
         identity = self.c.authorize(context, admin=False)
         await self._owned(identity, request.task_id, context)
+        if request.actual_duration_s:
+            self.c.advisor.note_actual_duration(request.task_id, request.actual_duration_s)
         try:
             task = self.d.engine.complete(request.task_id, request.lease_id, failed=request.failed)
         except SchedulerError as exc:

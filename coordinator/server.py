@@ -8,6 +8,7 @@ background loops, each with an explicit start and stop.
 from __future__ import annotations
 
 import asyncio
+import shlex
 import time
 from typing import Callable
 
@@ -17,6 +18,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from coordinator.advisor import ADVISOR_SERVICE_NAME, AdvisorRuntime, AdvisorService, CommandHook
+from coordinator.advisor import add_to_server as add_advisor_to_server
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import gpu_messages, node_message
 from coordinator.gateway import AgentGateway, AgentSession, StreamRefused
@@ -36,6 +39,7 @@ from protos import telemetry_pb2 as pb
 from protos import telemetry_pb2_grpc as pb_grpc
 from protos.codec import DecodeResult
 from scheduler.config import SchedulerConfig
+from scheduler.task import TaskState
 
 __all__ = ["Coordinator"]
 
@@ -76,6 +80,20 @@ class Coordinator:
         self.metrics = CoordinatorMetrics(self)
         self.dispatcher = Dispatcher(self, scheduler_config or SchedulerConfig(), clock)
         self.scheduler_service = SchedulerService(self)
+        engine = self.dispatcher.engine
+        self.advisor = AdvisorRuntime(
+            snapshot=self.dispatcher.snapshots.snapshot,
+            tasks=lambda: engine.tasks(state=TaskState.LEASED, limit=10**9),
+            clock=clock,
+            reservations=lambda: engine.reservations,
+            scheduler_config=engine.config,
+            interval_s=cfg.advisor_interval_s,
+            hook=CommandHook(shlex.split(cfg.advisor_hook), timeout_s=cfg.advisor_hook_timeout_s) if cfg.advisor_hook else None,
+            unix_ns=self.dispatcher.wall.ns,
+        )
+        engine.add_listener(self.advisor.on_task_change)
+        self.dispatcher.annotate = self.advisor.annotate
+        self.advisor_service = AdvisorService(self.advisor, authorize=lambda context, admin: self.authorize(context, admin=admin))
         self.security = security or Security(insecure=True)
         if self.security.quota is not None:
             self.dispatcher.engine.add_listener(self.security.quota.changed)
@@ -133,6 +151,7 @@ class Coordinator:
         self._sweeper.start()
         self._smoother = asyncio.create_task(self._smoothing_loop(), name="gpulb-smoothing")
         self.dispatcher.start()
+        self.advisor.start()
         if self.store is not None:
             self._background.append(asyncio.create_task(self._prune_loop(), name="gpulb-prune"))
         for name in ("",) + self.service_names():
@@ -152,6 +171,7 @@ class Coordinator:
         self._server = None
         await self._sweeper.stop()
         await self.dispatcher.stop()
+        await self.advisor.stop()
         if self._smoother is not None:
             self._smoother.cancel()
             try:
@@ -208,9 +228,10 @@ class Coordinator:
 
     def _add_services(self, server: grpc.aio.Server) -> None:
         tpb_grpc.add_SchedulerServicer_to_server(self.scheduler_service, server)
+        add_advisor_to_server(self.advisor_service, server)
 
     def service_names(self) -> tuple[str, ...]:
-        return SERVICE_NAMES
+        return SERVICE_NAMES + (ADVISOR_SERVICE_NAME,)
 
     async def wait(self) -> None:
         if self._server is not None:
@@ -461,7 +482,7 @@ class Coordinator:
         return self.dispatcher.gpu_facts()
 
     def scheduler_metric_families(self):
-        return self.dispatcher.metric_families()
+        return list(self.dispatcher.metric_families()) + list(self.advisor.collector().collect())
 
     def gpu_flags(self, row: int, msg: cpb.Gpu) -> None:
         flagged = self.view.signals.flagged[row]
