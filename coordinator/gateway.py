@@ -186,6 +186,8 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
             elif body == "heartbeat":
                 node.last_heartbeat_ns = time.time_ns()
             elif body == "task_event":
+                if msg.task_event.kind not in pb.TaskEventKind.values():
+                    raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, f"task_event.kind: unknown kind {msg.task_event.kind}")
                 coordinator.task_event(node.node_id, msg.task_event)
             elif body == "register":
                 raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, "register: a stream registers once")

@@ -125,29 +125,38 @@ class TelemetryIngest:
         key = rows * FIELD_COUNT + cols
         order = np.argsort(key, kind="stable")  # stable: arrival order inside a cell
         ks = key[order]
-        ds = deltas[order].astype(np.float64)
+        ds = deltas[order]
+        col_sorted = cols[order]
+        # No valid delta (from a valid value, or from zero for a first value, to
+        # a valid value) exceeds |hi| + |lo|; one that does is refused before it
+        # enters the sums, which stay exact int64
+        # arithmetic (a float cumsum would let a huge bogus delta of one node
+        # wash out the precision of every other node's values).
+        too_big = np.abs(ds) > (np.abs(UPPER) + np.abs(LOWER))[col_sorted]
         start = np.ones(ks.size, dtype=bool)
         start[1:] = ks[1:] != ks[:-1]
         group = np.cumsum(start) - 1
         firsts = np.flatnonzero(start)
-        csum = np.cumsum(ds)
-        running = csum - (csum[firsts] - ds[firsts])[group]
+        clean = np.where(too_big, 0, ds)
+        csum = np.cumsum(clean)
+        running = csum - (csum[firsts] - clean[firsts])[group]
         flat = view.raw.reshape(-1)
         base = flat[ks]
         # An unknown value (NaN) is zero for a delta: the encoder sends a field's
         # first value against zero.
-        new = np.where(np.isnan(base), 0.0, base) + running
-        col_sorted = cols[order]
-        bad = (new < LOWER[col_sorted]) | (new > UPPER[col_sorted])
+        new = np.where(np.isnan(base), 0, base).astype(np.int64) + running
+        bad = too_big | (new < LOWER[col_sorted]) | (new > UPPER[col_sorted])
         if bad.any():
             out: dict[str, Rejection] = {}
             for i in np.flatnonzero(bad):
                 p = pending[int(items[order[i]])]
                 if p.node.node_id not in out:
-                    out[p.node.node_id] = self._rejection(p.node, int(rows[order[i]]), int(col_sorted[i]), float(new[i]))
+                    value = float(ds[i]) if too_big[i] else float(new[i])
+                    out[p.node.node_id] = self._rejection(p.node, int(rows[order[i]]), int(col_sorted[i]), value)
             return list(out.values())
         lasts = np.append(firsts[1:] - 1, ks.size - 1)
         flat[ks[lasts]] = new[lasts]
+        new = new.astype(np.float64)
         arrived = np.asarray([p.arrived_s for p in pending])
         # cells are in arrival order, so the last assignment per row wins
         view.reading_at_s[rows] = arrived[items]

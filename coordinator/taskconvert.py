@@ -26,8 +26,14 @@ def priority_to_proto(priority: Priority) -> int:
     return int(priority) + 1
 
 
+#: MiB: no GPU has more (the telemetry field table's bound too)
+MAX_VRAM_MIB = 4 * 1024 * 1024
+
+
 def spec_from_proto(spec: tpb.TaskSpec) -> TaskSpec:
     """A validated TaskSpec; InvalidTask names the field."""
+    if spec.vram_mib > MAX_VRAM_MIB:
+        raise InvalidTask("vram_mib", f"{spec.vram_mib} MiB is more than any GPU has (at most {MAX_VRAM_MIB})")
     return TaskSpec(
         task_id=spec.task_id,
         tenant=spec.tenant,

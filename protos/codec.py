@@ -48,6 +48,9 @@ __all__ = [
 #: Bound on a decompressed MetricBatch. A batch of 64 GPUs with every field and
 #: a long process list is a few KiB; 1 MiB leaves room and stops a zip bomb.
 MAX_RAW_BATCH_BYTES = 1 << 20
+#: Sequence numbers stay far below uint64's end, so seq + 1 never overflows the
+#: coordinator's replies (at 5 envelopes/s, 2**62 lasts longer than the universe).
+_MAX_SEQ = 1 << 62
 
 DEADBANDS = np.array([spec.deadband for spec in FIELDS], dtype=np.int64)
 LOWER = np.array([spec.lo for spec in FIELDS], dtype=np.int64)
@@ -338,8 +341,8 @@ class TelemetryDecoder:
         sequence - without applying values. The coordinator applies the values
         of many admitted envelopes at once (``coordinator.ingest``); range
         checks happen there. Raises CodecError on malformed input."""
-        if env.seq == 0:
-            raise CorruptEnvelope("seq", "sequence numbers start at 1")
+        if not 0 < env.seq < _MAX_SEQ:
+            raise CorruptEnvelope("seq", f"{env.seq} is not a sequence number (1..{_MAX_SEQ - 1})")
         batch = self.parse(env)
         result = self._sequence(env, batch)
         if result is not None:
@@ -352,8 +355,8 @@ class TelemetryDecoder:
     def apply(self, env: pb.Envelope) -> DecodeResult:
         """Admit and apply one envelope to this decoder's own state. Raises
         CodecError without changing state on bad input."""
-        if env.seq == 0:
-            raise CorruptEnvelope("seq", "sequence numbers start at 1")
+        if not 0 < env.seq < _MAX_SEQ:
+            raise CorruptEnvelope("seq", f"{env.seq} is not a sequence number (1..{_MAX_SEQ - 1})")
         batch = self.parse(env)
         result = self._sequence(env, batch)
         if result is not None:
