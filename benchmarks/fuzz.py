@@ -42,7 +42,7 @@ import re
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -51,7 +51,7 @@ import grpc
 import numpy as np
 import snappy
 import structlog
-from google.protobuf import message_factory
+from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.descriptor import FieldDescriptor as FD
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -118,6 +118,8 @@ _FIELD_PATH = re.compile(r"([a-z_][a-z0-9_]*)(?:\[.*?\]|\.[a-z_][a-z0-9_]*)*:", 
 
 #: per-call deadline: a call still running after this long is a hang
 CALL_TIMEOUT_S = 5.0
+#: a watch that may wait for events: still open this long without a status = accepted
+OPEN_STREAM_S = 0.25
 STREAM_TIMEOUT_S = 5.0
 
 _CODEC_STATUS = {CorruptEnvelope: "INVALID_ARGUMENT", InvalidReading: "INVALID_ARGUMENT", PayloadTooLarge: "RESOURCE_EXHAUSTED"}
@@ -947,17 +949,41 @@ class Client:
         fn = self.method(target)
         try:
             if target.streaming:
-                call = fn(request, timeout=CALL_TIMEOUT_S)
+                call = fn(request, timeout=CALL_TIMEOUT_S if target.immediate else OPEN_STREAM_S)
                 try:
                     first = next(call, None)
                     if first is None:
                         return call.code(), call.details() or "", None
                     return grpc.StatusCode.OK, "", first
+                except grpc.RpcError as exc:
+                    if not target.immediate and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        return grpc.StatusCode.OK, "", None  # open and waiting for events: accepted
+                    raise
                 finally:
                     call.cancel()
             return grpc.StatusCode.OK, "", fn(request, timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
             return exc.code(), exc.details() or "", None
+
+    def open_stream(self, target: "RpcTarget", request: bytes):
+        """Start a server-streaming call that may wait for events."""
+        return self.method(target)(request, timeout=OPEN_STREAM_S)
+
+    @staticmethod
+    def open_status(call) -> tuple[grpc.StatusCode, str]:
+        """OK when a first message came or the call was still open (waiting
+        for events) at its deadline; else the status it ended with."""
+        try:
+            first = next(call, None)
+            if first is None:
+                return call.code(), call.details() or ""
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return grpc.StatusCode.OK, ""
+            return exc.code(), exc.details() or ""
+        finally:
+            call.cancel()
 
     def stream(self, messages: list[pb.AgentMessage]) -> tuple[grpc.StatusCode, str, list]:
         fn = self._methods.get("connect")
@@ -1238,6 +1264,10 @@ class RpcTarget:
     fixup: Callable[[Any], None] | None = None
     #: well-formed requests that reach the handler's deep paths (real ids)
     valid: st.SearchStrategy | None = None
+    #: a streaming method whose contract is a first message at once (WatchView's
+    #: snapshot, WatchTask's task now); other streams may wait for events, so
+    #: one still open after OPEN_STREAM_S without a status accepted the request
+    immediate: bool = True
 
     @property
     def roots(self) -> frozenset[str]:
@@ -1379,10 +1409,14 @@ def _build_targets() -> dict[str, RpcTarget]:
         "SetPolicy": st.builds(tpb.SetPolicyRequest, name=st.one_of(st.just(""), POOLS.strategy("policies")),
                                weights=_pool_dicts("weights", st.floats(0, 10))),
     }
+    # ids by field name, for any request (services added later included)
+    by_name = {"node_id": node, "task_id": _task_ids(), "lease_id": _lease_ids()}
     targets: dict[str, RpcTarget] = {}
-    for module, service in ((cpb, "ClusterOperator"), (tpb, "Scheduler")):
-        sdesc = module.DESCRIPTOR.services_by_name[service]
+    for sdesc in served_services():
+        service = sdesc.name
         for m in sdesc.methods:
+            method_hints = {f.full_name: by_name[f.name] for f in m.input_type.fields if f.name in by_name}
+            method_hints.update(hints.get(m.name, {}) if service in ("ClusterOperator", "Scheduler") else {})
             targets[f"{service}.{m.name}"] = RpcTarget(
                 name=f"{service}.{m.name}",
                 service=sdesc.full_name,
@@ -1390,11 +1424,24 @@ def _build_targets() -> dict[str, RpcTarget]:
                 request=message_factory.GetMessageClass(m.input_type),
                 response=message_factory.GetMessageClass(m.output_type),
                 streaming=m.server_streaming,
-                hints=hints.get(m.name, {}),
-                fixup=_no_wait if m.name == "ScheduleTask" else None,
-                valid=valid.get(m.name),
+                hints=method_hints,
+                fixup=_no_wait if m.full_name == "gpulb.v1.Scheduler.ScheduleTask" else None,
+                valid=valid.get(m.name) if service in ("ClusterOperator", "Scheduler") else None,
+                immediate=m.full_name in _IMMEDIATE_STREAMS,
             )
     return targets
+
+
+_IMMEDIATE_STREAMS = frozenset({"gpulb.v1.ClusterOperator.WatchView", "gpulb.v1.Scheduler.WatchTask"})
+
+
+def served_services() -> list:
+    """Descriptors of every request/response service the coordinator serves
+    (the agent stream has a target of its own)."""
+    names = Coordinator.service_names(object.__new__(Coordinator))  # the method reads no state
+    pool = descriptor_pool.Default()
+    gateway = pb.DESCRIPTOR.services_by_name["AgentGateway"].full_name
+    return [pool.FindServiceByName(name) for name in names if name != gateway]
 
 
 RPC_TARGETS = _build_targets()
@@ -1587,6 +1634,7 @@ def run_target(name: str, count: int, cluster: LiveCluster | None = None, client
     many inputs, so long runs keep reaching live tasks."""
     tally = Tally(name)
     INCLUDE_KNOWN_BUGS["on"] = known_bugs
+    drain: Callable[[], None] | None = None  # settles calls still open at the end
     if cluster is not None and not name.startswith("decoder."):
         POOLS.refresh(cluster, client, fresh_leases=3 if name.split(".")[-1] in _LEASE_USERS else 0)
 
@@ -1625,14 +1673,41 @@ def run_target(name: str, count: int, cluster: LiveCluster | None = None, client
         target = RPC_TARGETS[name]
         strategy = target.strategy(known_bugs)
 
-        def one(data):
-            code, details, _ = client.invoke(target, data)
-            record([classify_status(code, details, target.roots)], lambda: f"{target.name} {target.request.FromString(data)!r} + {len(data)} bytes")
+        def shown_for(data: bytes) -> Callable[[], str]:
+            return lambda: f"{target.name} {target.request.FromString(data)!r} + {len(data)} bytes"
+
+        if target.streaming and not target.immediate:
+            # A watch that waits for events is judged after OPEN_STREAM_S; the
+            # benchmark keeps many open at once (the tests one, so a failure
+            # is charged to its own input).
+            window = 1 if raise_on_unexpected else 64
+            open_calls: deque = deque()
+
+            def settle() -> None:
+                call, data = open_calls.popleft()
+                code, details = Client.open_status(call)
+                record([classify_status(code, details, target.roots)], shown_for(data))
+
+            def one(data):
+                open_calls.append((client.open_stream(target, data), data))
+                while len(open_calls) >= window:
+                    settle()
+
+            def drain() -> None:
+                while open_calls:
+                    settle()
+        else:
+
+            def one(data):
+                code, details, _ = client.invoke(target, data)
+                record([classify_status(code, details, target.roots)], shown_for(data))
 
     test = fuzz_settings(count, derandomize=derandomize, shrink=raise_on_unexpected)(given(strategy)(one))
     started = time.perf_counter()
     try:
         test()
+        if drain is not None:
+            drain()
     finally:
         tally.seconds = time.perf_counter() - started
         INCLUDE_KNOWN_BUGS["on"] = False
