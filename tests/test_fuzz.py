@@ -153,9 +153,8 @@ def test_server_still_serves_after_fuzzing(live):
     assert fuzz.still_serves(cluster, client) == []
 
 
-# ---- bugs the fuzzer found (reproductions; xfail until fixed) --------------------------
+# ---- bugs the fuzzer found (reproductions: fixed ones now guard against a return) --------
 # These run last: huge_vram_task leaves a task on the server that breaks ListTasks.
-@pytest.mark.xfail(strict=True, reason="known bug seq_max: a keyframe with seq 2**64-1 makes the decoder expect 2**64")
 def test_known_bug_seq_max_decoder_never_expects_past_uint64():
     decoder = TelemetryDecoder([0])
     encoder = TelemetryEncoder([0])
@@ -170,14 +169,12 @@ def test_known_bug_seq_max_decoder_never_expects_past_uint64():
     assert decoder.expected_seq <= 2**64 - 1
 
 
-@pytest.mark.xfail(strict=True, reason="known bug seq_max: the gateway's ResyncRequest(expected_seq=2**64) raises; the stream ends UNKNOWN")
 def test_known_bug_seq_max_stream_gets_a_precise_status(live):
     _, client = live
     reproduces, what = fuzz.KNOWN_BUGS["seq_max"].reproduce(client)
     assert not reproduces, what
 
 
-@pytest.mark.xfail(strict=True, reason="known bug task_event_kind: a TaskEvent kind outside TaskEventKind ends the stream UNKNOWN")
 def test_known_bug_task_event_kind_gets_a_precise_status(live):
     _, client = live
     reproduces, what = fuzz.KNOWN_BUGS["task_event_kind"].reproduce(client)
@@ -191,7 +188,6 @@ def test_known_bug_task_event_kind_gets_a_precise_status(live):
 # reproduces it.
 
 
-@pytest.mark.xfail(strict=True, reason="known bug ingest_cancellation: a broken agent's huge delta gets a good agent rejected in the same tick")
 def test_known_bug_ingest_cancellation_good_node_unharmed():
     rejected, good_value = fuzz.ingest_cancellation_case()
     assert [node for node, _, _ in rejected] == ["broken"]
@@ -203,7 +199,6 @@ def test_known_bug_undecodable_request_gets_a_precise_status(live):
     _run("wire.undecodable", EXAMPLES, live)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug huge_vram_task: a REJECTED task with vram_mib >= 2**64-1024 makes GetTask/ListTasks end UNKNOWN")
 def test_known_bug_huge_vram_task_can_be_read_back(live):
     _, client = live
     reproduces, what = fuzz.KNOWN_BUGS["huge_vram_task"].reproduce(client)
