@@ -495,17 +495,8 @@ class EnvelopeSpec:
     what: str = ""
 
     def build(self, expected_seq: int) -> pb.Envelope:
-        seq = self.seq if self.seq_offset is None else min(max(0, expected_seq + self.seq_offset), _seq_max())
+        seq = self.seq if self.seq_offset is None else min(max(0, expected_seq + self.seq_offset), 2**64 - 1)
         return pb.Envelope(seq=seq, compression=self.compression, raw_size=self.raw_size, payload=self.payload)
-
-
-#: strategies leave out the inputs of KNOWN_BUGS unless this is set (run_target's known_bugs)
-INCLUDE_KNOWN_BUGS = {"on": False}
-
-
-def _seq_max() -> int:
-    # KNOWN_BUGS["seq_max"]: a keyframe with seq 2**64-1 makes the decoder expect 2**64
-    return 2**64 - 1 if INCLUDE_KNOWN_BUGS["on"] else 2**64 - 2
 
 
 def seqs() -> st.SearchStrategy[tuple[int | None, int]]:
@@ -514,7 +505,7 @@ def seqs() -> st.SearchStrategy[tuple[int | None, int]]:
         st.just((0, 0)),
         st.just((0, 0)),
         st.sampled_from([(1, 0), (5, 0), (-1, 0), (-3, 0)]),
-        ints(0, _seq_max()).map(lambda s: (None, s)),
+        ints(0, 2**64 - 1).map(lambda s: (None, s)),
     )
 
 
@@ -565,7 +556,7 @@ def envelopes(draw, gpus: list[int]) -> EnvelopeSpec:
         compression=draw(st.one_of(st.sampled_from([0, 1]), ints(-(2**31), 2**31 - 1))),
         raw_size=draw(ints(0, 2**32 - 1)),
         seq_offset=None,
-        seq=draw(ints(0, _seq_max())),
+        seq=draw(ints(0, 2**64 - 1)),
         what="arbitrary",
     )
 
@@ -684,8 +675,7 @@ def ingest_case(draw) -> IngestCase:
         envelopes(gpus).map(lambda e: ("fuzz", e)),
         envelopes(gpus).map(lambda e: ("fuzz", e)),
     )
-    # KNOWN_BUGS["ingest_cancellation"]: the broken node's rows before the good node's
-    fuzz_first = draw(st.booleans()) if INCLUDE_KNOWN_BUGS["on"] else False
+    fuzz_first = draw(st.booleans())  # KNOWN_BUGS["ingest_cancellation"] needs the broken node's rows first
     return IngestCase(gpus, draw(st.integers(1, 4)), fuzz_first, draw(st.integers(0, 2**32 - 1)), draw(st.lists(step, min_size=1, max_size=10)))
 
 
@@ -1086,9 +1076,9 @@ HUGE_VRAM = 2**64 - 1024
 
 @dataclass(frozen=True)
 class KnownBug:
-    """A bug the fuzzer found, left to its owner: ``reproduce`` returns
-    (still reproduces, what happened). The strategies leave its inputs out
-    unless ``known_bugs`` is asked for, so every other input stays checked."""
+    """A bug the fuzzer found, as a reproduction: ``reproduce`` returns
+    (still reproduces, what happened); the benchmark reports each one.
+    The strategies generate the inputs of fixed ones like any others."""
 
     name: str
     summary: str
@@ -1273,17 +1263,14 @@ class RpcTarget:
     def roots(self) -> frozenset[str]:
         return frozenset(f.name for f in self.request.DESCRIPTOR.fields)
 
-    def strategy(self, known_bugs: bool = False) -> st.SearchStrategy[bytes]:
+    def strategy(self) -> st.SearchStrategy[bytes]:
         """A third well-formed, a third well-formed but for one field, a third
         generated from the descriptor (with hints); unknown fields appended
         to some."""
         hints = dict(self.hints)
-        replace = set(self.replace)
-        if not known_bugs:
-            # KNOWN_BUGS["huge_vram_task"]: the top 1024 uint64 values are left out
-            hints[_VRAM] = st.one_of(ints(0, HUGE_VRAM - 1), st.integers(1, 30_000))
-            replace.add(_VRAM)
-        replace = frozenset(replace)
+        # every uint64, and plausible sizes (KNOWN_BUGS["huge_vram_task"] was the top 1024)
+        hints[_VRAM] = st.one_of(ints(0, 2**64 - 1), st.sampled_from(range(HUGE_VRAM, HUGE_VRAM + 1024, 97)), st.integers(1, 30_000))
+        replace = frozenset(self.replace | {_VRAM})
         body = messages(self.request.DESCRIPTOR, hints, replace)
         if self.valid is not None:
             body = st.one_of(self.valid, mutated(self.valid, hints, replace), body)
@@ -1584,13 +1571,10 @@ _STREAM_ROOTS = frozenset({"register", "telemetry", "heartbeat", "task_event", "
 
 def _stream_hints() -> tuple[Hints, frozenset[str]]:
     """Hints for generated agent messages; leaves out known-bug inputs."""
-    hints: Hints = {"gpulb.v1.TaskEvent.task_id": POOLS.strategy("task_ids")}
-    replace: set[str] = set()
-    if not INCLUDE_KNOWN_BUGS["on"]:
-        # KNOWN_BUGS["task_event_kind"]: an unknown TaskEventKind ends the stream UNKNOWN
-        hints["gpulb.v1.TaskEvent.kind"] = st.sampled_from(sorted(pb.TaskEventKind.values()))
-        replace.add("gpulb.v1.TaskEvent.kind")
-    return hints, frozenset(replace)
+    hints: Hints = {"gpulb.v1.TaskEvent.task_id": POOLS.strategy("task_ids"),
+                    # known kinds, and others (KNOWN_BUGS["task_event_kind"]: a newer agent's)
+                    "gpulb.v1.TaskEvent.kind": st.one_of(st.sampled_from(sorted(pb.TaskEventKind.values())), ints(-(2**31), 2**31 - 1))}
+    return hints, frozenset({"gpulb.v1.TaskEvent.kind"})
 
 
 #: outcome kind of a stream that hung once and got its precise status when sent again
@@ -1625,7 +1609,7 @@ def fuzz_settings(count: int, *, derandomize: bool = False, shrink: bool = False
 
 
 def run_target(name: str, count: int, cluster: LiveCluster | None = None, client: Client | None = None, *,
-               derandomize: bool = False, known_bugs: bool = False, raise_on_unexpected: bool = False,
+               derandomize: bool = False, raise_on_unexpected: bool = False,
                refresh_every: int = 0) -> Tally:
     """Run one target on ``count`` generated inputs. With ``raise_on_unexpected``
     the first unexpected outcome fails (and hypothesis shrinks it): the tests'
@@ -1633,7 +1617,6 @@ def run_target(name: str, count: int, cluster: LiveCluster | None = None, client
     ``refresh_every`` the id pools are re-read (and new leases made) every so
     many inputs, so long runs keep reaching live tasks."""
     tally = Tally(name)
-    INCLUDE_KNOWN_BUGS["on"] = known_bugs
     drain: Callable[[], None] | None = None  # settles calls still open at the end
     if cluster is not None and not name.startswith("decoder."):
         POOLS.refresh(cluster, client, fresh_leases=3 if name.split(".")[-1] in _LEASE_USERS else 0)
@@ -1671,7 +1654,7 @@ def run_target(name: str, count: int, cluster: LiveCluster | None = None, client
             record([classify_status(code, details, target.roots)], lambda: f"{target.name} {data!r}")
     else:
         target = RPC_TARGETS[name]
-        strategy = target.strategy(known_bugs)
+        strategy = target.strategy()
 
         def shown_for(data: bytes) -> Callable[[], str]:
             return lambda: f"{target.name} {target.request.FromString(data)!r} + {len(data)} bytes"
@@ -1710,7 +1693,6 @@ def run_target(name: str, count: int, cluster: LiveCluster | None = None, client
             drain()
     finally:
         tally.seconds = time.perf_counter() - started
-        INCLUDE_KNOWN_BUGS["on"] = False
     return tally
 
 
@@ -1778,7 +1760,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--json-out", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--derandomize", action="store_true", help="fixed hypothesis seed (repeatable runs)")
-    parser.add_argument("--known-bugs", action="store_true", help="let the strategies generate the known-bug inputs too")
     args = parser.parse_args(argv)
     chosen = [t for t in TARGETS if not args.only or any(p in t for p in args.only)]
     rows = []
@@ -1794,8 +1775,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i, name in enumerate(chosen, 1):
             try:
-                tally = run_target(name, args.count, cluster, client, derandomize=args.derandomize, known_bugs=args.known_bugs,
-                                   refresh_every=500)
+                tally = run_target(name, args.count, cluster, client, derandomize=args.derandomize, refresh_every=500)
             except Exception as exc:  # a harness failure ends this target, not the run
                 tally = Tally(name)
                 tally.unexpected = 1

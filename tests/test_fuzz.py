@@ -3,15 +3,16 @@ count; ``benchmarks/fuzz.py`` runs the same targets with 10,000 inputs each.
 
 * the telemetry decoder with state, and the coordinator's admit + ingest path:
   applied, or a CodecError naming a field with the state unchanged;
-* every RPC of ClusterOperator and Scheduler, and the agent stream, against a
-  real coordinator on loopback with two sim hosts: OK or a precise status with
-  a detail (INVALID_ARGUMENT names a field of the request), never UNKNOWN,
-  INTERNAL or a hang; afterwards the server still serves.
+* every RPC of every service the coordinator serves (ClusterOperator,
+  Scheduler, Advisor), and the agent stream, against a real coordinator on
+  loopback with two sim hosts: OK or a precise status with a detail
+  (INVALID_ARGUMENT names a field of the request), never UNKNOWN, INTERNAL or
+  a hang; afterwards the server still serves.
 
-Bugs the fuzzer found are reproduced by the ``test_known_bug_*`` tests,
-``xfail(strict=True)`` until fixed; the strategies leave those inputs out so
-every other input stays checked (``benchmarks/fuzz.py --known-bugs`` puts
-them back). Set GPULB_FUZZ_EXAMPLES to run more examples per target.
+Bugs the fuzzer found are reproduced by the ``test_known_bug_*`` tests: an
+open one is ``xfail(strict=True)``, a fixed one guards against its return
+(and the strategies generate its inputs like any others). Set
+GPULB_FUZZ_EXAMPLES to run more examples per target.
 """
 
 from __future__ import annotations
