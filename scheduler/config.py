@@ -29,9 +29,9 @@ class SchedulerConfig:
     # (since it was first tried and failed) or skipped this many dispatches, it
     # holds one node: tasks of its class and below may still pass it, but not
     # onto that node (EASY-style backfill; see AgingQueue). The coordinator
-    # dispatches up to ~10 times a second, so 600 skips is about the 60 s bound.
-    backfill_max_head_wait_s: float = 60.0
-    backfill_max_skips: int = 600
+    # dispatches up to ~10 times a second, so 100 skips is about the 10 s bound.
+    backfill_max_head_wait_s: float = 10.0
+    backfill_max_skips: int = 100
 
     # ---- filters (hard) -----------------------------------------------------
     # % of GPU memory that memory used + reservations + the task must stay under.
