@@ -138,6 +138,7 @@ class AdvisorRuntime:
         tasks: Callable[[], Sequence[Task]],
         clock: Callable[[], float],
         reservations: Callable[[], Reservations | None] | None = None,
+        queued: Callable[[], int] | None = None,
         advisor_config: AdvisorConfig | None = None,
         predictor_config: PredictorConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
@@ -146,13 +147,15 @@ class AdvisorRuntime:
         unix_ns: Callable[[float], int] | None = None,
     ) -> None:
         """``snapshot``: the current ``ClusterSnapshot``; ``tasks``: the leased
-        tasks; ``clock``: monotonic seconds (the scheduler's); ``unix_ns``:
+        tasks; ``queued``: tasks waiting in the scheduler's queue (the advisor
+        pauses while any wait); ``clock``: monotonic seconds (the scheduler's); ``unix_ns``:
         clock seconds -> Unix ns for the wire (default: offset taken now)."""
         if not (math.isfinite(interval_s) and interval_s > 0):
             raise ValueError(f"advisor interval_s must be > 0, got {interval_s!r}")
         self._snapshot = snapshot
         self._tasks = tasks
         self._reservations = reservations or (lambda: None)
+        self._queued = queued or (lambda: 0)
         self.clock = clock
         if unix_ns is None:
             offset = time.time_ns() - int(clock() * 1e9)
@@ -287,7 +290,8 @@ class AdvisorRuntime:
         self.last_evaluated_at = now
         if snap.gpu_count == 0:
             return None
-        plan = self.advisor.evaluate(snap, self._leased(), now, reservations=self._reservations())
+        plan = self.advisor.evaluate(snap, self._leased(), now, reservations=self._reservations(),
+                                     queued=self._queued())
         if plan is None:
             return None
         self.plans_by_trigger[plan.trigger] = self.plans_by_trigger.get(plan.trigger, 0) + 1
@@ -311,7 +315,8 @@ class AdvisorRuntime:
     def dry_run(self) -> tuple[Trigger, Plan | None]:
         """What a plan would be now (``Advisor.dry_run``); changes nothing."""
         snap = self.annotate(self._current())
-        return self.advisor.dry_run(snap, self._leased(), self.clock(), reservations=self._reservations())
+        return self.advisor.dry_run(snap, self._leased(), self.clock(), reservations=self._reservations(),
+                                    queued=self._queued())
 
     @property
     def last_plan(self) -> Plan | None:

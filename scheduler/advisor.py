@@ -30,7 +30,8 @@ the apparent one around. Once a plan is made, the averages of its GPUs are
 set to what the plan expects, so the next evaluation does not act again on
 load that is already on its way out.
 
-Moves (``plan_moves``), greedy, at most ``max_moves`` per ``window_s``:
+Moves (``plan_moves``; rule 5 in ``advise``), greedy, at most ``max_moves``
+per ``window_s``:
 
 1. a task's *load* is its part of its GPU's measured utilisation, split
    between the GPU's tasks in proportion to their declared ``gpu_share``
@@ -54,7 +55,10 @@ Moves (``plan_moves``), greedy, at most ``max_moves`` per ``window_s``:
    ``margin_pct``: ``margin / 2 <= l <= d - margin / 2`` (so it always lowers
    the variance, and never makes the destination the new hot spot). Among a
    source's tasks the one with the largest variance reduction wins;
-5. both GPUs of a move take no part in another move of the same plan, and
+5. no plan while tasks wait in the queue (``pause_when_queued``): the
+   scheduler is already filling the cool GPUs with new work, and a migrated
+   task restarts through that queue, behind what waits there;
+6. both GPUs of a move take no part in another move of the same plan, and
    the task and both GPUs are left alone for ``cooldown_s`` afterwards: a
    plan cannot be undone by the next one (no flapping).
 
@@ -131,6 +135,8 @@ class AdvisorConfig:
     movable_kinds: frozenset[str] = frozenset({"training"})
     # kinds that never move, whatever spec.movable says.
     pinned_kinds: frozenset[str] = frozenset({"inference"})
+    # propose nothing while tasks wait in the scheduler's queue.
+    pause_when_queued: bool = True
 
     def validate(self) -> "AdvisorConfig":
         def non_negative(name: str) -> None:
@@ -321,7 +327,7 @@ def plan_moves(
     reservations: Reservations | None = None,
     scheduler_config: SchedulerConfig | None = None,
 ) -> tuple[list[Move], float, float, float, float]:
-    """Greedy moves (module docstring, rules 2-5): ``(moves, variance before,
+    """Greedy moves (module docstring, rules 2-4 and 6): ``(moves, variance before,
     variance after, spread before, spread after)``. ``budget`` caps the moves
     (default ``max_moves``); ``cooling_*`` are task ids and GPU uuids left alone."""
     cfg = config or AdvisorConfig()
@@ -466,11 +472,12 @@ def advise(
     *,
     reservations: Reservations | None = None,
     scheduler_config: SchedulerConfig | None = None,
+    queued: int = 0,
 ) -> tuple[Plan | None, AdvisorState]:
     """One evaluation: the trigger, the moves within the window's budget, and
     a plan once they have started from the same source GPU ``persist`` times
-    in a row. Returns the plan (None when there is nothing to do yet) and
-    the next state."""
+    in a row. ``queued``: tasks waiting in the scheduler's queue. Returns the
+    plan (None when there is nothing to do yet) and the next state."""
     cfg = config or AdvisorConfig()
     state = state or AdvisorState()
     uuids, smoothed = _smooth(snapshot, state, cfg.smoothing_alpha)
@@ -482,7 +489,7 @@ def advise(
     nxt = replace(state, streak=0, source="", moved_at=moved_at, touched_at=touched_at, move_times=move_times,
                   last_trigger=trigger, smoothed_uuids=uuids, smoothed_util=smoothed)
     budget = cfg.max_moves - len(move_times)
-    if not trigger.fired or budget <= 0:
+    if not trigger.fired or budget <= 0 or (cfg.pause_when_queued and queued > 0):
         return None, nxt
     moves, before, after, spread0, spread1 = plan_moves(
         judged,
@@ -547,6 +554,7 @@ class Advisor:
         now: float,
         *,
         reservations: Reservations | None = None,
+        queued: int = 0,
     ) -> Plan | None:
         plan, self.state = advise(
             snapshot,
@@ -556,6 +564,7 @@ class Advisor:
             self.config,
             reservations=reservations,
             scheduler_config=self.scheduler_config,
+            queued=queued,
         )
         if plan is not None:
             self.last_plan = plan
@@ -568,6 +577,7 @@ class Advisor:
         now: float,
         *,
         reservations: Reservations | None = None,
+        queued: int = 0,
     ) -> tuple[Trigger, Plan | None]:
         """What a plan would be now, with this reading in the averages but
         ignoring persistence and leaving the state untouched: the trigger's
@@ -577,7 +587,7 @@ class Advisor:
         snapshot = replace(snapshot, util_pct=smoothed)
         trigger = check_trigger(snapshot, cfg)
         budget = cfg.max_moves - self.state.moves_in_window(now, cfg.window_s)
-        if not trigger.fired or budget <= 0:
+        if not trigger.fired or budget <= 0 or (cfg.pause_when_queued and queued > 0):
             return trigger, None
         moves, before, after, spread0, spread1 = plan_moves(
             snapshot, tasks, cfg, now=now, budget=budget,

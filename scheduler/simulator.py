@@ -1128,7 +1128,8 @@ class Simulation:
             task = self.sched.get(run_id)
             if task.state == TaskState.LEASED:
                 tasks.append(task)
-        plan = advisor.evaluate(snap, tasks, self.now, reservations=self.sched.reservations)
+        plan = advisor.evaluate(snap, tasks, self.now, reservations=self.sched.reservations,
+                                queued=self.sched.queued())
         if plan is None:
             return False
         self.plans += 1

@@ -217,6 +217,16 @@ def test_a_single_noisy_reading_never_moves_work():
     assert plans[first].moves[0].from_gpu_uuid == hot.gpu_uuid[0]
 
 
+def test_no_plan_while_tasks_wait_in_the_queue():
+    snap = snapshot([100.0, 0.0, 50.0, 50.0])
+    tasks = [leased("t", snap, 0, share=0.5), leased("u", snap, 0, share=0.5)]
+    cfg = AdvisorConfig(persist=1)
+    plan, state = advise(snap, tasks, NOW, None, cfg, queued=3)
+    assert plan is None and state.last_trigger.fired
+    assert advise(snap, tasks, NOW, None, replace(cfg, pause_when_queued=False), queued=3)[0] is not None
+    assert advise(snap, tasks, NOW, state, cfg, queued=0)[0] is not None
+
+
 def test_persist_wants_the_same_source_twice():
     # readings alternate which GPU is hot: the trigger fires every time, but
     # the would-be source changes, so nothing moves (averaging off to show it)

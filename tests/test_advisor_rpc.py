@@ -66,7 +66,8 @@ class Cluster:
 def runtime_for(cluster: Cluster, **kw) -> AdvisorRuntime:
     kw.setdefault("advisor_config", AdvisorConfig(persist=2, min_age_s=0.0))
     rt = AdvisorRuntime(snapshot=cluster.snapshot, tasks=cluster.leased, clock=lambda: cluster.now,
-                        reservations=lambda: cluster.engine.reservations, unix_ns=lambda s: int(s * 1e9), **kw)
+                        reservations=lambda: cluster.engine.reservations, queued=cluster.engine.queued,
+                        unix_ns=lambda s: int(s * 1e9), **kw)
     cluster.engine.add_listener(rt.on_task_change)
     return rt
 
