@@ -305,3 +305,40 @@ async def test_metric_families():
     assert variance == pytest.approx(rt.last_trigger.variance / 10_000)
     assert f'gpulb_predictor_slowdown_ratio{{kind="training",model="{M40}"}}' in text
     assert not math.isnan(rt.predictor.mape())
+
+
+# ---- through a real coordinator (the lead's wiring) -----------------------------------------------
+
+
+async def test_through_a_real_coordinator_completions_teach_the_predictor():
+    from agent.fleet import SimFleet
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+    from protos import tasks_pb2 as tpb
+    from protos import tasks_pb2_grpc as tpb_grpc
+    from waiting import until
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1))
+    port = await coord.start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=2, workload="idle"):
+            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                sched = tpb_grpc.SchedulerStub(ch)
+                advisor = apb_grpc.AdvisorStub(ch)
+                spec = tpb.TaskSpec(task_id="job-1", vram_mib=1024, gpu_share=0.3, duration_s=10.0, kind="training",
+                                    priority=tpb.PRIORITY_P1, movable=True)
+                placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
+                assert placed.state == tpb.TASK_STATE_LEASED
+                await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="job-1", lease_id=placed.assignment.lease_id,
+                                                                 actual_duration_s=12.0))
+                got = await advisor.GetPredictions(apb.GetPredictionsRequest())
+                assert got.samples == 1
+                (factor,) = [f for f in got.models if f.kind == "training"]
+                assert factor.samples == 1 and factor.slowdown > 1.0  # 12 s for 10 s of work
+                plan = await advisor.GetPlan(apb.GetPlanRequest(evaluate_now=True))
+                assert plan.trigger.gpus == 2 and not plan.trigger.fired
+        text = coord.metrics.exposition(per_gpu=False).decode()
+        assert "gpulb_predictor_completions_total 1.0" in text and "gpulb_gpu_utilization_variance" in text
+    finally:
+        await coord.stop(0)
