@@ -46,6 +46,23 @@ async def _cancel(task: asyncio.Task | None) -> None:
         pass
 
 
+async def _finish_writer(writer: asyncio.Task | None, session: AgentSession | None) -> None:
+    """Stop the writer *between* writes before the call is aborted: cancelling
+    it mid-write leaves the write running in gRPC's core, and an abort then
+    fails (too many operations) and the agent gets no status at all."""
+    if writer is None or writer.done() or session is None:
+        await _cancel(writer)
+        return
+    # jump the queue: drop what is pending, then the stop marker
+    while not session.outbox.empty():
+        session.outbox.get_nowait()
+    session.outbox.put_nowait(None)
+    try:
+        await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
+    except (asyncio.TimeoutError, Exception):
+        await _cancel(writer)
+
+
 class StreamRefused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -141,7 +158,7 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                 log.warning("stream_refused", node_id=session.node_id if session else None, code=exc.code.name, detail=exc.message)
             # A write in flight while the call is aborted turns the status into
             # INTERNAL; stop the writer first so the agent sees the real reason.
-            await _cancel(writer)
+            await _finish_writer(writer, session)
             await context.abort(exc.code, exc.message)
         finally:
             for task in (reader, stopper, writer):
@@ -168,6 +185,8 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
     async def _write_loop(self, session: AgentSession, context) -> None:
         while True:
             msg = await session.outbox.get()
+            if msg is None:  # asked to stop: the write before this one is complete
+                return
             await context.write(msg)
 
     async def _read_loop(self, request_iterator, session: AgentSession, node) -> None:
