@@ -86,6 +86,7 @@ class Coordinator:
             tasks=lambda: engine.tasks(state=TaskState.LEASED, limit=10**9),
             clock=clock,
             reservations=lambda: engine.reservations,
+            queued=engine.queued,  # no moves while tasks wait: they need the room more
             scheduler_config=engine.config,
             interval_s=cfg.advisor_interval_s,
             hook=CommandHook(shlex.split(cfg.advisor_hook), timeout_s=cfg.advisor_hook_timeout_s) if cfg.advisor_hook else None,
