@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import IO, Iterable, Sequence
 
 from scheduler.snapshot import NodeFacts
-from scheduler.traces import TraceFormatError, csv_records
+from scheduler.traces import TraceFormatError, csv_records, read_header
 
 __all__ = [
     "GpuModel",
@@ -165,27 +165,7 @@ def _positive(text: str) -> float:
 def parse_cluster(lines: Iterable[str], source: str = "<cluster>") -> list[ClusterNode]:
     """Parse cluster CSV text into nodes; ``TraceFormatError`` names line and column."""
     rows = csv_records(lines)
-    try:
-        header_line, header = next(rows)
-    except StopIteration:
-        raise TraceFormatError(source, None, None, "empty file: no header") from None
-    names = [h.strip() for h in header]
-    known = set(CLUSTER_COLUMNS) | set(OPTIONAL_CLUSTER_COLUMNS)
-    for name in names:
-        if name not in known:
-            raise TraceFormatError(
-                source,
-                header_line,
-                name,
-                f"unknown column; expected {', '.join(CLUSTER_COLUMNS)} "
-                f"and optionally {', '.join(OPTIONAL_CLUSTER_COLUMNS)}",
-            )
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise TraceFormatError(source, header_line, dup, "column appears twice")
-    for name in CLUSTER_COLUMNS:
-        if name not in names:
-            raise TraceFormatError(source, header_line, name, "required column is missing")
+    names = read_header(rows, source, CLUSTER_COLUMNS, OPTIONAL_CLUSTER_COLUMNS)
     index = {n: i for i, n in enumerate(names)}
     nodes: list[ClusterNode] = []
     first: dict[str, int] = {}

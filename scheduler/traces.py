@@ -284,35 +284,40 @@ def csv_records(lines: Iterable[str]) -> Iterator[tuple[int, list[str]]]:
         yield n, cells
 
 
+def read_header(
+    rows: Iterator[tuple[int, list[str]]], source: str, required: Sequence[str], optional: Sequence[str]
+) -> list[str]:
+    """The column names of a CSV's header row, checked: no unknown, repeated or
+    missing column (``TraceFormatError`` names it and the line)."""
+    try:
+        header_line, header = next(rows)
+    except StopIteration:
+        raise TraceFormatError(source, None, None, "empty file: no header") from None
+    names = [h.strip() for h in header]
+    known = set(required) | set(optional)
+    seen: set[str] = set()
+    for name in names:
+        if name not in known:
+            raise TraceFormatError(
+                source, header_line, name,
+                f"unknown column; expected {', '.join(required)} and optionally {', '.join(optional)}",
+            )
+        if name in seen:
+            raise TraceFormatError(source, header_line, name, "column appears twice")
+        seen.add(name)
+    for name in required:
+        if name not in seen:
+            raise TraceFormatError(source, header_line, name, "required column is missing")
+    return names
+
+
 def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceTask]:
     """Parse trace CSV text (an iterable of lines) into tasks, in file order.
 
     Raises ``TraceFormatError`` naming the line and column of the first problem.
     """
     rows = csv_records(lines)
-    try:
-        header_line, header = next(rows)
-    except StopIteration:
-        raise TraceFormatError(source, None, None, "empty file: no header") from None
-    names = [h.strip() for h in header]
-    known = set(TRACE_COLUMNS) | set(OPTIONAL_TRACE_COLUMNS)
-    for name in names:
-        if name not in known:
-            raise TraceFormatError(
-                source,
-                header_line,
-                name,
-                f"unknown column; expected {', '.join(TRACE_COLUMNS)} "
-                f"and optionally {', '.join(OPTIONAL_TRACE_COLUMNS)}",
-            )
-    seen_cols: set[str] = set()
-    for name in names:
-        if name in seen_cols:
-            raise TraceFormatError(source, header_line, name, "column appears twice")
-        seen_cols.add(name)
-    for name in TRACE_COLUMNS:
-        if name not in seen_cols:
-            raise TraceFormatError(source, header_line, name, "required column is missing")
+    names = read_header(rows, source, TRACE_COLUMNS, OPTIONAL_TRACE_COLUMNS)
     index = {name: i for i, name in enumerate(names)}
     tasks: list[TraceTask] = []
     first_line: dict[str, int] = {}
