@@ -449,15 +449,20 @@ def _move_to_proto(m: Move) -> apb.Migration:
     )
 
 
-def _trigger_to_proto(t: Trigger) -> apb.TriggerState:
-    return apb.TriggerState(
-        fired=t.fired,
-        reason=t.reason,
-        variance=t.variance,
-        hottest_pct=t.hottest_pct if math.isfinite(t.hottest_pct) else 0.0,
-        rising=t.rising,
-        gpus=t.gpus,
+def _trigger_to_proto(t: Trigger | None, config: AdvisorConfig) -> apb.TriggerState:
+    """The figures of ``t`` (none before the first evaluation) next to the
+    thresholds in force."""
+    out = apb.TriggerState(
+        variance_threshold=config.variance_threshold,
+        hot_pct=config.hot_pct,
+        rising_pct_per_min=config.rising_pct_per_min,
+        rising_gpus=config.rising_gpus,
     )
+    if t is not None:
+        out.fired, out.reason, out.variance = t.fired, t.reason, t.variance
+        out.hottest_pct = t.hottest_pct if math.isfinite(t.hottest_pct) else 0.0
+        out.rising, out.gpus = t.rising, t.gpus
+    return out
 
 
 class AdvisorService(apb_grpc.AdvisorServicer):
@@ -497,13 +502,12 @@ class AdvisorService(apb_grpc.AdvisorServicer):
         r = self.r
         if request.evaluate_now:
             trigger, plan = r.dry_run()
-            out = apb.GetPlanResponse(trigger=_trigger_to_proto(trigger), evaluated_at_ns=r.unix_ns(r.clock()))
+            out = apb.GetPlanResponse(trigger=_trigger_to_proto(trigger, r.advisor.config), evaluated_at_ns=r.unix_ns(r.clock()))
             if plan is not None:
                 out.plan.CopyFrom(plan_to_proto(plan, r.unix_ns, dry_run=True))
             return out
-        out = apb.GetPlanResponse()
-        if r.last_trigger is not None:
-            out.trigger.CopyFrom(_trigger_to_proto(r.last_trigger))
+        # the thresholds are always there; the figures once evaluated
+        out = apb.GetPlanResponse(trigger=_trigger_to_proto(r.last_trigger, r.advisor.config))
         if r.last_evaluated_at is not None:
             out.evaluated_at_ns = r.unix_ns(r.last_evaluated_at)
         if r.last_plan is not None:

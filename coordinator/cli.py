@@ -17,6 +17,8 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from coordinator.tables import fmt, render_table
+from protos import advisor_pb2 as apb
+from protos import advisor_pb2_grpc as apb_grpc
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
 from protos import tasks_pb2 as tpb
@@ -376,6 +378,66 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ratio_pct(value: float) -> str:
+    return "-" if value != value else f"{value * 100:.1f}%"  # NaN: nothing predicted yet
+
+
+def _plan_lines(plan) -> list[str]:
+    moves = [
+        [m.task_id, m.kind, f"{m.from_node_id}:{m.from_gpu_index}", f"{m.to_node_id}:{m.to_gpu_index}",
+         fmt(m.load_pct, 1, "%"), fmt(m.from_util_pct, 1, "%"), fmt(m.to_util_pct, 1, "%"), fmt(m.variance_after, 0)]
+        for m in plan.moves
+    ]
+    title = "dry run" if plan.dry_run else f"plan {plan.plan_id}"
+    return [
+        f"{title} ({plan.trigger}): variance {plan.variance_before:.0f} -> {plan.variance_after:.0f} %², "
+        f"spread {plan.spread_before:.1f} -> {plan.spread_after:.1f} pp",
+        render_table(["TASK", "KIND", "FROM", "TO", "LOAD", "FROM UTIL", "TO UTIL", "VARIANCE AFTER"], moves),
+    ]
+
+
+@command("advisor")
+def cmd_advisor(args: argparse.Namespace) -> int:
+    """What the predictor has learned, and the rebalance advisor's plans."""
+    with _channel(args) as ch:
+        stub = apb_grpc.AdvisorStub(ch)
+        if args.action == "predictions":
+            got = stub.GetPredictions(apb.GetPredictionsRequest(model=args.model or "", kind=args.kind or "", node_id=args.node or ""),
+                                      timeout=args.timeout)
+            if args.json:
+                print(json.dumps(MessageToDict(got, preserving_proto_field_name=True), indent=2))
+                return 0
+            print(f"learned from {got.samples} completions; MAPE {_ratio_pct(got.mape_ratio)} over the last {got.error_window}")
+            print(render_table(["MODEL", "KIND", "SLOWDOWN", "PRIOR", "SAMPLES", "MAPE"],
+                               [[f.model, f.kind or "(all)", f"{f.slowdown:.3f}", f"{f.prior:.3f}", f.samples, _ratio_pct(f.mape_ratio)]
+                                for f in got.models]))
+            if got.nodes:
+                print(render_table(["NODE", "RESIDUAL", "SAMPLES", "MAPE"],
+                                   [[n.node_id, f"{n.residual:.3f}", n.samples, _ratio_pct(n.mape_ratio)] for n in got.nodes]))
+            return 0
+        if args.action == "watch":
+            for plan in stub.WatchPlans(apb.WatchPlansRequest(include_latest=True)):
+                if args.json:
+                    print(json.dumps(MessageToDict(plan, preserving_proto_field_name=True)), flush=True)
+                else:
+                    print("\n".join(_plan_lines(plan)), flush=True)
+            return 0
+        got = stub.GetPlan(apb.GetPlanRequest(evaluate_now=args.now), timeout=args.timeout)
+    if args.json:
+        print(json.dumps(MessageToDict(got, preserving_proto_field_name=True), indent=2))
+        return 0
+    t = got.trigger
+    state = "FIRED (" + t.reason + ")" if t.fired else "quiet"
+    print(f"trigger {state} over {t.gpus} GPUs: variance {t.variance:.0f} %² (fires above {t.variance_threshold:g}); "
+          f"hottest {t.hottest_pct:.1f} % (hot above {t.hot_pct:g}) with {t.rising} rising "
+          f"(> {t.rising_pct_per_min:g} %/min; {t.rising_gpus} needed)")
+    if got.HasField("plan"):
+        print("\n".join(_plan_lines(got.plan)))
+    else:
+        print("no plan" + (" would be made now" if args.now else " yet"))
+    return 0
+
+
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
     from coordinator.demo import run_demo
@@ -487,6 +549,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     watch = sub.add_parser("watch", help="follow a task's state changes until it ends")
     watch.add_argument("task")
+
+    advisor = sub.add_parser("advisor", help="learned GPU speeds and rebalance plans (predictions | plan | watch)")
+    advisor.add_argument("action", choices=("predictions", "plan", "watch"))
+    advisor.add_argument("--now", action="store_true", help="plan: evaluate the cluster now (a dry run that moves nothing)")
+    advisor.add_argument("--model", help="predictions: only this GPU model")
+    advisor.add_argument("--kind", help="predictions: only this task kind")
+    advisor.add_argument("--node", help="predictions: only this node's residual")
+    advisor.add_argument("--json", action="store_true")
 
     from coordinator.demo import add_demo_arguments
 

@@ -75,7 +75,10 @@ class _Daemon:
         self.notifier = Notifier.from_environ(os.environ)
         cfg = settings.coordinator
         store = open_state_dir(cfg.state_dir, synchronous=cfg.state_synchronous, background_checkpoint_s=1.0) if cfg.state_dir else None
-        self.coordinator = Coordinator(cfg, settings.scheduler, security=security, store=store)
+        self.coordinator = Coordinator(
+            cfg, settings.scheduler, security=security, store=store,
+            advisor_config=settings.advisor, predictor_config=settings.predictor,
+        )
         self.stop_requested = asyncio.Event()
         self._status_task: asyncio.Task | None = None
 
@@ -104,12 +107,12 @@ class _Daemon:
         applied, needs_restart = [], []
         for name, old, value in changes:
             section, _, option = name.partition(".")
-            if section == "scheduler" or option in LIVE_RELOADABLE:
+            if section in ("scheduler", "advisor") or option in LIVE_RELOADABLE:
                 applied.append((name, old, value))
             else:
                 needs_restart.append(name)
         try:
-            self.coordinator.apply_settings(new.coordinator, new.scheduler, [n for n, _, _ in applied])
+            self.coordinator.apply_settings(new.coordinator, new.scheduler, [n for n, _, _ in applied], advisor_config=new.advisor)
         except Exception as exc:  # a value valid in the file but refused live
             log.error("reload_rejected", error=str(exc), kept="the running configuration")
             self.notifier.ready(status=f"reload rejected: {exc}")

@@ -38,7 +38,9 @@ from protos import tasks_pb2_grpc as tpb_grpc
 from protos import telemetry_pb2 as pb
 from protos import telemetry_pb2_grpc as pb_grpc
 from protos.codec import DecodeResult
+from scheduler.advisor import AdvisorConfig
 from scheduler.config import SchedulerConfig
+from scheduler.predictor import PredictorConfig
 from scheduler.task import TaskState
 
 __all__ = ["Coordinator"]
@@ -61,8 +63,11 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         security: Security | None = None,
         store: TaskStore | None = None,
+        advisor_config: AdvisorConfig | None = None,
+        predictor_config: PredictorConfig | None = None,
     ) -> None:
-        """``security`` defaults to insecure mode (tests, embedding; logged);
+        """``advisor_config`` and ``predictor_config`` are the ``[advisor]`` and
+        ``[predictor]`` tables (defaults when None). ``security`` defaults to insecure mode (tests, embedding; logged);
         the daemon builds it from the configuration. ``store`` (durable task
         state) is optional: without it tasks live in memory only."""
         self.config = cfg = config or CoordinatorConfig()
@@ -88,6 +93,8 @@ class Coordinator:
             reservations=lambda: engine.reservations,
             queued=engine.queued,  # no moves while tasks wait: they need the room more
             scheduler_config=engine.config,
+            advisor_config=advisor_config,
+            predictor_config=predictor_config,
             interval_s=cfg.advisor_interval_s,
             hook=CommandHook(shlex.split(cfg.advisor_hook), timeout_s=cfg.advisor_hook_timeout_s) if cfg.advisor_hook else None,
             unix_ns=self.dispatcher.wall.ns,
@@ -243,11 +250,27 @@ class Coordinator:
         if asyncio.iscoroutine(result):
             await result
 
-    def apply_settings(self, config: CoordinatorConfig, scheduler_config: SchedulerConfig, changed: list[str]) -> None:
+    def apply_settings(
+        self,
+        config: CoordinatorConfig,
+        scheduler_config: SchedulerConfig,
+        changed: list[str],
+        advisor_config: AdvisorConfig | None = None,
+    ) -> None:
         """Apply a reloaded configuration's live settings (SIGHUP). The
-        scheduler's is validated first, so a bad one changes nothing."""
+        scheduler's and the advisor's are validated first, so a bad one
+        changes nothing."""
+        advisor_changed = advisor_config is not None and any(name.startswith("advisor.") for name in changed)
+        if advisor_changed:
+            advisor_config.validate()
         if any(name.startswith("scheduler.") for name in changed):
             self.dispatcher.engine.reconfigure(scheduler_config)
+            # the advisor filters destinations with the scheduler's rules
+            self.advisor.advisor.scheduler_config = self.dispatcher.engine.config
+        if advisor_changed:
+            # thresholds take effect at the next evaluation; the averages,
+            # cool-downs and move window carry over
+            self.advisor.advisor.config = advisor_config
         live = {name.partition(".")[2] for name in changed if name.startswith("coordinator.")}
         for option in live:
             setattr(self.config, option, getattr(config, option))

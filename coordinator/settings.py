@@ -2,10 +2,12 @@
 flags, merged over the dataclass defaults and validated before anything starts.
 
 Precedence is defaults < file < environment < flags. The file has a
-``[coordinator]`` table (``coordinator.config.CoordinatorConfig``) and a
-``[scheduler]`` table (``scheduler.config.SchedulerConfig``); the environment
-uses ``GPULB_<OPTION>`` and ``GPULB_SCHEDULER_<OPTION>``; flags exist for the
-coordinator's options. Everything is derived by walking the dataclasses'
+``[coordinator]`` table (``coordinator.config.CoordinatorConfig``), a
+``[scheduler]`` table (``scheduler.config.SchedulerConfig``), an ``[advisor]``
+table (the rebalance advisor's thresholds, ``scheduler.advisor.AdvisorConfig``)
+and a ``[predictor]`` table (``scheduler.predictor.PredictorConfig``); the
+environment uses ``GPULB_<OPTION>`` and ``GPULB_<TABLE>_<OPTION>`` for the
+others; flags exist for the coordinator's options. Everything is derived by walking the dataclasses'
 fields, so a field added there is configurable, documented in
 ``--print-config`` and reported by SIGHUP's diff without touching this module.
 Every error names the option and where its value came from (the file's path,
@@ -32,9 +34,11 @@ from typing import Any, Iterable, Mapping
 
 from coordinator.config import CoordinatorConfig
 from protos.runtime import LOG_LEVELS
+from scheduler.advisor import AdvisorConfig
 from scheduler.config import SchedulerConfig
 from scheduler.errors import InvalidArgument, InvalidWeight, UnknownPolicy
 from scheduler.policies import POLICIES, make_policy
+from scheduler.predictor import PredictorConfig
 
 __all__ = [
     "ConfigError",
@@ -96,6 +100,8 @@ class Section:
 SECTIONS: tuple[Section, ...] = (
     Section("coordinator", CoordinatorConfig, "GPULB_", flags=True),
     Section("scheduler", SchedulerConfig, "GPULB_SCHEDULER_", flags=False),
+    Section("advisor", AdvisorConfig, "GPULB_ADVISOR_", flags=False),
+    Section("predictor", PredictorConfig, "GPULB_PREDICTOR_", flags=False),
 )
 
 
@@ -178,6 +184,10 @@ def _source_comments(cls: type) -> dict[str, str]:
     return out
 
 
+# Comments that open with their unit ("%²: variance of ...") give it that way.
+_UNIT_PREFIX = re.compile(r"^(%²|%/min|%|s|ms|MiB|°C):\s+(.*)$")
+
+
 def _unit_from_name(name: str) -> str:
     for suffix, unit in _SUFFIX_UNITS:
         if name.endswith(suffix):
@@ -202,14 +212,20 @@ def options(section: Section) -> list[Option]:
         meta = f.metadata
         key = f"{section.name}.{f.name}"
         choices = meta.get("choices") or _FALLBACK_CHOICES.get(key)
+        help_text = meta.get("help") or comments.get(f.name) or _FALLBACK_HELP.get(key, "")
+        unit = meta.get("unit") if "unit" in meta else _unit_from_name(f.name)
+        prefixed = _UNIT_PREFIX.match(help_text) if "unit" not in meta else None
+        if prefixed:
+            unit, help_text = unit or prefixed.group(1), prefixed.group(2)
+            help_text = help_text[:1].upper() + help_text[1:]
         result.append(
             Option(
                 section=section.name,
                 name=f.name,
                 type=hints[f.name],
                 default=default,
-                help=meta.get("help") or comments.get(f.name) or _FALLBACK_HELP.get(key, ""),
-                unit=meta.get("unit") if "unit" in meta else _unit_from_name(f.name),
+                help=help_text,
+                unit=unit,
                 env=f"{section.env_prefix}{f.name.upper()}",
                 flag="--" + f.name.replace("_", "-") if section.flags else None,
                 choices=tuple(choices) if choices else None,
@@ -368,6 +384,8 @@ class Settings:
 
     coordinator: CoordinatorConfig
     scheduler: SchedulerConfig
+    advisor: AdvisorConfig
+    predictor: PredictorConfig
     #: ``section.option`` -> ``default`` | ``file:/path`` | ``env:GPULB_X`` | ``flag``
     sources: Mapping[str, str]
     config_path: str | None = None
@@ -520,6 +538,10 @@ def _validate(section: Section, config: Any, sources: Mapping[str, str]) -> None
     except (InvalidArgument, ValueError) as exc:
         field = getattr(exc, "field", "")
         message = getattr(exc, "message", str(exc))
+        named = re.match(r"^(\w+): (.*)$", message, re.S) if not field else None
+        if named and named.group(1) in {f.name for f in dataclasses.fields(section.cls)}:
+            # plain ValueErrors of the advisor's and predictor's validate() open with the field
+            field, message = named.group(1), named.group(2)
         base = re.sub(r"\[.*$", "", field)
         key = f"{section.name}.{base}"
         source = sources.get(key, "default")
@@ -588,7 +610,8 @@ def render_settings(settings: Settings, *, commented_defaults: bool = False) -> 
         "# gpulb coordinator configuration.",
         "#",
         "# Precedence: built-in defaults < this file < environment < command-line flags.",
-        "# Environment: GPULB_<OPTION> for [coordinator], GPULB_SCHEDULER_<OPTION> for [scheduler];",
+        "# Environment: GPULB_<OPTION> for [coordinator], GPULB_<TABLE>_<OPTION> for the others",
+        "# (GPULB_SCHEDULER_POLICY, GPULB_ADVISOR_HOT_PCT, ...);",
         "# lists are comma-separated (a,b,c), tables KEY=VALUE,KEY=VALUE.",
     ]
     if commented_defaults:
@@ -660,7 +683,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     Flags default to None (not given), so ``flag_overrides(args)`` passes on
     only what was typed and the file and environment keep the rest.
     """
-    parser.add_argument("--config", metavar="FILE", help="TOML configuration file ([coordinator] and [scheduler] tables)")
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration file ([coordinator], [scheduler], [advisor], [predictor] tables)")
     parser.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
     for section in SECTIONS:
         if not section.flags:

@@ -115,27 +115,27 @@ class AdvisorConfig:
     rising_pct_per_min: float = 5.0
     # GPUs rising at once that, with one hot GPU, trigger a plan.
     rising_gpus: int = 2
-    # evaluations in a row the trigger must hold, with the same source GPU, before a plan.
+    # Evaluations in a row the trigger must hold, with the same source GPU, before a plan.
     persist: int = 2
     # EWMA weight of a new reading in the advisor's per-GPU average (1.0: no averaging).
     smoothing_alpha: float = 0.3
-    # migrations per window (over all plans in it).
+    # Migrations per window (over all plans in it).
     max_moves: int = 2
     # s: the window max_moves counts over.
     window_s: float = 60.0
-    # s a moved task and both GPUs of its move are left alone.
+    # s: how long a moved task and both GPUs of its move are left alone.
     cooldown_s: float = 300.0
-    # s a task must have been placed before it may move.
+    # s: how long a task must have been placed before it may move.
     min_age_s: float = 60.0
     # %: a move must narrow the source/destination difference by at least this.
     margin_pct: float = 10.0
-    # a destination may be at most this many times slower for the task than its source.
+    # A destination may be at most this many times slower for the task than its source.
     max_slowdown_ratio: float = 1.5
-    # kinds that move even when spec.movable is not set.
+    # Kinds that move even when spec.movable is not set.
     movable_kinds: frozenset[str] = frozenset({"training"})
-    # kinds that never move, whatever spec.movable says.
+    # Kinds that never move, whatever spec.movable says.
     pinned_kinds: frozenset[str] = frozenset({"inference"})
-    # propose nothing while tasks wait in the scheduler's queue.
+    # Propose nothing while tasks wait in the scheduler's queue.
     pause_when_queued: bool = True
 
     def validate(self) -> "AdvisorConfig":

@@ -310,7 +310,7 @@ async def test_metric_families():
 # ---- through a real coordinator (the lead's wiring) -----------------------------------------------
 
 
-async def test_through_a_real_coordinator_completions_teach_the_predictor():
+async def test_through_a_real_coordinator_completions_teach_the_predictor(capsys):
     from agent.fleet import SimFleet
     from coordinator.config import CoordinatorConfig
     from coordinator.server import Coordinator
@@ -338,7 +338,63 @@ async def test_through_a_real_coordinator_completions_teach_the_predictor():
                 assert factor.samples == 1 and factor.slowdown > 1.0  # 12 s for 10 s of work
                 plan = await advisor.GetPlan(apb.GetPlanRequest(evaluate_now=True))
                 assert plan.trigger.gpus == 2 and not plan.trigger.fired
+
+                # the operator's view of the same through `gpulb advisor` (sync gRPC: off the loop)
+                from coordinator.cli import main as gpulb
+
+                addr = ["--coordinator", f"127.0.0.1:{port}"]
+                capsys.readouterr()  # the coordinator's log lines so far
+                assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions", "--json"]) == 0
+                listed = json.loads(capsys.readouterr().out)
+                assert listed["samples"] == "1" and any(m.get("kind") == "training" and m["samples"] == "1" for m in listed["models"])
+                assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions", "--kind", "training"]) == 0
+                table = capsys.readouterr().out
+                assert "learned from 1 completions" in table and "training" in table and "SLOWDOWN" in table
+                assert await asyncio.to_thread(gpulb, addr + ["advisor", "plan", "--now"]) == 0
+                text = capsys.readouterr().out
+                assert "trigger quiet over 2 GPUs" in text and "fires above 400" in text and "no plan would be made now" in text
         text = coord.metrics.exposition(per_gpu=False).decode()
         assert "gpulb_predictor_completions_total 1.0" in text and "gpulb_gpu_utilization_variance" in text
+    finally:
+        await coord.stop(0)
+
+
+async def test_advisor_table_configures_the_coordinator_and_reloads_live(tmp_path):
+    """``[advisor]`` from a real TOML file reaches the coordinator's advisor; a
+    reload (what SIGHUP calls) changes the thresholds GetPlan reports, and a
+    bad value is refused whole, naming the option."""
+    from coordinator.server import Coordinator
+    from coordinator.settings import ConfigError, diff_settings, load_settings
+
+    path = tmp_path / "coordinator.toml"
+    path.write_text('[coordinator]\nlisten = "127.0.0.1:0"\n[advisor]\nvariance_threshold = 250.0\nmovable_kinds = ["training", "batch"]\n'
+                    "[predictor]\nalpha = 0.2\n")
+    settings = load_settings(path, {"GPULB_ADVISOR_HOT_PCT": "90"}, {})
+    assert settings.sources["advisor.hot_pct"] == "env:GPULB_ADVISOR_HOT_PCT"
+    coord = Coordinator(settings.coordinator, settings.scheduler,
+                        advisor_config=settings.advisor, predictor_config=settings.predictor)
+    port = await coord.start()
+    try:
+        assert coord.advisor.predictor.config.alpha == 0.2
+        assert coord.advisor.advisor.config.movable_kinds == frozenset({"training", "batch"})
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = apb_grpc.AdvisorStub(ch)
+            before = (await stub.GetPlan(apb.GetPlanRequest())).trigger
+            assert (before.variance_threshold, before.hot_pct, before.rising_gpus) == (250.0, 90.0, 2)
+            assert before.gpus == 0 and not before.fired  # never evaluated: thresholds only
+
+            path.write_text(path.read_text().replace("variance_threshold = 250.0", "variance_threshold = 600.0\nrising_gpus = 3"))
+            new = load_settings(path, {"GPULB_ADVISOR_HOT_PCT": "90"}, {})
+            changed = [name for name, _, _ in diff_settings(settings, new)]
+            assert changed == ["advisor.variance_threshold", "advisor.rising_gpus"]
+            coord.apply_settings(new.coordinator, new.scheduler, changed, advisor_config=new.advisor)
+            after = (await stub.GetPlan(apb.GetPlanRequest(evaluate_now=True))).trigger
+            assert (after.variance_threshold, after.rising_gpus) == (600.0, 3)
+
+        path.write_text(path.read_text().replace("rising_gpus = 3", "rising_gpus = 0"))
+        with pytest.raises(ConfigError) as info:
+            load_settings(path, {}, {})
+        assert info.value.option == "advisor.rising_gpus" and str(path) in str(info.value)
+        assert coord.advisor.advisor.config.rising_gpus == 3  # the running value stays
     finally:
         await coord.stop(0)

@@ -1,5 +1,5 @@
 """The README stays true: its two set-up commands come first and exist, and
-every configuration option of the coordinator and scheduler is documented."""
+every configuration option (coordinator, scheduler, advisor, predictor) is documented."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from coordinator.config import CoordinatorConfig
-from scheduler.config import SchedulerConfig
+from coordinator.settings import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -25,11 +24,14 @@ def test_the_two_commands_come_first_and_are_executable():
 
 def test_every_option_is_in_the_configuration_reference():
     missing = [
-        f"{section}.{f.name}"
-        for section, cls in (("coordinator", CoordinatorConfig), ("scheduler", SchedulerConfig))
-        for f in dataclasses.fields(cls)
+        f"{section.name}.{f.name}"
+        for section in SECTIONS
+        for f in dataclasses.fields(section.cls)
         if f"`{f.name}`" not in README
     ]
+    assert {s.name for s in SECTIONS} >= {"coordinator", "scheduler", "advisor", "predictor"}
+    for section in SECTIONS:
+        assert f"`[{section.name}]`" in README, f"no reference table for [{section.name}]"
     assert not missing, f"undocumented options: {missing}"
 
 

@@ -27,7 +27,9 @@ from coordinator.settings import (
     options,
     render_settings,
 )
+from scheduler.advisor import AdvisorConfig
 from scheduler.config import SchedulerConfig
+from scheduler.predictor import PredictorConfig
 
 
 def _write(tmp_path: Path, text: str, name: str = "coordinator.toml") -> Path:
@@ -37,8 +39,7 @@ def _write(tmp_path: Path, text: str, name: str = "coordinator.toml") -> Path:
 
 
 def _all_keys() -> list[str]:
-    keys = [f"coordinator.{f.name}" for f in dataclasses.fields(CoordinatorConfig)]
-    return keys + [f"scheduler.{f.name}" for f in dataclasses.fields(SchedulerConfig)]
+    return [f"{section.name}.{f.name}" for section in SECTIONS for f in dataclasses.fields(section.cls)]
 
 
 # ---- defaults and precedence ------------------------------------------------------------
@@ -48,8 +49,9 @@ def test_defaults_are_the_dataclasses_defaults() -> None:
     s = load_settings(None, {}, {})
     assert s.coordinator == CoordinatorConfig()
     assert s.scheduler == SchedulerConfig()
+    assert s.advisor == AdvisorConfig() and s.predictor == PredictorConfig()
     assert s.config_path is None
-    # Every field of both dataclasses is an option, each with its source.
+    # Every field of the four dataclasses is an option, each with its source.
     assert sorted(s.sources) == sorted(_all_keys())
     assert set(s.sources.values()) == {"default"}
 
@@ -178,6 +180,8 @@ def test_every_option_has_its_own_variable() -> None:
     assert len(index) == len(_all_keys())
     assert index["GPULB_LISTEN"].key == "coordinator.listen"
     assert index["GPULB_SCHEDULER_P0_SLA_S"].key == "scheduler.p0_sla_s"
+    assert index["GPULB_ADVISOR_VARIANCE_THRESHOLD"].key == "advisor.variance_threshold"
+    assert index["GPULB_PREDICTOR_ALPHA"].key == "predictor.alpha"
 
 
 # ---- the file: unknown names, types, syntax -----------------------------------------------------
@@ -187,7 +191,7 @@ def test_every_option_has_its_own_variable() -> None:
     "text, option, fragment",
     [
         ("[schedular]\npolicy = 'binpack'\n", "[schedular]", "unknown table; did you mean 'scheduler'?"),
-        ("[metrics]\nport = 1\n", "[metrics]", "unknown table (tables: coordinator, scheduler)"),
+        ("[metrics]\nport = 1\n", "[metrics]", "unknown table (tables: coordinator, scheduler, advisor, predictor)"),
         ("[coordinator]\nheartbeat_interval = 5\n", "coordinator.heartbeat_interval", "did you mean 'heartbeat_interval_s'?"),
         ("[coordinator]\npolicy = 'binpack'\n", "coordinator.policy", "it belongs in [scheduler]"),
         ("[scheduler]\nlisten = ':1'\n", "scheduler.listen", "it belongs in [coordinator]"),
@@ -243,6 +247,9 @@ def test_missing_file_is_an_error(tmp_path: Path) -> None:
         ("[scheduler]\npolicy = 'binpack'\nweights = { load = 2.0 }\n", "scheduler.weights[load]", "policy binpack has no weight"),
         ("[scheduler]\nweights = { load = -1 }\n", "scheduler.weights[load]", ""),
         ("[scheduler]\ntenant_memory_reject_pct = { a = 120 }\n", "scheduler.tenant_memory_reject_pct[a]", "(0, 100]"),
+        ("[advisor]\nhot_pct = 120\n", "advisor.hot_pct", "must be in [0, 100]"),
+        ("[advisor]\nmax_slowdown_ratio = 0.5\n", "advisor.max_slowdown_ratio", ">= 1"),
+        ("[predictor]\nalpha = 0\n", "predictor.alpha", "must be in (0, 1]"),
     ],
 )
 def test_validation_names_the_option_and_the_file(tmp_path: Path, text: str, option: str, fragment: str) -> None:
