@@ -29,7 +29,7 @@ from coordinator.metrics import CoordinatorMetrics, MetricsServer
 from coordinator.operator import ClusterOperatorService
 from coordinator.scheduling import Dispatcher, SchedulerService
 from coordinator.security import AuthError, Security
-from coordinator.state import GroupCommitter, TaskStore, restore_into
+from coordinator.state import GroupCommitter, StateError, TaskStore, restore_into
 from coordinator.view import SIGNALS, ClusterView, NodeRecord, SignalSettings
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
@@ -162,6 +162,7 @@ class Coordinator:
         self.advisor.start()
         if self.store is not None:
             self._background.append(asyncio.create_task(self._prune_loop(), name="gpulb-prune"))
+            self._background.append(asyncio.create_task(self._save_learned_loop(), name="gpulb-save-learned"))
         for name in ("",) + self.service_names():
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
         host = cfg.listen.rsplit(":", 1)[0]
@@ -198,6 +199,7 @@ class Coordinator:
             await self.state_writer.flush()
             self.state_writer = None
         if self.store is not None:
+            self._save_learned()
             self.store.close()
         log.info("coordinator_stopped")
 
@@ -211,6 +213,7 @@ class Coordinator:
             self.security.quota.rebuild(self.dispatcher.engine.tasks(limit=10**9))
         self.state_writer = self.store.writer()
         self.dispatcher.engine.add_listener(self.state_writer.stage)
+        self._restore_learned()
         leased_nodes = sorted({t.assignment.node_id for t in restored.tasks if t.state.name == "LEASED" and t.assignment})
         log.info("state_restored", report=str(report), leased_on=leased_nodes)
         if leased_nodes:
@@ -225,6 +228,40 @@ class Coordinator:
             if node_id not in self.view.nodes:
                 log.warning("restored_node_absent", node_id=node_id, grace_s=grace_s)
                 self.dispatcher.node_removed(node_id)
+
+    # What the predictor learned survives restarts: a coordinator that forgot
+    # every GPU's measured speed would place latency-sensitive work by the
+    # cluster file's priors again until enough tasks completed.
+    _LEARNED_SAVE_S = 10.0
+
+    def _restore_learned(self) -> None:
+        predictor = self.advisor.predictor
+        try:
+            state = self.store.load_learned("predictor")
+            if state is not None:
+                predictor.load_state(state)
+                log.info("predictor_restored", completions=predictor.samples, models=len(predictor.stats()[0]))
+        except (ValueError, StateError) as exc:  # a bad copy costs the learning, not the start
+            log.warning("predictor_state_unreadable", error=str(exc), kept="priors")
+        self._learned_version = predictor.version
+
+    def _save_learned(self) -> None:
+        """Store the predictor's state if it learned since the last save."""
+        predictor = self.advisor.predictor
+        if predictor.version == getattr(self, "_learned_version", None):
+            return
+        version = predictor.version
+        try:
+            self.store.save_learned("predictor", predictor.to_state())
+            self._learned_version = version
+        except Exception:
+            log.exception("predictor_save_failed")
+
+    async def _save_learned_loop(self) -> None:
+        # at most _LEARNED_SAVE_S of completions are relearned after a crash
+        while True:
+            await asyncio.sleep(self._LEARNED_SAVE_S)
+            self._save_learned()
 
     async def _prune_loop(self) -> None:
         while True:

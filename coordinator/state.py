@@ -127,6 +127,11 @@ CREATE TABLE IF NOT EXISTS policy (
     weights     TEXT NOT NULL,          -- JSON object term -> weight
     updated_at  REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS learned (
+    name        TEXT PRIMARY KEY,       -- what learned it, e.g. "predictor"
+    state       TEXT NOT NULL,          -- JSON, the learner's own format (SpeedPredictor.to_state)
+    updated_at  REAL NOT NULL           -- Unix s
+);
 """
 
 # Upsert: submit_seq is kept from the first write; entry_seq is kept unless the
@@ -563,6 +568,28 @@ class TaskStore:
         if prow is not None:
             policy = PolicyRecord(name=prow[0], weights=json.loads(prow[1]), updated_at=float(prow[2]))
         return Restored(tasks=tasks, policy=policy, entry_order=order)
+
+    def save_learned(self, name: str, state: Mapping) -> None:
+        """Store what a learner knows (a JSON-able mapping), replacing the
+        previous copy in one transaction of its own."""
+        text = json.dumps(state, allow_nan=False)
+        with self._mutex:
+            self._db.execute(
+                "INSERT INTO learned (name, state, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at",
+                (name, text, time.time()),
+            )
+
+    def load_learned(self, name: str) -> dict | None:
+        """The last ``save_learned`` copy of ``name``; None when there is none."""
+        with self._mutex:
+            row = self._db.execute("SELECT state FROM learned WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            return None
+        try:
+            return json.loads(row[0])
+        except ValueError as exc:
+            raise StateError(f"{self.path}: learned state {name!r} cannot be read: {exc}") from exc
 
     def count(self) -> int:
         with self._mutex:

@@ -388,6 +388,54 @@ class SpeedPredictor:
         """Task kinds learned so far."""
         return frozenset(self._kinds)
 
+    # ---- durability ---------------------------------------------------------------------------------
+    STATE_VERSION = 1
+
+    def to_state(self) -> dict:
+        """What was learned, as plain JSON-able data (``load_state`` reads it
+        back): every factor's log value, sample count and prior, and the
+        recent errors behind the overall MAPE. Per-factor error windows are
+        left out (a large cluster's would be megabytes per save; they refill
+        with the next completions), and so are the cluster's priors (they come
+        from the cluster again after a restart)."""
+        return {
+            "version": self.STATE_VERSION,
+            "models": [[m, e.log, e.n, e.prior] for m, e in sorted(self._models.items())],
+            "model_kinds": [[m, k, e.log, e.n, e.prior] for (m, k), e in sorted(self._model_kinds.items())],
+            "nodes": [[n, e.log, e.n] for n, e in sorted(self._nodes.items())],
+            "errors": list(self._errors.values),
+            "samples": self._errors.total,
+        }
+
+    def load_state(self, state: Mapping) -> None:
+        """Continue from ``to_state``'s output: replaces every learned factor.
+        Raises ValueError (nothing changed) on data this version cannot read."""
+        try:
+            if state.get("version") != self.STATE_VERSION:
+                raise ValueError(f"version {state.get('version')!r}, expected {self.STATE_VERSION}")
+
+            def ewma(log: float, n: int, prior: float) -> _Ewma:
+                log, n, prior = float(log), int(n), float(prior)
+                if not (math.isfinite(log) and math.isfinite(prior) and prior > 0 and n >= 0):
+                    raise ValueError(f"bad factor {log!r}, {n!r}, {prior!r}")
+                e = _Ewma(prior)
+                e.log, e.n = log, n
+                return e
+
+            models = {str(m): ewma(log, n, prior) for m, log, n, prior in state["models"]}
+            model_kinds = {(str(m), str(k)): ewma(log, n, prior) for m, k, log, n, prior in state["model_kinds"]}
+            nodes = {str(node): ewma(log, n, 1.0) for node, log, n in state["nodes"]}
+            errors = [float(e) for e in state["errors"]]
+            samples = int(state["samples"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"predictor state cannot be read: {exc}") from None
+        self._models, self._model_kinds, self._nodes = models, model_kinds, nodes
+        self._kinds = {k for _, k in model_kinds}
+        self._errors = _Errors(self.config.error_window)
+        self._errors.values.extend(e for e in errors if math.isfinite(e))
+        self._errors.total = samples
+        self.version += 1
+
     # ---- per-GPU columns for placement ------------------------------------------------------------
     def slowdown_columns(
         self, snapshot: ClusterSnapshot, kinds: Sequence[str] | None = None

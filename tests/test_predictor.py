@@ -214,3 +214,47 @@ def test_completion_term_trades_against_load_and_agrees_with_the_breakdown():
     for _ in range(40):
         p.observe("m40", M40, "training", 100.0, 110.0)
     assert _place(p.annotate(ClusterSnapshot.build(facts, util_pct=[60.0, 0.0])), spec, w).node_id == "m40"
+
+
+def test_state_round_trips_through_json_and_predicts_the_same():
+    import json
+
+    learned = SpeedPredictor()
+    for c in synthetic(300, seed=3):
+        learned.observe_completion(c)
+    copy = SpeedPredictor()
+    copy.load_state(json.loads(json.dumps(learned.to_state())))
+    assert copy.samples == learned.samples == 300
+    assert copy.mape() == pytest.approx(learned.mape())
+    assert copy.kinds == learned.kinds
+    for node, model in NODES.items():
+        for kind in ("training", "inference", "never-seen"):
+            assert copy.factor(node, model, kind) == pytest.approx(learned.factor(node, model, kind))
+    # factors, priors and counts come back; per-factor error windows start afresh (not stored:
+    # a large cluster's would be megabytes every save)
+    strip = lambda stats: [(f.model, f.kind, f.node_id, f.factor, f.prior, f.samples) for f in stats[0] + stats[1]]  # noqa: E731
+    assert strip(copy.stats()) == strip(learned.stats())
+    # and it keeps learning from there exactly as the original does
+    for c in synthetic(20, seed=4):
+        assert copy.observe_completion(c) == pytest.approx(learned.observe_completion(c))
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda s: s.update(version=99),
+        lambda s: s.pop("nodes"),
+        lambda s: s["models"].append(["X", "not a number", 1, 1.0]),
+        lambda s: s["models"].append(["X", 0.0, 1, -1.0]),
+    ],
+)
+def test_unreadable_state_is_refused_and_changes_nothing(mangle):
+    learned = SpeedPredictor()
+    for c in synthetic(50, seed=5):
+        learned.observe_completion(c)
+    state = learned.to_state()
+    mangle(state)
+    fresh = SpeedPredictor()
+    with pytest.raises(ValueError, match="predictor state cannot be read"):
+        fresh.load_state(state)
+    assert fresh.samples == 0 and fresh.factor("m40-0", M40, "training") == pytest.approx(fresh.prior(M40))

@@ -1,7 +1,8 @@
 """Durable task state (coordinator.state): every field round-trips through a real
 SQLite file, a restart keeps queue order, class, age and lease expiry, group
-commit writes one transaction per loop turn, and a writer SIGKILLed mid-stream
-loses nothing it reported committed."""
+commit writes one transaction per loop turn, a writer SIGKILLed mid-stream
+loses nothing it reported committed, and the predictor's learning survives a
+restart."""
 
 from __future__ import annotations
 
@@ -541,3 +542,51 @@ def test_submission_order_survives_a_class_change_in_the_same_batch(tmp_path: Pa
         restored = store.load()
     assert [t.task_id for t in restored.tasks] == ["q00001", "q00002"]
     assert restored.entry_order["q00001"] > restored.entry_order["q00002"]
+
+
+async def test_what_the_predictor_learned_survives_a_coordinator_restart(tmp_path: Path) -> None:
+    """A real coordinator with a real state directory: factors learned before
+    a stop are there after the restart; a damaged copy costs the learning,
+    not the start."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+
+    state_dir = tmp_path / "state"
+    m40 = "Tesla M40 24GB"
+
+    async def run(check) -> None:
+        coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"), store=open_state_dir(state_dir))
+        await coord.start()
+        try:
+            check(coord.advisor.predictor)
+        finally:
+            await coord.stop(0)
+
+    def learn(p) -> None:
+        assert p.samples == 0
+        for i in range(20):
+            p.observe(f"m40-{i % 2}", m40, "training", 100.0, 100.0 * 9.0)
+        learned["factor"] = p.factor("m40-1", m40, "training")
+        learned["mape"] = p.mape()
+
+    learned: dict = {}
+    await run(learn)
+    assert learned["factor"] == pytest.approx(9.0, rel=0.1)
+
+    def same(p) -> None:
+        assert p.samples == 20
+        assert p.factor("m40-1", m40, "training") == pytest.approx(learned["factor"])
+        assert p.mape() == pytest.approx(learned["mape"])
+
+    await run(same)
+
+    db = sqlite3.connect(state_dir / "gpulb.sqlite3")
+    db.execute("UPDATE learned SET state = '{\"version\": 1}' WHERE name = 'predictor'")
+    db.commit()
+    db.close()
+
+    def from_priors(p) -> None:
+        assert p.samples == 0
+        assert p.factor("m40-1", m40, "training") == pytest.approx(p.prior(m40))
+
+    await run(from_priors)
