@@ -1651,7 +1651,8 @@ def run_target(name: str, count: int, cluster: LiveCluster | None = None, client
         def one(pair):
             target, data = pair
             code, details, _ = client.invoke(target, data)
-            record([classify_status(code, details, target.roots)], lambda: f"{target.name} {data!r}")
+            # bytes that do not parse have no field to name: "request: ..." names the message itself
+            record([classify_status(code, details, target.roots | {"request"})], lambda: f"{target.name} {data!r}")
     else:
         target = RPC_TARGETS[name]
         strategy = target.strategy()

@@ -195,9 +195,12 @@ def test_known_bug_ingest_cancellation_good_node_unharmed():
     assert good_value == 100.0
 
 
-@pytest.mark.xfail(strict=True, reason="known bug undecodable_request: a request that does not parse ends UNKNOWN, not INVALID_ARGUMENT")
 def test_known_bug_undecodable_request_gets_a_precise_status(live):
     _run("wire.undecodable", EXAMPLES, live)
+    _, client = live
+    reproduces, what = fuzz.KNOWN_BUGS["undecodable_request"].reproduce(client)
+    assert not reproduces, what
+    assert what.startswith("INVALID_ARGUMENT: request: not a valid request message of /gpulb.v1.Scheduler/GetTask"), what
 
 
 def test_known_bug_huge_vram_task_can_be_read_back(live):
