@@ -39,7 +39,11 @@ What it does (all on a virtual clock, see ``scheduler/simulator.py``):
    GPU utilisation (across GPUs, at each moment, averaged over the window),
    the largest load difference between GPUs (hottest minus coolest, averaged
    over 600 samples of the window), the share of the window with the
-   variance above 400 %², and mean response times as the cost side;
+   variance above 400 %², and mean response times as the cost side; next to
+   them, what a free and instant rebalancer could reach with the same work
+   at each sample (``BoundProbe``: the movable single-GPU tasks re-dealt by
+   greedy LPT, memory ignored), the reference for how much of the imbalance
+   moving tasks can remove at all;
 4. prints each table, then our figures next to the seeds' claims.
 
 Every figure is the mean over ``--seeds`` runs (seeds 0, 1, ...: the memory
@@ -51,6 +55,7 @@ it), so single runs swing by 10-20 %: use at least 3 seeds.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import math
 import os
@@ -66,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from coordinator.tables import fmt, render_table  # noqa: E402
-from scheduler.advisor import AdvisorConfig  # noqa: E402
+from scheduler.advisor import AdvisorConfig, is_movable  # noqa: E402
 from scheduler.cluster import ClusterNode, homogeneous, lookup_model  # noqa: E402
 from scheduler.simreport import figures  # noqa: E402
 from scheduler.simulator import SimConfig, Simulation  # noqa: E402
@@ -129,11 +134,50 @@ def p0_response(r) -> float:
     return float(np.mean(done)) if done else math.nan
 
 
-def run_arm(tasks, nodes, cfg: SimConfig, seeds: int, variance_bound: float) -> dict:
-    """One arm over ``seeds`` seeds: per-seed figures and their means."""
+class BoundProbe(Simulation):
+    """The simulation, plus at each utilisation sample what a free, instant
+    rebalancer could reach at that moment: every movable single-GPU run (the
+    advisor's rules: ``is_movable`` by kind and flag) re-dealt over the GPUs
+    by greedy longest-processing-time (largest load onto the least-loaded
+    GPU), every other run left where it is, memory ignored, utilisation
+    capped at 100 %. Greedy LPT is within 4/3 of the best possible largest
+    load and memory is ignored, so this is a reference for how even the
+    current work *could* be, not a hard floor; the advisor pays a restart per
+    move and only moves what its rules allow."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bound_std: list[float] = []
+        self.bound_spread: list[float] = []
+        self._rules = AdvisorConfig()
+
+    def _sample(self) -> None:
+        super()._sample()
+        fixed = np.zeros(len(self._util))
+        movable: list[float] = []
+        for run in self._running.values():
+            load = run.utils[run.phase] if run.utils else run.util
+            task = self.sched.get(run.run_id)
+            if len(run.rows) == 1 and task is not None and is_movable(task, self._rules):
+                movable.append(load)
+            else:
+                fixed[list(run.rows)] += load
+        heap = [(float(v), i) for i, v in enumerate(fixed)]
+        heapq.heapify(heap)
+        for load in sorted(movable, reverse=True):
+            v, i = heapq.heappop(heap)
+            heapq.heappush(heap, (v + load, i))
+        util = np.minimum([v for v, _ in sorted(heap, key=lambda x: x[1])], 100.0)
+        self.bound_std.append(float(np.std(util)))
+        self.bound_spread.append(float(util.max() - util.min()))
+
+
+def run_arm(tasks, nodes, cfg: SimConfig, seeds: int, variance_bound: float, *, bound: bool = False) -> dict:
+    """One arm over ``seeds`` seeds: per-seed figures and their means (with
+    ``bound``, also ``BoundProbe``'s free-rebalancer figures)."""
     per_seed = []
     for seed in range(seeds):
-        sim = Simulation(tasks, nodes, "load_aware", replace(cfg, seed=seed))
+        sim = (BoundProbe if bound else Simulation)(tasks, nodes, "load_aware", replace(cfg, seed=seed))
         r = sim.run()
         f = figures(r)
         heat = np.asarray(r.heatmap, dtype=np.float64)
@@ -158,6 +202,9 @@ def run_arm(tasks, nodes, cfg: SimConfig, seeds: int, variance_bound: float) -> 
                 "wall_s": r.wall_s,
             }
         )
+        if bound:
+            per_seed[-1]["bound_util_std"] = float(np.mean(sim.bound_std)) if sim.bound_std else math.nan
+            per_seed[-1]["bound_util_spread"] = float(np.mean(sim.bound_spread)) if sim.bound_spread else math.nan
     keys = [k for k in per_seed[0] if k != "seed"]
     mean = {k: float(np.nanmean([s[k] for s in per_seed])) if any(s[k] == s[k] for s in per_seed) else math.nan for k in keys}
     return {"mean": mean, "per_seed": per_seed}
@@ -253,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                     ("on (variance > 400 %²)", replace(base_cfg, advisor=advisor_default)),
                     ("on (variance > 100 %²)", replace(base_cfg, advisor=advisor_tight)),
                 ]
-                results = {arm: run_arm(tasks, nodes, cfg, seeds, advisor_default.variance_threshold) for arm, cfg in arms}
+                results = {arm: run_arm(tasks, nodes, cfg, seeds, advisor_default.variance_threshold, bound=arm == "off")
+                           for arm, cfg in arms}
                 base = results["off"]["mean"]
                 rows = []
                 for arm, res in results.items():
@@ -265,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
                         fmt(m["migrations"], 0), fmt(m["jct_mean_s"], 0, " s"), fmt(m["p0_response_s"], 0, " s"),
                         fmt(sum(s["wall_s"] for s in res["per_seed"]), 0, " s"),
                     ])
+                rows.append([
+                    "bound: free, instant re-deal", fmt(base["bound_util_std"], 1, "%"),
+                    _change(base["util_std_inst"], base["bound_util_std"]), fmt(base["bound_util_spread"], 1, "%"),
+                    _change(base["util_spread"], base["bound_util_spread"]), "-", "-", "-", "-", "-", "-",
+                ])
                 say(render_table(
                     ["advisor", "util std", "change", "largest difference", "change", "time var > 400",
                      "std of GPU means", "migrations", "mean response", "mean P0 response", "wall"],
@@ -289,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                      _change(off["util_std_inst"], on["util_std_inst"])])
         rows.append(["", title + " (variance > 100)", fmt(off["util_std_inst"], 1, "%"), fmt(tight["util_std_inst"], 1, "%"),
                      _change(off["util_std_inst"], tight["util_std_inst"])])
+        rows.append(["", title + " (bound: free, instant re-deal)", fmt(off["util_std_inst"], 1, "%"),
+                     fmt(off["bound_util_std"], 1, "%"), _change(off["util_std_inst"], off["bound_util_std"])])
     rows.append(["largest load difference", "seeds", fmt(SEED_LARGEST_DIFF_PCT[0], 0, "%"), fmt(SEED_LARGEST_DIFF_PCT[1], 0, "%"),
                  _change(*SEED_LARGEST_DIFF_PCT)])
     for title, off, on, tight in adv_rows:
@@ -296,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                      _change(off["util_spread"], on["util_spread"])])
         rows.append(["", title + " (variance > 100)", fmt(off["util_spread"], 1, "%"), fmt(tight["util_spread"], 1, "%"),
                      _change(off["util_spread"], tight["util_spread"])])
+        rows.append(["", title + " (bound: free, instant re-deal)", fmt(off["util_spread"], 1, "%"),
+                     fmt(off["bound_util_spread"], 1, "%"), _change(off["util_spread"], off["bound_util_spread"])])
     say(render_table(["figure", "run", "off", "on", "change"], rows, align="llrrr"))
     say(f"\ntotal wall time {time.perf_counter() - started:.0f}s")
     clean = _clean(doc)
