@@ -58,6 +58,7 @@ __all__ = [
     "stale_score",
     "load_aware_scores",
     "load_aware_terms",
+    "load_aware_bounds",
 ]
 
 LOAD_AWARE_WEIGHTS: Mapping[str, float] = {
@@ -188,6 +189,58 @@ def load_aware_scores(
         stale = w["stale"] * (1.0 + view.stale_busy)
         score = np.where(take(view.stale), stale[take(view.node)], score)
     return score
+
+
+def _completion_floor(view: PlacementView, kind: str, weight: float) -> np.ndarray | None:
+    """Per GPU ``w_completion * (1 - fastest / slowdown)``, the completion
+    term with no stretch: never above the term itself (cached per view)."""
+    slowdown = _slowdown(view, kind)
+    if slowdown is None:
+        return None
+    key = ("load_aware.completion_floor", kind, weight)
+    floor = view.static_cache.get(key)
+    if floor is None:
+        column, fastest = slowdown
+        floor = weight * completion_term(column, np.zeros(column.shape), 0.0, fastest)
+        view.static_cache[key] = floor
+    return floor
+
+
+def load_aware_bounds(
+    view: PlacementView, spec: TaskSpec, weights: Mapping[str, float]
+) -> tuple[np.ndarray, float] | None:
+    """A lower bound of ``load_aware_scores`` per GPU, as ``(column, shift)``:
+    ``column + shift`` is at most S_g up to rounding (compare with a margin).
+
+    The column is what does not depend on the task (load, static terms,
+    jitter, the completion term with no stretch), kept current by
+    ``PlacementView.derived``, minus the preferred-label bonus; ``shift`` is
+    ``w_load * share``. What is left out is never negative: memory pressure
+    (clipped at 0) and the completion term's stretch (at least 1). Policies use
+    it to score exactly only the GPUs that can win. None when some node is
+    stale (stale GPUs are scored otherwise).
+    """
+    if view.any_stale:
+        return None
+    w = weights
+    w_load, w_jitter, w_completion = w["load"], w["jitter"], w["completion"]
+    static = _static(view, w)
+    floor = _completion_floor(view, spec.kind, w_completion) if w_completion else None
+
+    def compute(v: PlacementView, rows: object) -> np.ndarray:
+        out = v.load[rows] * (w_load / 100.0) + static[rows]
+        if w_jitter:
+            out = out + w_jitter * v.active[rows]
+        if floor is not None:
+            out = out + floor[rows]
+        return out
+
+    key = ("load_aware.bound", w_load, w_jitter, w["temperature"], w["response_time"],
+           spec.kind if floor is not None else None, w_completion if floor is not None else 0.0)
+    column = view.derived(key, compute)
+    if spec.preferred_node_labels and w["preferred_labels"]:
+        column = column - w["preferred_labels"] * view.preferred_fraction(spec.preferred_node_labels)
+    return column, w_load * spec.gpu_share
 
 
 def load_aware_terms(

@@ -485,3 +485,57 @@ def test_uniform_set_choice_on_a_large_fleet_of_linked_nodes(k: int) -> None:
         mask = feasible(view, task)
         expected = policy._choose_set_general(view, task, mask, policy.gpu_scores(view, task))
         assert place(policy, view, task, res, f"k{i}") == expected
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("ties", [False, True])
+def test_choice_from_lower_bounds_is_the_choice_from_every_score(seed: int, ties: bool, monkeypatch) -> None:
+    """load_aware on a big fleet scores exactly only the GPUs its lower
+    bounds say can win (``Policy.gpu_bounds``); the placement must be the
+    one of scoring every GPU, to the bit, ties included, with learned
+    slowdowns (the completion term) and preferred labels."""
+    import dataclasses
+
+    from scheduler import policies
+
+    rng = np.random.default_rng(1000 + seed)
+    width = int(rng.choice([4, 8]))
+    snap = uniform_snapshot(rng, int(rng.choice([40, 120])), width, ties)
+    snap.node_stale[:] = False  # a stale node turns the bounds off
+    count = snap.gpu_count
+    if rng.random() < 0.7:
+        slow = lambda: rng.choice([0.8, 1.0, 1.0, 1.5, math.nan], count)  # noqa: E731
+        snap = dataclasses.replace(snap, gpu_slowdown={"": slow(), "training": slow()})
+    view = PlacementView(snap, res := Reservations())
+    policy = make_policy("load_aware", {"nvlink": float(rng.choice([0.0, 0.5, 3.0])),
+                                        "jitter": float(rng.choice([0.0, 0.1]))})
+    full_scorings = []
+    every_row = policy.gpu_scores
+
+    def counted(view, task):
+        full_scorings.append(task.task_id)
+        return every_row(view, task)
+
+    policy.gpu_scores = counted
+    bounded = 0
+    for i in range(16):
+        k = int(rng.choice([1, 1, 2, min(4, width), width]))
+        task = spec(task_id=f"t{i}", num_gpus=k, needs_nvlink=bool(k > 1 and rng.random() < 0.3),
+                    vram_mib=float(rng.choice([1_024.0, 4_096.0, 12_000.0])), gpu_share=float(rng.uniform(0, 1)),
+                    kind=str(rng.choice(["inference", "training"])),
+                    preferred_node_labels={"x": "y"} if rng.random() < 0.2 else {})
+        mask = feasible(view, task)
+        monkeypatch.setattr(policies, "_BOUNDS_MIN_GPUS", 10**9)
+        reference = policy.choose(view, task, mask)
+        monkeypatch.setattr(policies, "_BOUNDS_MIN_GPUS", 0)
+        del full_scorings[:]
+        fast = policy.choose(view, task, mask)
+        assert fast == reference, (k, task.needs_nvlink)
+        if k > 1 and mask.any():
+            assert reference == policy._choose_set_general(view, task, mask, every_row(view, task))
+        bounded += fast is not None and not full_scorings
+        if fast is not None:  # place it, so later decisions see reservations
+            res.add(f"k{i}", fast.gpu_uuids, task.vram_mib, 100 * task.gpu_share,
+                    [float(view.used[r]) for r in fast.rows])
+            view.refresh(fast.gpu_uuids)
+    assert bounded > 0  # some placements were made without scoring every GPU
