@@ -27,6 +27,13 @@ What it does (all on a virtual clock, see ``scheduler/simulator.py``):
 6. prints each table, then load_aware / round_robin ratios next to the seeds'
    claims, and the unallocated-GPU shares next to the FGD paper's baselines.
 
+Besides the five policies, ``round_robin@requests`` runs round-robin with no
+telemetry at all (every GPU reads idle, so it places by the tasks' asks only:
+a scheduler without a metrics pipeline, which is what the seeds' round-robin
+baseline ignores too). Plain ``round_robin`` uses gpulb's readings in its
+filters like every policy here; the summary gives load_aware's ratios against
+both.
+
 The runs are sequential (2 cores shared with other work); ``--quick`` runs
 only the default trace.
 """
@@ -51,7 +58,7 @@ from scheduler.cluster import convert_openb_nodes, homogeneous  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.policies import POLICIES  # noqa: E402
 from scheduler.simreport import RATIO_KEYS, SEED_CLAIMS, figures, plot, ratios, render  # noqa: E402
-from scheduler.simulator import SimConfig, saturate, simulate  # noqa: E402
+from scheduler.simulator import REQUESTS_ONLY, SimConfig, saturate, simulate  # noqa: E402
 from scheduler.traces import convert_openb, scale_trace  # noqa: E402
 
 # Unallocated GPU share at arrived workload = 100 % of the cluster's GPUs, openb
@@ -78,7 +85,8 @@ def _openb_dir() -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="only the default trace")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join([*POLICIES, "round_robin" + REQUESTS_ONLY]),
+                   help="comma list; NAME@requests runs NAME without telemetry (placement by asks only)")
     p.add_argument("--arrival-scale", type=float, default=1000.0, help="openb cluster arrival compression")
     p.add_argument("--json-out", help="write every figure here as JSON")
     p.add_argument("--plot", help="write PNG plots per scenario under this folder")
@@ -133,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             rat = ratios(figs)
             if rat:
                 summary_rows.append([title, *[fmt(rat[k]["ratio"], 3) for k in RATIO_KEYS]])
+            blind = ratios(figs, base="round_robin" + REQUESTS_ONLY)
+            if blind:
+                doc["scenarios"][-1]["ratios_vs_requests_only"] = blind
+                summary_rows.append(["  vs round_robin placing by asks only (no telemetry)",
+                                     *[fmt(blind[k]["ratio"], 3) for k in RATIO_KEYS]])
             if args.plot:
                 slug = title.replace(",", "").replace(" ", "_").replace("x4_RTX_4090", "x4")
                 plot(results, Path(args.plot) / slug)
@@ -141,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             print("## saturation (FGD measure) on the openb cluster: tasks in trace order, never ending")
             rows = []
             for name in traces:
-                for pol in policies:
+                for pol in [x for x in policies if not x.endswith(REQUESTS_ONLY)]:  # no readings there anyway
                     s = saturate(trace_tasks[name], openb_nodes, pol, config=cfg)
                     doc["saturation"].append({"trace": name, **s.__dict__})
                     rows.append(
@@ -162,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print("## speed: openb default at its own pace on the openb cluster (6,212 GPUs)")
             tasks = trace_tasks["default"]
             rows = []
-            for pol in policies:
+            for pol in [x for x in policies if not x.endswith(REQUESTS_ONLY)]:
                 (r,) = simulate(tasks, openb_nodes, [pol], cfg)
                 rate = len(tasks) / r.wall_s * 60
                 doc["speed"][pol] = {"tasks": len(tasks), "wall_s": r.wall_s, "tasks_per_min": rate,

@@ -129,6 +129,8 @@ from scheduler.task import Task, TaskState
 from scheduler.traces import TraceTask, convert_openb, read_trace, scale_trace
 
 __all__ = [
+    "REQUESTS_ONLY",
+    "parse_policy",
     "SimConfig",
     "MemoryModel",
     "AskedMemory",
@@ -257,6 +259,10 @@ class SimConfig:
     # load drift after placement (module docstring): sigma of the log step of
     # a task's utilisation from one phase of work to the next; 0 = constant
     util_drift: float = 0.0
+    # False: the scheduler gets no readings at all (every GPU reads 0 % and
+    # 0 MiB), so it places by the tasks' asks only, as a scheduler without a
+    # metrics pipeline does; a policy name "NAME@requests" sets it per run
+    telemetry: bool = True
 
     @property
     def visible_after_s(self) -> float:
@@ -533,9 +539,11 @@ class Simulation:
         profiles: Sequence[tuple[float, ...]] | None = None,
         progress: Callable[[int, int, float], None] | None = None,
     ) -> None:
-        self.cfg = cfg = config or SimConfig()
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+        cfg = config or SimConfig()
+        base_policy, blind = parse_policy(policy)
+        if blind:
+            cfg = replace(cfg, telemetry=False)
+        self.cfg = cfg
         self.policy = policy
         self.tasks = sorted(tasks, key=lambda t: t.submit_s)
         facts = [n.facts() if isinstance(n, ClusterNode) else n for n in nodes]
@@ -600,7 +608,7 @@ class Simulation:
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._lease_seq = itertools.count()
-        sched_cfg = replace(cfg.scheduler or SchedulerConfig(), policy=policy, lease_s=_LEASE_S,
+        sched_cfg = replace(cfg.scheduler or SchedulerConfig(), policy=base_policy, lease_s=_LEASE_S,
                             weights=dict(weights or (cfg.scheduler.weights if cfg.scheduler else {})))
         self.sched = Scheduler(
             sched_cfg,
@@ -790,6 +798,12 @@ class Simulation:
         util = self._u_tg.copy()
         mem = self._m_tg.copy()
         moving = self._moving
+        if not self.cfg.telemetry:
+            # no metrics pipeline: every GPU reads idle, so reservations never
+            # fade and the filters see only what tasks asked for
+            util[:] = 0.0
+            mem[:] = 0.0
+            moving = {}
         if moving:
             # rows whose reading has not reached its target yet (few): the
             # level a reading-by-reading filter shows at ``now``
@@ -1209,7 +1223,8 @@ def saturate(
     row_of = {u: i for i, u in enumerate(snap.gpu_uuid)}
     now = [0.0]
     seq = itertools.count()
-    sched_cfg = replace(cfg.scheduler or SchedulerConfig(), policy=policy, lease_s=_LEASE_S,
+    # the snapshot here never changes (no readings): NAME@requests is NAME
+    sched_cfg = replace(cfg.scheduler or SchedulerConfig(), policy=parse_policy(policy)[0], lease_s=_LEASE_S,
                         weights=dict(weights or {}))
     sched = Scheduler(
         sched_cfg,
@@ -1327,13 +1342,29 @@ class _ProgressBar:
 # ---- command line ------------------------------------------------------------------------------------------
 
 
+#: suffix of a policy name that runs it without telemetry ("round_robin@requests")
+REQUESTS_ONLY = "@requests"
+
+
+def parse_policy(name: str) -> tuple[str, bool]:
+    """(registered policy, whether it runs blind: ``NAME@requests``)."""
+    base, at, mode = name.partition("@")
+    if base not in POLICIES or (at and at + mode != REQUESTS_ONLY):
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(POLICIES)} (each also as NAME{REQUESTS_ONLY})")
+    return base, bool(at)
+
+
 def _policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
     if names == ["all"]:
         return list(POLICIES)
     for n in names:
-        if n not in POLICIES:
-            raise argparse.ArgumentTypeError(f"unknown policy {n!r}; available: {', '.join(POLICIES)}, all")
+        try:
+            parse_policy(n)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {n!r}; available: {', '.join(POLICIES)}, all; NAME{REQUESTS_ONLY} runs one without telemetry"
+            ) from None
     if not names:
         raise argparse.ArgumentTypeError("no policy given")
     return names
@@ -1361,7 +1392,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace", required=True, help="trace CSV (see scheduler/traces.py)")
     p.add_argument("--cluster", required=True, help="cluster CSV (see scheduler/cluster.py)")
     p.add_argument("--policy", type=_policies, default=list(POLICIES),
-                   help="comma-separated policies, or 'all' (default: all)")
+                   help="comma-separated policies, or 'all' (default: all); NAME@requests runs NAME with no "
+                        "telemetry (placement by the tasks' asks only, the baseline of a scheduler without a metrics pipeline)")
     p.add_argument("--time-scale", type=_positive, default=1.0,
                    help="divide submit times and durations by this (a faster clock)")
     p.add_argument("--arrival-scale", type=_positive, default=1.0,

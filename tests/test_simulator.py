@@ -109,6 +109,27 @@ def test_oom_under_round_robin_but_not_load_aware():
     assert rec(la, "A").finish_s == 1000.0
 
 
+def test_without_telemetry_placement_goes_by_asks_and_repeats_the_oom():
+    # One GPU. A asks 6,000 MiB but uses 19,000 from the start; B (6,000, uses
+    # 6,000) arrives at 10. With readings, B sees 19,000 + 6,000 > 20,879 (85 %)
+    # and waits for A's end (visible at 102.4). Placing by asks only
+    # ("@requests"), 6,000 + 6,000 fits on paper: B starts at 10, the GPU needs
+    # 25,000 > 24,564 MiB, and B is killed; re-asking what it used (6,000) it
+    # is placed and killed again, until its third run is its last.
+    tasks = [task("A", 0, 100, 6_000), task("B", 10, 50, 6_000)]
+    memory = RatioMemory({"A": (19_000 / 6_000,)})
+    seeing = run(tasks, ONE_4090, "round_robin", memory)
+    assert seeing.oom_kills == 0 and rec(seeing, "B").first_start_s == pytest.approx(100 + VISIBLE)
+    for policy in ("round_robin@requests", "load_aware@requests"):
+        blind = run(tasks, ONE_4090, policy, memory)
+        assert blind.policy == policy
+        b = rec(blind, "B")
+        assert (blind.oom_kills, b.oom_kills, b.runs, b.state) == (3, 3, 3, "dropped")
+        assert b.first_start_s == 10.0 and rec(blind, "A").finish_s == 100.0
+    with pytest.raises(ValueError, match="unknown policy 'round_robin@guess'"):
+        Simulation(tasks, ONE_4090, "round_robin@guess")
+
+
 def test_aging_lets_an_old_background_task_pass_a_new_interactive_one():
     # X fills the GPU until 2,000. L (P3) waits from 1; H (P1) arrives at 1,500.
     # Only one of them fits at a time. By 2,002.4 L has aged P3 -> P2 (600 s)
@@ -359,11 +380,11 @@ def test_command_line(tmp_path, capsys):
     cluster = tmp_path / "cluster.csv"
     assert trace_main(["cluster", "homogeneous", "--hosts", "1", "--gpus", "1", str(cluster)]) == 0
     capsys.readouterr()
-    code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "round_robin,load_aware",
+    code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "round_robin,load_aware,round_robin@requests",
                           "--memory", "asked", "--json", "--no-progress", "--saturate"])
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [p["policy"] for p in doc["policies"]] == ["round_robin", "load_aware"]
+    assert [p["policy"] for p in doc["policies"]] == ["round_robin", "load_aware", "round_robin@requests"]
     assert doc["policies"][0]["wait_s"]["all"]["mean"] == pytest.approx(92.4 / 2)
     assert "saturation" in doc["policies"][0]
     # time scale halves every time
