@@ -42,7 +42,7 @@ What it does (all on a virtual clock, see ``scheduler/simulator.py``):
    variance above 400 %², and mean response times as the cost side; next to
    them, what a free and instant rebalancer could reach with the same work
    at each sample (``BoundProbe``: the movable single-GPU tasks re-dealt by
-   greedy LPT, memory ignored), the reference for how much of the imbalance
+   greedy LPT within each GPU's real memory), the reference for how much of the imbalance
    moving tasks can remove at all;
 4. prints each table, then our figures next to the seeds' claims.
 
@@ -55,7 +55,6 @@ it), so single runs swing by 10-20 %: use at least 3 seeds.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import os
@@ -139,11 +138,12 @@ class BoundProbe(Simulation):
     rebalancer could reach at that moment: every movable single-GPU run (the
     advisor's rules: ``is_movable`` by kind and flag) re-dealt over the GPUs
     by greedy longest-processing-time (largest load onto the least-loaded
-    GPU), every other run left where it is, memory ignored, utilisation
-    capped at 100 %. Greedy LPT is within 4/3 of the best possible largest
-    load and memory is ignored, so this is a reference for how even the
-    current work *could* be, not a hard floor; the advisor pays a restart per
-    move and only moves what its rules allow."""
+    GPU that has real memory left for it), every other run left where it is,
+    utilisation capped at 100 %. Greedy LPT is within 4/3 of the best
+    possible largest load, so this is a reference for how even the current
+    work *could* be, not a hard floor; the advisor pays a restart per move,
+    keeps the scheduler's 85 % memory headroom and only moves what its rules
+    allow."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -154,20 +154,26 @@ class BoundProbe(Simulation):
     def _sample(self) -> None:
         super()._sample()
         fixed = np.zeros(len(self._util))
-        movable: list[float] = []
+        room = np.asarray(self._cap, dtype=np.float64)  # MiB of real memory left per GPU
+        movable: list[tuple[float, float, int]] = []  # (load %, real MiB, GPU it is on)
         for run in self._running.values():
             load = run.utils[run.phase] if run.utils else run.util
+            mem = run.mem[min(run.phase, len(run.mem) - 1)]
             task = self.sched.get(run.run_id)
             if len(run.rows) == 1 and task is not None and is_movable(task, self._rules):
-                movable.append(load)
+                movable.append((load, mem, run.rows[0]))
             else:
                 fixed[list(run.rows)] += load
-        heap = [(float(v), i) for i, v in enumerate(fixed)]
-        heapq.heapify(heap)
-        for load in sorted(movable, reverse=True):
-            v, i = heapq.heappop(heap)
-            heapq.heappush(heap, (v + load, i))
-        util = np.minimum([v for v, _ in sorted(heap, key=lambda x: x[1])], 100.0)
+                room[list(run.rows)] -= mem
+        load_now = fixed.copy()
+        # largest first onto the least-loaded GPU with memory room for it
+        # (where it is, if no GPU has: then it stays, as a move could not happen)
+        for load, mem, home in sorted(movable, reverse=True):
+            fits = np.flatnonzero(room >= mem)
+            i = int(fits[np.argmin(load_now[fits])]) if fits.size else home
+            load_now[i] += load
+            room[i] -= mem
+        util = np.minimum(load_now, 100.0)
         self.bound_std.append(float(np.std(util)))
         self.bound_spread.append(float(util.max() - util.min()))
 
