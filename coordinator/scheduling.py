@@ -3,9 +3,11 @@ library over the live view, and the thin ``gpulb.v1.Scheduler`` servicer.
 
 Dispatch runs on the coordinator's event loop whenever something may have
 freed or added work - a submission, a completion or release, new readings -
-and at least every ``dispatch_interval_s``; requests coalesce, so a burst of
-100 submissions is placed in one pass whose reservations keep any two
-placements off the same free memory. Placed tasks are sent to their node's
+and at least every ``dispatch_interval_s``. A request schedules one pass as a
+plain callback at the end of the loop's current turn (no task, no wake-up of
+a waiting coroutine), so every submission whose handler runs in the same turn
+is placed by that one pass: a burst of 100 submissions is placed in one pass
+whose reservations keep any two placements off the same free memory. Placed tasks are sent to their node's
 agent over its stream, with a request for fast sampling so the reservation
 gives way to real readings quickly.
 """
@@ -85,7 +87,7 @@ class Dispatcher:
         self._waiters: dict[str, list[asyncio.Future]] = {}
         self._watchers: dict[str, set[asyncio.Queue]] = {}
         self._last_state: dict[str, TaskState] = {}
-        self._wake = asyncio.Event()
+        self._pass_handle: asyncio.Handle | None = None  # a pass scheduled for the end of this turn
         self._loop_task: asyncio.Task | None = None
         self.interval_s = coordinator.config.dispatch_interval_s
         self._last_view_dispatch = 0.0
@@ -106,6 +108,9 @@ class Dispatcher:
             self._loop_task = asyncio.create_task(self._loop(), name="gpulb-dispatch")
 
     async def stop(self) -> None:
+        handle, self._pass_handle = self._pass_handle, None
+        if handle is not None:
+            handle.cancel()
         task, self._loop_task = self._loop_task, None
         if task is not None:
             task.cancel()
@@ -115,8 +120,25 @@ class Dispatcher:
                 pass
 
     def request(self) -> None:
-        """Ask for a dispatch pass soon (coalesces with other requests)."""
-        self._wake.set()
+        """Ask for a dispatch pass at the end of this event-loop turn; requests
+        until then coalesce into that one pass. Without a running loop (tests,
+        set-up) the pass waits for the periodic one."""
+        if self._pass_handle is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._pass_handle = loop.call_soon(self._requested_pass)
+
+    def _requested_pass(self) -> None:
+        self._pass_handle = None
+        self._run_pass()
+
+    def _run_pass(self) -> None:
+        try:
+            self.dispatch_now()
+        except Exception:  # a bad pass must not stop scheduling for good
+            log.exception("dispatch_failed")
 
     def view_changed(self) -> None:
         # New readings may free room, but a pass per envelope would be wasted:
@@ -124,19 +146,14 @@ class Dispatcher:
         now = self.clock()
         if now - self._last_view_dispatch >= 0.1 and self.engine.queued() > 0:
             self._last_view_dispatch = now
-            self._wake.set()
+            self.request()
 
     async def _loop(self) -> None:
+        """The periodic pass (aging, deadlines, lease expiry, placements the
+        readings alone made possible)."""
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.interval_s)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
-            try:
-                self.dispatch_now()
-            except Exception:  # a bad pass must not stop scheduling for good
-                log.exception("dispatch_failed")
+            await asyncio.sleep(self.interval_s)
+            self._run_pass()
 
     def dispatch_now(self) -> list[Task]:
         started = time.perf_counter()
@@ -246,16 +263,22 @@ class Dispatcher:
 
     # ---- waiting and watching ------------------------------------------------
     async def wait_placed(self, task_id: str, timeout_s: float | None) -> Task:
+        """The task once it leaves the queue, or as it is after ``timeout_s``."""
         task = self.engine.get(task_id)
         if task.state != TaskState.QUEUED:
             return task
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._waiters.setdefault(task_id, []).append(future)
+        # one timer on the future itself (cheaper than wait_for + shield; a
+        # cancelled caller cancels only its own future)
+        timer = None if timeout_s is None else loop.call_later(max(0.0, timeout_s), _time_out, future)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout=timeout_s)
-        except asyncio.TimeoutError:
-            return self.engine.get(task_id)
+            placed = await future
+            return placed if placed is not None else self.engine.get(task_id)
         finally:
+            if timer is not None:
+                timer.cancel()
             waiters = self._waiters.get(task_id)
             if waiters is not None and future in waiters:
                 waiters.remove(future)
@@ -299,6 +322,11 @@ class Dispatcher:
         for state, count in counts.items():
             tasks.add_metric([state], count)
         return [depth, oldest, tasks]
+
+
+def _time_out(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class SchedulerService(tpb_grpc.SchedulerServicer):
