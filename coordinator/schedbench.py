@@ -17,14 +17,23 @@ Set-up, per cluster size in ``--nodes`` (8 x RTX 4090 24 GiB per node):
 - warm-up: a few hundred placements, not counted;
 - latency: one client alone, sequentially ScheduleTask(wait=true) then
   CompleteTask; percentiles of ScheduleTask as the client sees it;
-- throughput: ``--clients`` concurrent grpc.aio clients (one channel and
-  HTTP/2 connection each) loop ScheduleTask(wait=true) then CompleteTask
-  (so the cluster never fills up), ``--requests`` ScheduleTask calls in all;
+- churn: ``--clients`` concurrent grpc.aio clients (one channel and HTTP/2
+  connection each) loop ScheduleTask(wait=true) then CompleteTask (so the
+  cluster never fills up), ``--requests`` ScheduleTask calls in all;
   placements/s = tasks placed / wall time. Every placement costs the server
-  two RPCs (schedule and complete);
+  two RPCs (schedule and complete): a steady state of arrivals and departures;
+- throughput (the headline): ``--burst-clients`` concurrent clients (64 by
+  default, over 16 channels) submit ScheduleTask(wait=true) for ``--requests``
+  tasks (at most ``BURST_TASKS_PER_NODE`` per node) and complete none while
+  measured; placements/s = tasks placed / wall time. This is what
+  kube-scheduler's SchedulingBasic measures (pods placed onto nodes that
+  already run pods; none deleted in the measured window): the synthetic
+  readings are the existing load. Same task shapes, same view, every filter
+  on. The placed tasks are completed afterwards, untimed;
 - decision (no RPC): inside the server, each placing call of the scheduler's
   per-task step (``Scheduler._try_place``: filters, policy score and choice,
-  reservation and lease) is timed, during both measured phases.
+  reservation and lease) is timed, during the latency, churn and throughput
+  phases.
 
 Task shapes are mixed: mostly 1 GPU, some 2 (a third of those needing NVLink)
 and 4 GPUs, VRAM from 1 to 18 GiB, all priorities, a few IO-heavy tasks and
@@ -34,7 +43,7 @@ The server answers a line protocol on stdin/stdout (``phase NAME``, ``stats
 NAME|all``, ``profile start``, ``profile stop PATH``, ``quit``), and stops
 when its stdin closes, so it never outlives the benchmark.
 ``python -m coordinator.schedbench --profile DIR`` also profiles the server's
-throughput phase with cProfile (numbers of such a run are inflated).
+throughput and churn phases with cProfile (numbers of such a run are inflated).
 """
 
 from __future__ import annotations
@@ -67,6 +76,9 @@ GPU_MEMORY_MIB = 24_564
 SEED = 20_240_601
 
 #: the issue's targets: (key, nodes the target is set at, limit, unit, kind)
+#: the throughput phase places at most this many tasks per node (all stay
+#: leased: more would not fit the synthetic fleet's free memory)
+BURST_TASKS_PER_NODE = 2
 TARGET_PLACEMENTS_PER_S = 1_500.0
 KUBE_SCHEDULER_PODS_PER_S = 810.0  # SchedulingBasic threshold at 5,000 nodes: 680-810 pods/s
 TARGET_SCHEDULE_P99_US = 5_000.0
@@ -440,7 +452,7 @@ class _Probe:
             return {"ok": True}
         if cmd == "stats":
             if args and args[0] == "all":
-                chosen = [p for name, p in self.phases.items() if name not in ("setup", "warmup", "engine")]
+                chosen = [p for name, p in self.phases.items() if name not in ("setup", "warmup", "engine", "cleanup")]
             else:
                 chosen = [self.phases[args[0]]] if args and args[0] in self.phases else []
             return {"ok": True, **self._stats(chosen)}
@@ -605,16 +617,19 @@ async def _wait_serving(target: str, timeout: float = 60.0) -> None:
 
 
 async def _drive(target: str, shapes: list[dict], clients: int, prefix: str, label: str,
-                 timeout_s: float = 60.0) -> dict:
-    """``clients`` concurrent loops of ScheduleTask(wait) + CompleteTask over
-    ``shapes`` (one task each); client-side ScheduleTask latencies."""
+                 timeout_s: float = 60.0, complete: bool = True, channels_max: int = 16,
+                 leases: dict[str, str] | None = None) -> dict:
+    """``clients`` concurrent loops of ScheduleTask(wait) (+ CompleteTask when
+    ``complete``) over ``shapes`` (one task each), over at most
+    ``channels_max`` channels (HTTP/2 connections); client-side ScheduleTask
+    latencies. Without ``complete`` the leases of placed tasks go into ``leases``."""
     import grpc
 
     from protos import tasks_pb2 as tpb
     from protos import tasks_pb2_grpc as tpb_grpc
 
     channels = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(clients)]
+                for _ in range(min(clients, channels_max))]
     try:
         await asyncio.gather(*(asyncio.wait_for(ch.channel_ready(), 30) for ch in channels))
         total = len(shapes)
@@ -643,6 +658,10 @@ async def _drive(target: str, shapes: list[dict], clients: int, prefix: str, lab
                         errors.append(f"{task_id}: {tpb.TaskState.Name(task.state)} {task.reason}")
                         continue
                     counts["placed"] += 1
+                    if not complete:
+                        if leases is not None:
+                            leases[task_id] = task.assignment.lease_id
+                        continue
                     done = await stub.CompleteTask(
                         tpb.CompleteTaskRequest(task_id=task_id, lease_id=task.assignment.lease_id), timeout=timeout_s)
                     if done.task.state == completed:
@@ -661,7 +680,7 @@ async def _drive(target: str, shapes: list[dict], clients: int, prefix: str, lab
         cpu0 = time.process_time()
         t0 = clock()
         try:
-            await asyncio.gather(*(client(ch) for ch in channels))
+            await asyncio.gather(*(client(channels[i % len(channels)]) for i in range(clients)))
         finally:
             reporter.cancel()
         wall = clock() - t0
@@ -669,6 +688,8 @@ async def _drive(target: str, shapes: list[dict], clients: int, prefix: str, lab
     finally:
         await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)
     lat = _pct_us(latencies)
+    if not complete:
+        counts["completed"] = None
     return {
         "clients": clients,
         "requests": total,
@@ -686,6 +707,28 @@ async def _drive(target: str, shapes: list[dict], clients: int, prefix: str, lab
     }
 
 
+async def _complete_all(target: str, leases: dict[str, str], clients: int = 16) -> int:
+    """CompleteTask for every (task, lease), ``clients`` at a time; returns how many completed."""
+    import grpc
+
+    from protos import tasks_pb2 as tpb
+    from protos import tasks_pb2_grpc as tpb_grpc
+
+    items = list(leases.items())
+    done = 0
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = tpb_grpc.SchedulerStub(channel)
+
+        async def worker(start: int) -> None:
+            nonlocal done
+            for task_id, lease_id in items[start::clients]:
+                reply = await stub.CompleteTask(tpb.CompleteTaskRequest(task_id=task_id, lease_id=lease_id), timeout=60)
+                done += reply.task.state == tpb.TASK_STATE_COMPLETED
+
+        await asyncio.gather(*(worker(i) for i in range(clients)))
+    return done
+
+
 def _profile_summary(path: str, limit: int = 25) -> str:
     out = io.StringIO()
     stats = pstats.Stats(path, stream=out)
@@ -694,9 +737,22 @@ def _profile_summary(path: str, limit: int = 25) -> str:
     return out.getvalue()
 
 
-def _bench_size(nodes: int, clients: int, requests: int, seed: int, profile_dir: str | None) -> dict:
+def _bench_size(nodes: int, clients: int, requests: int, seed: int, profile_dir: str | None,
+                burst_clients: int = 64) -> dict:
     print(f"schedbench: {nodes:,} nodes x {GPUS_PER_NODE} GPUs: starting the coordinator", file=sys.stderr, flush=True)
     server = _ServerProcess(nodes, seed)
+    profiles: dict[str, str] = {}
+
+    def profiled(phase: str, run):
+        if profile_dir:
+            profiles[phase] = str(Path(profile_dir).resolve() / f"schedbench-{nodes}-{phase}.prof")
+            server.command("profile start")
+        try:
+            return asyncio.run(run)
+        finally:
+            if profile_dir:
+                server.command(f"profile stop {profiles[phase]}")
+
     try:
         t0 = time.perf_counter()
         port, populate_s = server.ready()
@@ -715,25 +771,32 @@ def _bench_size(nodes: int, clients: int, requests: int, seed: int, profile_dir:
         server.command("phase latency")
         latency = asyncio.run(_drive(target, task_shapes(requests, seed + 3), 1, f"lat-{nodes}", "latency, 1 client"))
         lat_server = server.command("stats latency")
+        server.command("phase churn")
+        churn = profiled("churn", _drive(target, task_shapes(requests, seed + 4), clients, f"churn-{nodes}",
+                                         f"churn, {clients} clients"))
+        churn_server = server.command("stats churn")
         server.command("phase throughput")
-        prof_path = None
-        if profile_dir:
-            prof_path = str(Path(profile_dir).resolve() / f"schedbench-{nodes}.prof")
-            server.command("profile start")
-        throughput = asyncio.run(_drive(target, task_shapes(requests, seed + 4), clients, f"tput-{nodes}",
-                                        f"throughput, {clients} clients"))
-        if prof_path:
-            server.command(f"profile stop {prof_path}")
+        leases: dict[str, str] = {}
+        burst = min(requests, BURST_TASKS_PER_NODE * nodes)
+        throughput = profiled("throughput", _drive(
+            target, task_shapes(burst, seed + 5), burst_clients, f"tput-{nodes}",
+            f"placements, {burst_clients} clients, no completion", complete=False, leases=leases))
         tput_server = server.command("stats throughput")
         both = server.command("stats all")
+        server.command("phase cleanup")
+        throughput["completed_after"] = asyncio.run(_complete_all(target, leases))
+        after = server.command("stats cleanup")
         print(f"  no-RPC: {requests:,} tasks through the scheduler calls in the server process",
               file=sys.stderr, flush=True)
         engine = server.command(f"engine {requests} {seed + 4}", timeout=900)
     finally:
         server.stop()
-    placed = throughput["placed"]
-    throughput["server_cpu_s"] = tput_server["cpu_s"]
-    throughput["server_cpu_us_per_placement"] = round(tput_server["cpu_s"] / placed * 1e6, 1) if placed else None
+    for run, stats in ((throughput, tput_server), (churn, churn_server)):
+        placed = run["placed"]
+        run["server_cpu_s"] = stats["cpu_s"]
+        run["server_cpu_us_per_placement"] = round(stats["cpu_s"] / placed * 1e6, 1) if placed else None
+        run["dispatch_passes"] = stats["dispatch_passes"]
+        run["placed_per_pass_mean"] = stats["placed_per_pass_mean"]
     latency.pop("clients")
     result = {
         "nodes": nodes,
@@ -741,21 +804,25 @@ def _bench_size(nodes: int, clients: int, requests: int, seed: int, profile_dir:
         "setup_s": round(setup_s, 2),
         "latency": latency,
         "throughput": throughput,
+        "churn": churn,
         "decision": both["decision"],
         "no_rpc": {k: engine[k] for k in ("requests", "placed", "wall_s", "placements_per_s", "cycle", "decision",
                                            "submit", "snapshot_rebuilds", "view_builds", "gc_s")},
         "server": {
             "latency_phase": {k: v for k, v in lat_server.items() if k != "ok"},
             "throughput_phase": {k: v for k, v in tput_server.items() if k != "ok"},
+            "churn_phase": {k: v for k, v in churn_server.items() if k != "ok"},
         },
-        "leftover": {k: both[k] for k in ("queued", "leased", "reservations")},
+        # after the throughput phase's tasks were completed (untimed)
+        "leftover": {k: after[k] for k in ("queued", "leased", "reservations")},
     }
-    if prof_path:
-        result["profile"] = prof_path
-        print(f"--- cProfile of the coordinator, throughput phase at {nodes:,} nodes ({prof_path}) ---",
-              file=sys.stderr)
-        print(_profile_summary(prof_path), file=sys.stderr, flush=True)
-    print(f"  {nodes:,} nodes: {throughput['placements_per_s']:,} placements/s, ScheduleTask p99 "
+    if profiles:
+        result["profile"] = profiles
+        for phase, path in profiles.items():
+            print(f"--- cProfile of the coordinator, {phase} phase at {nodes:,} nodes ({path}) ---", file=sys.stderr)
+            print(_profile_summary(path), file=sys.stderr, flush=True)
+    print(f"  {nodes:,} nodes: {throughput['placements_per_s']:,} placements/s (no completion), "
+          f"{churn['placements_per_s']:,}/s with completion, ScheduleTask p99 "
           f"{latency['schedule_p99_us']:,} µs (1 client), decision p99 {both['decision']['p99_us']} µs",
           file=sys.stderr, flush=True)
     return result
@@ -826,7 +893,7 @@ def _targets(sizes: list[dict]) -> list[dict]:
 def render(result: dict) -> str:
     rows = []
     for s in result["sizes"]:
-        t, lat, d = s["throughput"], s["latency"], s["decision"]
+        t, lat, d, ch = s["throughput"], s["latency"], s["decision"], s["churn"]
         rate = t["placements_per_s"]
         p99 = lat["schedule_p99_us"]
         dp99 = d["p99_us"]
@@ -837,11 +904,12 @@ def render(result: dict) -> str:
             fmt(t["schedule_p50_us"], 0), fmt(t["schedule_p99_us"], 0),
             fmt(lat["schedule_p50_us"], 0), fmt(p99, 0), fmt(TARGET_SCHEDULE_P99_US / p99 if p99 else None, 2, "x"),
             fmt(d["p50_us"], 0), fmt(dp99, 0), fmt(TARGET_DECISION_P99_US / dp99 if dp99 else None, 2, "x"),
-            fmt(t["server_cpu_us_per_placement"], 0), fmt(s["no_rpc"]["placements_per_s"], 0),
+            fmt(t["server_cpu_us_per_placement"], 0), fmt(ch["placements_per_s"], 0),
+            fmt(ch["server_cpu_us_per_placement"], 0), fmt(s["no_rpc"]["placements_per_s"], 0),
         ])
     headers = ["NODES", "GPUS", "PLACED/S", "/1500", "/810 KUBE", "LOAD p50", "LOAD p99",
                "1-CLIENT p50", "1-CLIENT p99", "5ms/p99", "DECIDE p50", "DECIDE p99", "0.5ms/p99", "SRV CPU/PLACE",
-               "NO-RPC/S"]
+               "CHURN/S", "CHURN CPU", "NO-RPC/S"]
     lines = [render_table(headers, rows)]
     lines.append("")
     trows = []
@@ -863,12 +931,15 @@ def render(result: dict) -> str:
         f"machine: {m['cpu_model']}, {m['cores']} cores ({m['usable_cores']} usable), {m['arch']}, {m['python']}, "
         f"grpcio {m['grpcio']}, numpy {m['numpy']}; load average {m['load_average_1m']} at start, "
         f"{m.get('load_average_1m_at_end')} at end; coordinator and clients are separate processes sharing these cores",
-        f"load: {c['clients']} grpc.aio clients, {c['requests']:,} ScheduleTask(wait)+CompleteTask per size; "
-        f"{c['gpus_per_node']} x {c['gpu_model']} {c['gpu_memory_mib']:,} MiB per node, seed {c['seed']}",
-        "PLACED/S: tasks placed / wall time under load; LOAD p50/p99: ScheduleTask µs under that load;",
+        f"load: {c['requests']:,} tasks per size and phase; {c['gpus_per_node']} x {c['gpu_model']} "
+        f"{c['gpu_memory_mib']:,} MiB per node, seed {c['seed']}",
+        f"PLACED/S: {c['burst_clients']} clients submit ScheduleTask(wait) without completing (kube-scheduler's "
+        "SchedulingBasic: pods placed on nodes with existing load), tasks placed / wall time;",
+        "LOAD p50/p99: ScheduleTask µs in that phase; SRV CPU/PLACE: coordinator CPU µs per placement there;",
+        f"CHURN/S: {c['clients']} clients loop ScheduleTask(wait)+CompleteTask (steady churn, 2 RPCs per placement), "
+        "placed / wall time; CHURN CPU: coordinator CPU µs per placement there;",
         "1-CLIENT: ScheduleTask µs of one client alone; DECIDE: filters + score + reserve per placed task, µs, no RPC;",
-        "ratios: measured/target for throughput, target/measured for latency (>= 1 meets it); "
-        "SRV CPU/PLACE: coordinator CPU µs per placement (2 RPCs);",
+        "ratios: measured/target for throughput, target/measured for latency (>= 1 meets it);",
         "NO-RPC/S: the same calls in the coordinator process without gRPC (convert, submit, dispatch pass, complete).",
     ]
     if any("profile" in s for s in result["sizes"]):
@@ -889,21 +960,22 @@ def run_sched_bench(args: argparse.Namespace) -> int:
     sizes = _sizes(getattr(args, "nodes", "1000,5000"))
     clients = int(getattr(args, "clients", 16))
     requests = int(getattr(args, "requests", 3000))
+    burst_clients = int(getattr(args, "burst_clients", 64) or 64)
     seed = int(getattr(args, "seed", SEED) or SEED)
     profile_dir = getattr(args, "profile", None)
-    if clients < 1 or requests < 1:
-        print("gpulb: bench schedule: --clients and --requests must be >= 1", file=sys.stderr)
+    if clients < 1 or requests < 1 or burst_clients < 1:
+        print("gpulb: bench schedule: --clients, --burst-clients and --requests must be >= 1", file=sys.stderr)
         return 2
     if profile_dir:
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
     machine = machine_info()
-    results = [_bench_size(n, clients, requests, seed, profile_dir) for n in sizes]
+    results = [_bench_size(n, clients, requests, seed, profile_dir, burst_clients) for n in sizes]
     machine["load_average_1m_at_end"] = _loadavg()
     result = {
         "benchmark": "schedule",
         "machine": machine,
         "config": {
-            "clients": clients, "requests": requests, "gpus_per_node": GPUS_PER_NODE, "gpu_model": GPU_MODEL,
+            "clients": clients, "burst_clients": burst_clients, "requests": requests, "gpus_per_node": GPUS_PER_NODE, "gpu_model": GPU_MODEL,
             "gpu_memory_mib": GPU_MEMORY_MIB, "seed": seed, "policy": "load_aware",
             "transport": "gRPC over loopback, coordinator in its own process",
         },
@@ -914,8 +986,10 @@ def run_sched_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(render(result))
-    complete = all(s["throughput"]["completed"] == requests and s["latency"]["completed"] == requests
-                   and not s["throughput"]["errors"] and not s["latency"]["errors"] for s in results)
+    complete = all(s["throughput"]["placed"] == s["throughput"]["requests"]
+                   and s["throughput"]["completed_after"] == s["throughput"]["requests"]
+                   and s["churn"]["completed"] == requests and s["latency"]["completed"] == requests
+                   and not any(s[phase]["errors"] for phase in ("throughput", "churn", "latency")) for s in results)
     return 0 if complete else 1
 
 
@@ -929,10 +1003,12 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_serve(a.serve[0], a.serve[1], a.seed))
     p = argparse.ArgumentParser(prog="python -m coordinator.schedbench", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="1000,5000", help="comma-separated synthetic cluster sizes (8 GPUs each)")
-    p.add_argument("--clients", type=int, default=16, help="concurrent submitting clients")
+    p.add_argument("--clients", type=int, default=16, help="concurrent clients of the churn phase")
+    p.add_argument("--burst-clients", type=int, default=64,
+                   help="concurrent clients of the throughput phase (placements without completion)")
     p.add_argument("--requests", type=int, default=3000, help="ScheduleTask calls per size and phase")
     p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--profile", metavar="DIR", help="cProfile the coordinator's throughput phase into DIR")
+    p.add_argument("--profile", metavar="DIR", help="cProfile the coordinator's throughput and churn phases into DIR")
     p.add_argument("--json", action="store_true")
     return run_sched_bench(p.parse_args(argv))
 

@@ -20,19 +20,27 @@ def test_tiny_run_places_and_completes_everything(capsys):
     assert set(result) >= {"benchmark", "machine", "config", "sizes", "targets"}
     assert set(result["machine"]) >= {"cpu_model", "cores", "python"}
     assert result["config"]["clients"] == 2 and result["config"]["requests"] == 40
+    assert result["config"]["burst_clients"] == 64
     (size,) = result["sizes"]
     assert size["nodes"] == 50 and size["gpus"] == 400
-    for phase in ("throughput", "latency"):
+    for phase in ("churn", "latency"):
         run = size[phase]
         assert run["requests"] == 40
         assert run["placed"] == 40, run["first_errors"]
         assert run["completed"] == 40
         assert run["errors"] == 0
         assert {"schedule_p50_us", "schedule_p90_us", "schedule_p99_us"} <= set(run)
-    assert size["throughput"]["clients"] == 2
-    assert {"placements_per_s", "wall_s", "server_cpu_us_per_placement"} <= set(size["throughput"])
-    # every measured placement was timed inside the server
-    assert size["decision"]["count"] == 80
+    assert size["churn"]["clients"] == 2
+    # the headline phase completes nothing while measured, everything afterwards
+    burst = size["throughput"]
+    assert burst["clients"] == 64 and burst["requests"] == 40
+    assert burst["placed"] == 40 and burst["completed"] is None and burst["completed_after"] == 40
+    assert burst["errors"] == 0
+    for phase in ("throughput", "churn"):
+        assert {"placements_per_s", "wall_s", "server_cpu_us_per_placement", "placed_per_pass_mean"} <= set(size[phase])
+        assert size[phase]["dispatch_passes"] >= 1
+    # every measured placement was timed inside the server (latency, churn, throughput)
+    assert size["decision"]["count"] == 120
     assert {"p50_us", "p99_us"} <= set(size["decision"])
     assert size["no_rpc"]["placed"] == 40
     # nothing left behind: every lease completed, every reservation released
@@ -43,11 +51,19 @@ def test_tiny_run_places_and_completes_everything(capsys):
     assert all(t["measured"] is None and t["met"] is None for t in targets.values())
 
 
+def test_the_headline_phase_places_at_most_two_tasks_per_node(capsys):
+    args = argparse.Namespace(nodes="10", clients=2, requests=30, burst_clients=4, json=True)
+    assert run_sched_bench(args) == 0
+    (size,) = json.loads(capsys.readouterr().out)["sizes"]
+    assert size["throughput"]["requests"] == 20 and size["throughput"]["placed"] == 20
+    assert size["churn"]["requests"] == 30
+
+
 def test_tiny_run_prints_a_table(capsys):
     args = argparse.Namespace(nodes="20", clients=3, requests=12, json=False)
     assert run_sched_bench(args) == 0
     out = capsys.readouterr().out
-    assert "PLACED/S" in out and "DECIDE p99" in out
+    assert "PLACED/S" in out and "DECIDE p99" in out and "CHURN/S" in out
     assert "machine:" in out and "cores" in out
 
 
