@@ -1300,7 +1300,7 @@ def _lease_ids() -> st.SearchStrategy[str]:
     return st.one_of(POOLS.strategy("lease_ids"), st.from_regex(r"[0-9a-f]{32}", fullmatch=True))
 
 
-def _no_wait(msg: tpb.ScheduleTaskRequest) -> None:
+def _no_wait(msg: tpb.ScheduleTaskRequest | tpb.ScheduleTasksRequest) -> None:
     msg.wait = False  # never block on placement: the property is about validation
 
 
@@ -1374,6 +1374,7 @@ def _build_targets() -> dict[str, RpcTarget]:
         "SetPolicy": {"gpulb.v1.SetPolicyRequest.name": POOLS.strategy("policies"),
                       "gpulb.v1.SetPolicyRequest.weights": _pool_dicts("weights", DOUBLES)},
     }
+    hints["ScheduleTasks"] = hints["ScheduleTask"]  # the same TaskSpec, repeated
     valid: dict[str, st.SearchStrategy] = {
         "ListNodes": st.builds(cpb.ListNodesRequest, state=node_states),
         "GetNode": st.builds(cpb.GetNodeRequest, node_id=node),
@@ -1384,6 +1385,7 @@ def _build_targets() -> dict[str, RpcTarget]:
         "DrainNode": st.builds(cpb.NodeActionRequest, node_id=node, reason=reason),
         "UncordonNode": st.builds(cpb.NodeActionRequest, node_id=node, reason=reason),
         "ScheduleTask": st.builds(tpb.ScheduleTaskRequest, spec=valid_specs(), wait=st.just(False)),
+        "ScheduleTasks": st.builds(tpb.ScheduleTasksRequest, specs=st.lists(valid_specs(), min_size=1, max_size=4), wait=st.just(False)),
         "GetTask": st.builds(tpb.GetTaskRequest, task_id=POOLS.strategy("task_ids")),
         "ListTasks": st.builds(tpb.ListTasksRequest, state=st.sampled_from(sorted(tpb.TaskState.values())),
                                tenant=st.sampled_from(["", "a", "b"]), limit=st.integers(0, 100)),
@@ -1412,7 +1414,7 @@ def _build_targets() -> dict[str, RpcTarget]:
                 response=message_factory.GetMessageClass(m.output_type),
                 streaming=m.server_streaming,
                 hints=method_hints,
-                fixup=_no_wait if m.full_name == "gpulb.v1.Scheduler.ScheduleTask" else None,
+                fixup=_no_wait if m.full_name in ("gpulb.v1.Scheduler.ScheduleTask", "gpulb.v1.Scheduler.ScheduleTasks") else None,
                 valid=valid.get(m.name) if service in ("ClusterOperator", "Scheduler") else None,
                 immediate=m.full_name in _IMMEDIATE_STREAMS,
             )

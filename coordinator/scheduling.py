@@ -45,7 +45,10 @@ from scheduler.task import Priority, Task, TaskState
 if TYPE_CHECKING:
     from coordinator.server import Coordinator
 
-__all__ = ["Dispatcher", "SchedulerService", "status_of"]
+__all__ = ["Dispatcher", "SchedulerService", "status_of", "MAX_BATCH"]
+
+#: most tasks one ScheduleTasks call may carry (bounds the work of one call)
+MAX_BATCH = 1_000
 
 log = structlog.get_logger("gpulb.scheduler")
 
@@ -377,6 +380,42 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
                 timeout = spec.deadline_s + 0.05 if timeout is None else min(timeout, spec.deadline_s + 0.05)
             task = await self.d.wait_placed(spec.task_id, timeout)
         return tpb.ScheduleTaskResponse(task=self._proto(task))
+
+    async def ScheduleTasks(self, request: tpb.ScheduleTasksRequest, context) -> tpb.ScheduleTasksResponse:
+        identity = self.c.authorize(context, admin=False)
+        count = len(request.specs)
+        if not 1 <= count <= MAX_BATCH:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"specs: 1 to {MAX_BATCH} tasks per call, got {count}")
+        specs = []
+        index = 0
+        try:
+            for index, proto in enumerate(request.specs):
+                specs.append(self.c.tenant_spec(identity, spec_from_proto(proto)))
+            index = -1
+            self.c.admit_submissions(identity, specs)
+            snapshot = self.d.snapshots.snapshot()
+            tasks = self.d.engine.submit_many(specs, snapshot if snapshot.gpu_count else None)
+        except SchedulerError as exc:
+            index = getattr(exc, "index", index)
+            code, message = status_of(exc)
+            if index >= 0:
+                # "spec.vram_mib: ..." -> "specs[3].vram_mib: ..."; others name the task
+                message = f"specs[{index}].{message.removeprefix('spec.')}" if isinstance(exc, InvalidTask) else f"specs[{index}]: {message}"
+            await context.abort(code, message)
+        await self._durable(context, self.c.task_accepted(tasks[-1]))
+        self.d.request()
+        wait = request.wait if request.HasField("wait") else True
+        if wait and any(t.state == TaskState.QUEUED for t in tasks):
+            remaining = context.time_remaining()
+            timeout = None if remaining is None else max(0.0, remaining - 0.05)
+            waits = []
+            for t in tasks:
+                limit = timeout
+                if t.spec.deadline_s > 0:
+                    limit = t.spec.deadline_s + 0.05 if limit is None else min(limit, t.spec.deadline_s + 0.05)
+                waits.append(self.d.wait_placed(t.task_id, limit))
+            tasks = await asyncio.gather(*waits)
+        return tpb.ScheduleTasksResponse(tasks=[self._proto(t) for t in tasks])
 
     async def GetTask(self, request: tpb.GetTaskRequest, context) -> tpb.Task:
         identity = self.c.authorize(context, admin=False)

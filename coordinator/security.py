@@ -618,6 +618,18 @@ class TenantQuota:
             return
         check_queued_limit(spec.tenant, self.queued(spec.tenant), self.limit)
 
+    def check_many(self, specs: Iterable[TaskSpec]) -> None:
+        """``check`` for a batch as a whole: each tenant's queued tasks plus
+        its new ones in the batch must stay within the limit."""
+        new: collections.Counter[str] = collections.Counter()
+        ids: set[str] = set()
+        for spec in specs:
+            if spec.task_id in self._queued or spec.task_id in ids:
+                continue
+            ids.add(spec.task_id)
+            check_queued_limit(spec.tenant, self.queued(spec.tenant) + new[spec.tenant], self.limit)
+            new[spec.tenant] += 1
+
 
 def _peer_host(peer: str) -> str:
     # "ipv4:10.0.0.1:5555", "ipv6:[::1]:5555", "unix:/path"
@@ -750,6 +762,10 @@ class Security:
     def admit_submission(self, identity: Identity | None, spec: TaskSpec) -> None:
         if self.quota is not None:
             self.quota.check(spec)
+
+    def admit_submissions(self, identity: Identity | None, specs: Sequence[TaskSpec]) -> None:
+        if self.quota is not None:
+            self.quota.check_many(specs)
 
     def check_owner(self, identity: Identity | None, task: Task) -> None:
         if identity is not None:

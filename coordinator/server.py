@@ -343,6 +343,9 @@ class Coordinator:
     def admit_submission(self, identity, spec) -> None:
         self.security.admit_submission(identity, spec)
 
+    def admit_submissions(self, identity, specs) -> None:
+        self.security.admit_submissions(identity, specs)
+
     async def check_owner(self, identity, task, context) -> None:
         try:
             self.security.check_owner(identity, task)

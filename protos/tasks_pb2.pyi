@@ -171,6 +171,20 @@ class ScheduleTaskResponse(_message.Message):
     task: Task
     def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ...) -> None: ...
 
+class ScheduleTasksRequest(_message.Message):
+    __slots__ = ("specs", "wait")
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    specs: _containers.RepeatedCompositeFieldContainer[TaskSpec]
+    wait: bool
+    def __init__(self, specs: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class ScheduleTasksResponse(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[Task]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ...) -> None: ...
+
 class GetTaskRequest(_message.Message):
     __slots__ = ("task_id",)
     TASK_ID_FIELD_NUMBER: _ClassVar[int]

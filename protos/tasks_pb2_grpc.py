@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_tasks__pb2.ScheduleTaskRequest.SerializeToString,
                 response_deserializer=protos_dot_tasks__pb2.ScheduleTaskResponse.FromString,
                 _registered_method=True)
+        self.ScheduleTasks = channel.unary_unary(
+                '/gpulb.v1.Scheduler/ScheduleTasks',
+                request_serializer=protos_dot_tasks__pb2.ScheduleTasksRequest.SerializeToString,
+                response_deserializer=protos_dot_tasks__pb2.ScheduleTasksResponse.FromString,
+                _registered_method=True)
         self.GetTask = channel.unary_unary(
                 '/gpulb.v1.Scheduler/GetTask',
                 request_serializer=protos_dot_tasks__pb2.GetTaskRequest.SerializeToString,
@@ -90,6 +95,12 @@ class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def ScheduleTask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScheduleTasks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +167,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ScheduleTask,
                     request_deserializer=protos_dot_tasks__pb2.ScheduleTaskRequest.FromString,
                     response_serializer=protos_dot_tasks__pb2.ScheduleTaskResponse.SerializeToString,
+            ),
+            'ScheduleTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScheduleTasks,
+                    request_deserializer=protos_dot_tasks__pb2.ScheduleTasksRequest.FromString,
+                    response_serializer=protos_dot_tasks__pb2.ScheduleTasksResponse.SerializeToString,
             ),
             'GetTask': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTask,
@@ -230,6 +246,33 @@ class Scheduler:
             '/gpulb.v1.Scheduler/ScheduleTask',
             protos_dot_tasks__pb2.ScheduleTaskRequest.SerializeToString,
             protos_dot_tasks__pb2.ScheduleTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScheduleTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpulb.v1.Scheduler/ScheduleTasks',
+            protos_dot_tasks__pb2.ScheduleTasksRequest.SerializeToString,
+            protos_dot_tasks__pb2.ScheduleTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,7 +34,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     InvalidArgument,
     NotLeaseHolder,
+    SchedulerError,
     TaskConflict,
     TaskFinished,
     UnknownPolicy,
@@ -227,6 +228,30 @@ class Scheduler:
             self._changed(task)
         self._flush()
         return copy.copy(task)
+
+    def submit_many(self, specs: Sequence[TaskSpec], snapshot: ClusterSnapshot | None = None) -> list[Task]:
+        """``submit`` for each of ``specs``, all or nothing: every spec is
+        validated and checked against the known tasks and the others of the
+        batch before any is queued, so an error queues nothing. The error
+        raised is ``submit``'s, with ``index`` set to the failing spec's
+        position. A spec repeated within the batch (same id, same spec) is
+        one task, as a resubmission is."""
+        seen: dict[str, TaskSpec] = {}
+        for i, spec in enumerate(specs):
+            try:
+                spec.validate()
+                earlier = seen.get(spec.task_id)
+                if earlier is None:
+                    earlier = seen[spec.task_id] = spec
+                    existing = self._tasks.get(spec.task_id)
+                    if existing is not None:
+                        earlier = existing.spec
+                if earlier != spec:
+                    raise TaskConflict(spec.task_id, earlier.differing_fields(spec))
+            except SchedulerError as exc:
+                exc.index = i  # type: ignore[attr-defined]
+                raise
+        return [self.submit(spec, snapshot) for spec in specs]
 
     # ---- dispatch -----------------------------------------------------------------------
     def _view_for(self, snapshot: ClusterSnapshot) -> PlacementView:

@@ -36,9 +36,15 @@ def test_tiny_run_places_and_completes_everything(capsys):
     assert burst["clients"] == 64 and burst["requests"] == 40
     assert burst["placed"] == 40 and burst["completed"] is None and burst["completed_after"] == 40
     assert burst["errors"] == 0
-    for phase in ("throughput", "churn"):
+    # job arrays: the same count in ScheduleTasks calls of 50, nothing completed while measured
+    batched = size["batched"]
+    assert batched["batch"] == 50 and batched["requests"] == 40
+    assert batched["placed"] == 40 and batched["errors"] == 0 and batched["completed_after"] == 40
+    for phase in ("throughput", "churn", "batched"):
         assert {"placements_per_s", "wall_s", "server_cpu_us_per_placement", "placed_per_pass_mean"} <= set(size[phase])
         assert size[phase]["dispatch_passes"] >= 1
+    # 40 tasks in one call: one pass places them all (a pass per call, not per task)
+    assert batched["dispatch_passes"] < 40
     # every measured placement was timed inside the server (latency, churn, throughput)
     assert size["decision"]["count"] == 120
     assert {"p50_us", "p99_us"} <= set(size["decision"])
@@ -46,7 +52,8 @@ def test_tiny_run_places_and_completes_everything(capsys):
     # nothing left behind: every lease completed, every reservation released
     assert size["leftover"] == {"queued": 0, "leased": 0, "reservations": 0}
     targets = {t["target"]: t for t in result["targets"]}
-    assert set(targets) == {"placements_per_s", "placements_per_s_vs_kube_scheduler", "schedule_p99_us", "decision_p99_us"}
+    assert set(targets) == {"placements_per_s", "placements_per_s_vs_kube_scheduler", "batched_placements_per_s",
+                            "schedule_p99_us", "decision_p99_us"}
     # the targets are set at 1,000 and 5,000 nodes: not measured here
     assert all(t["measured"] is None and t["met"] is None for t in targets.values())
 

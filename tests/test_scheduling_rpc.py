@@ -244,3 +244,57 @@ async def test_sim_agent_runs_the_placed_task_and_its_lease_completes():
 async def _state(stub, task_id: str, state: int):
     task = await stub.GetTask(tpb.GetTaskRequest(task_id=task_id))
     return task if task.state == state else None
+
+
+async def test_schedule_tasks_places_a_batch_and_checks_every_spec_before_queueing_any():
+    """ScheduleTasks: one call, many tasks, each the task ScheduleTask would
+    make; a bad spec anywhere fails the call naming specs[i] and queues none;
+    a task that can never fit comes back REJECTED without harming the rest."""
+    from coordinator.security import Security, TenantQuota
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1),
+                        security=Security(insecure=True, quota=TenantQuota(6)))
+    port = await coord.start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=2, gpus=2, workload="idle"):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.sum() == 4, what="4 healthy GPUs")
+                batch = [_spec(f"arr-{i}", vram_mib=20 * GIB) for i in range(4)] + [_spec("arr-huge", vram_mib=80 * GIB)]
+                got = (await stub.ScheduleTasks(tpb.ScheduleTasksRequest(specs=batch), timeout=20)).tasks
+                assert [t.spec.task_id for t in got] == [s.task_id for s in batch]  # in the order given
+                placed = got[:4]
+                assert all(t.state == tpb.TASK_STATE_LEASED for t in placed)
+                assert len({t.assignment.gpu_uuid[0] for t in placed}) == 4  # one 20 GiB task per 24 GiB GPU
+                assert got[4].state == tpb.TASK_STATE_REJECTED and "vram" in got[4].reason.lower()
+                # idempotent: the same batch again is the same tasks, nothing new
+                again = (await stub.ScheduleTasks(tpb.ScheduleTasksRequest(specs=batch[:4], wait=False), timeout=10)).tasks
+                assert [t.assignment.lease_id for t in again] == [t.assignment.lease_id for t in placed]
+
+                before = {t.spec.task_id for t in (await stub.ListTasks(tpb.ListTasksRequest())).tasks}
+                bad_cases = [
+                    ([_spec("ok-1"), _spec("ok-2", vram_mib=0)], grpc.StatusCode.INVALID_ARGUMENT, "specs[1].vram_mib"),
+                    ([_spec("ok-1"), _spec("arr-0", vram_mib=3 * GIB)], grpc.StatusCode.ALREADY_EXISTS, "specs[1]: task 'arr-0'"),
+                    ([_spec("ok-1"), _spec("ok-1", vram_mib=3 * GIB)], grpc.StatusCode.ALREADY_EXISTS, "specs[1]: task 'ok-1'"),
+                    ([_spec(f"q-{i}") for i in range(7)], grpc.StatusCode.RESOURCE_EXHAUSTED, "the most allowed is 6"),
+                    ([], grpc.StatusCode.INVALID_ARGUMENT, "specs: 1 to 1000 tasks per call, got 0"),
+                ]
+                for specs, code, needle in bad_cases:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await stub.ScheduleTasks(tpb.ScheduleTasksRequest(specs=specs, wait=False), timeout=10)
+                    assert info.value.code() == code, (needle, info.value.details())
+                    assert needle in info.value.details()
+                after = {t.spec.task_id for t in (await stub.ListTasks(tpb.ListTasksRequest())).tasks}
+                assert after == before  # nothing of a refused call was queued
+
+                # wait=false returns at once with the queued tasks; they place as leases complete
+                queued = (await stub.ScheduleTasks(tpb.ScheduleTasksRequest(
+                    specs=[_spec(f"next-{i}", vram_mib=20 * GIB) for i in range(2)], wait=False), timeout=10)).tasks
+                assert [t.state for t in queued] == [tpb.TASK_STATE_QUEUED] * 2
+                for t in placed[:2]:
+                    await stub.CompleteTask(tpb.CompleteTaskRequest(task_id=t.spec.task_id, lease_id=t.assignment.lease_id))
+                for t in queued:
+                    await _until(lambda t=t: coord.dispatcher.engine.get(t.spec.task_id).state.name == "LEASED",
+                                 timeout=20, what=f"{t.spec.task_id} placed")
+    finally:
+        await coord.stop(grace_s=0.1)
