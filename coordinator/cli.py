@@ -278,6 +278,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
         required_node_labels=_labels(args.require_label, "--require-label"),
         preferred_node_labels=_labels(args.prefer_label, "--prefer-label"),
     )
+    if args.array is not None:
+        if not 1 <= args.array <= 1000:
+            raise SystemExit("gpulb: --array takes 1 to 1000 tasks")
+        specs = []
+        for i in range(args.array):
+            one = tpb.TaskSpec()
+            one.CopyFrom(spec)
+            one.task_id = f"{spec.task_id}-{i}"
+            specs.append(one)
+        with _channel(args) as ch:
+            tasks = tpb_grpc.SchedulerStub(ch).ScheduleTasks(
+                tpb.ScheduleTasksRequest(specs=specs, wait=not args.no_wait), timeout=args.timeout
+            ).tasks
+        if args.json:
+            _print_json(tasks)
+        else:
+            print(render_table(_TASK_HEADERS, _task_rows(tasks)))
+        return 0
     with _channel(args) as ch:
         task = tpb_grpc.SchedulerStub(ch).ScheduleTask(
             tpb.ScheduleTaskRequest(spec=spec, wait=not args.no_wait), timeout=args.timeout
@@ -521,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--require-label", action="append", help="node must carry KEY=VALUE (repeatable)")
     submit.add_argument("--prefer-label", action="append", help="prefer nodes carrying KEY=VALUE (repeatable)")
     submit.add_argument("--no-wait", action="store_true", help="return at once with the queued task")
+    submit.add_argument("--array", type=int, metavar="N",
+                        help="a job array: N tasks ID-0..ID-N-1 of this spec in one ScheduleTasks call (1..1000)")
     submit.add_argument("--json", action="store_true")
 
     tasks = sub.add_parser("tasks", help="list tasks")

@@ -105,13 +105,22 @@ async def test_runbook_commands_work_through_reflection_alone():
             assert completed["task"]["state"] == "TASK_STATE_COMPLETED"
             states = [m["state"] for m in _objects(await asyncio.wait_for(watch, 20))]
             assert states[0] == "TASK_STATE_LEASED" and states[-1] == "TASK_STATE_COMPLETED"
+            # a job array in one call, queued at once; a bad spec is named by its index
+            array = _objects(await grpcurl(target, "gpulb.v1.Scheduler/ScheduleTasks", data={
+                "specs": [{"task_id": "enc-1", "vram_mib": 2048, "gpu_share": 0.2}, {"task_id": "enc-2", "vram_mib": 2048, "gpu_share": 0.2}],
+                "wait": False}))[0]["tasks"]
+            assert [t["spec"]["task_id"] for t in array] == ["enc-1", "enc-2"]
+            assert {t["state"] for t in array} <= {"TASK_STATE_QUEUED", "TASK_STATE_LEASED"}
+            error = await grpcurl(target, "gpulb.v1.Scheduler/ScheduleTasks", data={
+                "specs": [{"task_id": "enc-3", "vram_mib": 2048}, {"task_id": "enc-4", "vram_mib": 0}]}, check=False)
+            assert "InvalidArgument" in error and "specs[1].vram_mib" in error
             # switch the policy
             policy = _objects(await grpcurl(target, "gpulb.v1.Scheduler/SetPolicy", data={"name": "binpack"}))[0]
             assert policy["name"] == "binpack" and "round_robin" in policy["available"]
             assert _objects(await grpcurl(target, "gpulb.v1.Scheduler/GetPolicy"))[0]["name"] == "binpack"
             # queue
             queue = _objects(await grpcurl(target, "gpulb.v1.Scheduler/GetQueue"))[0]
-            assert queue["placed"] == "1"  # uint64 is a JSON string
+            assert 1 <= int(queue["placed"]) <= 3  # runbook-1, and enc-1/2 once placed (uint64 is a JSON string)
             # drain a node
             drained = _objects(await grpcurl(target, "gpulb.v1.ClusterOperator/DrainNode", data={"node_id": "sim-02", "reason": "runbook"}))[0]
             assert drained["node"]["state"] == "NODE_STATE_DRAINING"

@@ -298,3 +298,26 @@ async def test_schedule_tasks_places_a_batch_and_checks_every_spec_before_queuei
                                  timeout=20, what=f"{t.spec.task_id} placed")
     finally:
         await coord.stop(grace_s=0.1)
+
+
+async def test_gpulb_submit_array_places_n_tasks_named_id_i(capsys):
+    import json
+
+    from coordinator.cli import main as gpulb
+
+    coord, port = await _start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=2, workload="idle"):
+            await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.sum() == 2, what="2 healthy GPUs")
+            capsys.readouterr()  # the coordinator's log lines so far
+            argv = ["--coordinator", f"127.0.0.1:{port}", "submit", "--id", "sweep", "--vram-gib", "1", "--kind", "batch"]
+            assert await asyncio.to_thread(gpulb, argv + ["--array", "3", "--json"]) == 0
+            out = capsys.readouterr().out  # the CLI's JSON, among the coordinator's log lines
+            listed, _ = json.JSONDecoder().raw_decode(out[out.index("[\n"):])
+            assert [t["spec"]["task_id"] for t in listed] == ["sweep-0", "sweep-1", "sweep-2"]
+            assert all(t["state"] == "TASK_STATE_LEASED" for t in listed)
+            assert {coord.dispatcher.engine.get(f"sweep-{i}").state.name for i in range(3)} == {"LEASED"}
+            with pytest.raises(SystemExit, match="--array takes 1 to 1000"):
+                await asyncio.to_thread(gpulb, argv + ["--array", "0"])
+    finally:
+        await coord.stop(grace_s=0.1)
