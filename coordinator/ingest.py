@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protos import telemetry_pb2 as pb
-from protos.codec import LOWER, UPPER, batch_cells
+from protos.codec import LOWER, UPPER, Columns, batch_cells, column_cells, extract_columns
 from protos.fields import FIELD_COUNT, FIELDS
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class Rejection:
 class _Pending:
     node: "NodeRecord"
     rows: np.ndarray  # view rows, in the batch's gpu_index order
-    batch: pb.MetricBatch
+    columns: Columns  # the batch's checked columns (``extract_columns``)
     arrived_s: float
 
 
@@ -67,9 +67,16 @@ class TelemetryIngest:
     def pending(self) -> int:
         return len(self._pending)
 
-    def add_delta(self, node: "NodeRecord", decoder_rows: np.ndarray, batch: pb.MetricBatch, arrived_s: float) -> None:
-        if batch.columns:
-            self._pending.append(_Pending(node, node.rows[decoder_rows], batch, arrived_s))
+    def add_delta(
+        self, node: "NodeRecord", decoder_rows: np.ndarray, batch: pb.MetricBatch, arrived_s: float, columns: Columns | None = None
+    ) -> None:
+        """Queue an admitted delta for the next flush. ``columns`` are the
+        batch's columns as ``TelemetryDecoder.admit`` extracted them (walked
+        here again when not given)."""
+        if columns is None:
+            columns = extract_columns(batch, len(decoder_rows))
+        if columns[0]:
+            self._pending.append(_Pending(node, node.rows[decoder_rows], columns, arrived_s))
 
     def forget_node(self, node_id: str) -> None:
         self._pending = [p for p in self._pending if p.node.node_id != node_id]
@@ -118,7 +125,7 @@ class TelemetryIngest:
 
     def _apply(self, pending: list[_Pending], result: FlushResult) -> list[Rejection]:
         view = self.view
-        rows, cols, deltas, items = batch_cells([(p.rows, p.batch) for p in pending])
+        rows, cols, deltas, items = column_cells([(p.rows, p.columns) for p in pending])
         if rows.size == 0:
             result.arrivals.extend(p.arrived_s for p in pending)
             return []

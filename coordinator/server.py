@@ -43,9 +43,28 @@ from scheduler.config import SchedulerConfig
 from scheduler.predictor import PredictorConfig
 from scheduler.task import TaskState
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "observe_many"]
 
 log = structlog.get_logger("gpulb.coordinator")
+
+
+def observe_many(histogram, values: np.ndarray) -> None:
+    """``histogram.observe`` for every value, counted per bucket with numpy
+    (12,500 separate observes a second cost the event loop ~3 %). Uses the
+    unlabelled prometheus_client Histogram's bucket counters; anything else
+    gets one observe per value."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            histogram.observe(float(v))
+        return
+    # observe counts a value in the first bucket whose bound is >= it
+    counts = np.bincount(np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left"), minlength=len(bounds))
+    for i in np.flatnonzero(counts[: len(bounds)]):
+        buckets[i].inc(float(counts[i]))
+    total.inc(float(values.sum()))
 
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["AgentGateway"].full_name,
@@ -400,11 +419,18 @@ class Coordinator:
             self._after_ingest(outcome)
             if any(r.node_id == node.node_id for r in outcome.rejected):
                 return
-            self.liveness.keyframe_applied(node.node_id)
-            self.dispatcher.snapshots.liveness_changed()
-            self.dispatcher.request()
+            before = self.liveness.state(node.node_id).liveness
+            if self.liveness.keyframe_applied(node.node_id).liveness is not before:
+                # The node became HEALTHY: its room may take queued work now. A
+                # periodic keyframe of a healthy node (one per node every 30 s)
+                # changes nothing the scheduler sees beyond the values, and a
+                # pass per keyframe kept the dispatcher busy back to back at
+                # 2,500 nodes; nor is a pass of any use while nothing waits.
+                self.dispatcher.snapshots.liveness_changed()
+                if self.dispatcher.engine.queued() > 0:
+                    self.dispatcher.request()
         else:
-            self.ingest.add_delta(node, result.rows, batch, now_s)
+            self.ingest.add_delta(node, result.rows, batch, now_s, result.columns)
         if batch.HasField("host_io"):
             io = batch.host_io
             node.disk_await_ms = io.disk_await_us / 1000 if io.HasField("disk_await_us") else None
@@ -416,11 +442,8 @@ class Coordinator:
             node.sample_interval_ms = batch.sample_interval_ms
             self.view.set_sample_interval(node, batch.sample_interval_ms)
         self._envelopes_applied += 1
-        self.view_changed(node)
-
-    def view_changed(self, node: NodeRecord) -> None:
-        """New readings arrived for ``node``: they may have freed room."""
-        self.dispatcher.view_changed()
+        # the dispatcher hears of the new readings once per tick, after they
+        # are in the view (smooth_now), not once per envelope
 
     def task_event(self, node_id: str, event: pb.TaskEvent) -> None:
         log.info("task_event", node_id=node_id, task_id=event.task_id, kind=pb.TaskEventKind.Name(event.kind))
@@ -487,6 +510,7 @@ class Coordinator:
         if self._envelopes_applied:
             self.metrics.envelopes.inc(self._envelopes_applied)
             self._envelopes_applied = 0
+            self.dispatcher.view_changed()  # new readings may have freed room
         if self._bytes_received:
             self.metrics.envelope_bytes.inc(self._bytes_received)
             self._bytes_received = 0
@@ -495,8 +519,7 @@ class Coordinator:
             return
         now = self.clock()
         if histogram is not None:
-            for t in arrived:
-                histogram.observe(max(0.0, now - t))
+            observe_many(histogram, np.maximum(0.0, now - np.asarray(arrived)))
         counts = self.view.signals.anomaly_counts
         delta = counts - self._anomalies_seen
         for i in np.flatnonzero(delta):

@@ -39,7 +39,10 @@ __all__ = [
     "TelemetryDecoder",
     "MAX_RAW_BATCH_BYTES",
     "check_columns",
+    "extract_columns",
     "batch_cells",
+    "column_cells",
+    "Columns",
     "DEADBANDS",
     "LOWER",
     "UPPER",
@@ -56,6 +59,11 @@ DEADBANDS = np.array([spec.deadband for spec in FIELDS], dtype=np.int64)
 LOWER = np.array([spec.lo for spec in FIELDS], dtype=np.int64)
 UPPER = np.array([spec.hi for spec in FIELDS], dtype=np.int64)
 _WIRE_FIELDS = [spec.field for spec in FIELDS]
+#: distinct gpu_index lists a decoder remembers the rows of
+_ROWS_CACHE_SIZE = 64
+
+#: a checked batch's columns: (column indices, presence bitmaps, value lists)
+Columns = tuple[list[int], list[bytes], list]
 
 
 class CodecError(Exception):
@@ -237,6 +245,9 @@ class DecodeResult:
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
     #: the decoder expected this sequence number (for RESYNC_NEEDED)
     expected_seq: int = 0
+    #: the batch's columns as checked by ``admit``: (column indices, presence
+    #: bitmaps, value containers), so the tick need not walk the batch again
+    columns: "Columns | None" = None
 
 
 class TelemetryDecoder:
@@ -249,6 +260,9 @@ class TelemetryDecoder:
     def __init__(self, gpu_indices: Sequence[int], *, max_raw_bytes: int = MAX_RAW_BATCH_BYTES) -> None:
         self.gpu_indices = list(gpu_indices)
         self._row_of = {idx: row for row, idx in enumerate(self.gpu_indices)}
+        #: gpu_index lists seen before -> their rows (read-only arrays); an
+        #: agent sends the same few lists over and over
+        self._rows_cache: dict[tuple[int, ...], np.ndarray] = {}
         self.max_raw_bytes = max_raw_bytes
         gpus = len(self.gpu_indices)
         self._state = np.zeros((gpus, FIELD_COUNT), dtype=np.int64)
@@ -348,9 +362,9 @@ class TelemetryDecoder:
         if result is not None:
             return result
         rows = self._rows_of(batch)
-        check_columns(batch, len(rows))
+        columns = extract_columns(batch, len(rows))
         self._commit_sequence(env, batch)
-        return DecodeResult(DecodeOutcome.APPLIED, batch, rows=rows)
+        return DecodeResult(DecodeOutcome.APPLIED, batch, rows=rows, columns=columns)
 
     def apply(self, env: pb.Envelope) -> DecodeResult:
         """Admit and apply one envelope to this decoder's own state. Raises
@@ -387,6 +401,17 @@ class TelemetryDecoder:
         return DecodeResult(DecodeOutcome.APPLIED, batch, rows=rows)
 
     def _rows_of(self, batch: pb.MetricBatch) -> np.ndarray:
+        key = tuple(batch.gpu_index)
+        rows = self._rows_cache.get(key)
+        if rows is not None:
+            return rows
+        rows = self._rows_uncached(batch)
+        if len(self._rows_cache) < _ROWS_CACHE_SIZE:
+            rows.flags.writeable = False
+            self._rows_cache[key] = rows
+        return rows
+
+    def _rows_uncached(self, batch: pb.MetricBatch) -> np.ndarray:
         row_of = self._row_of
         try:
             rows = [row_of[index] for index in batch.gpu_index]
@@ -402,17 +427,31 @@ def check_columns(batch: pb.MetricBatch, count: int) -> None:
     """Structural checks of a batch's columns, in plain Python (a handful of
     columns per batch): known and unique fields, presence bitmaps of the right
     width with no bits past the last GPU, one value per set bit."""
+    extract_columns(batch, count)
+
+
+def extract_columns(batch: pb.MetricBatch, count: int) -> Columns:
+    """``check_columns``, returning what it walked: each column's index,
+    presence bitmap and values, in wire order (what ``batch_cells`` needs)."""
     width = (count + 7) // 8
     limit = 1 << count
-    fields = []
+    columns: list[int] = []
+    presences: list[bytes] = []
+    values: list = []
+    column_of = COLUMN.get
     for col in batch.columns:
         presence = col.presence
         bits = int.from_bytes(presence, "little")
-        if len(presence) != width or bits >= limit or bits.bit_count() != len(col.values) or col.field not in COLUMN:
+        vals = col.values
+        column = column_of(col.field)
+        if column is None or len(presence) != width or bits >= limit or bits.bit_count() != len(vals):
             _column_error(batch, count)
-        fields.append(col.field)
-    if len(set(fields)) != len(fields):
+        columns.append(column)
+        presences.append(presence)
+        values.append(vals)
+    if len(set(columns)) != len(columns):
         _column_error(batch, count)
+    return columns, presences, values
 
 
 def _column_error(batch: pb.MetricBatch, count: int) -> None:
@@ -449,29 +488,38 @@ def batch_cells(
     numpy operations: all presence bitmaps are unpacked in one call. Cells come
     out in wire order: batch by batch, column by column, GPU by GPU.
     """
+    return column_cells([(rows, _columns_unchecked(batch)) for rows, batch in items])
+
+
+def _columns_unchecked(batch: pb.MetricBatch) -> Columns:
+    cols = batch.columns
+    return [COLUMN[c.field] for c in cols], [c.presence for c in cols], [c.values for c in cols]
+
+
+def column_cells(
+    items: Sequence[tuple[np.ndarray, Columns]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``batch_cells`` for columns already extracted (``extract_columns``)."""
     presence: list[bytes] = []
     seg_column: list[int] = []
     seg_item: list[int] = []
     seg_count: list[int] = []
-    seg_width: list[int] = []
-    value_lists = []
+    value_lists: list = []
     row_parts: list[np.ndarray] = []
-    for item, (rows, batch) in enumerate(items):
-        count = len(rows)
-        width = (count + 7) // 8
+    for item, (rows, (columns, presences, values)) in enumerate(items):
         row_parts.append(rows)
-        for col in batch.columns:
-            presence.append(col.presence)
-            seg_column.append(COLUMN[col.field])
-            seg_item.append(item)
-            seg_count.append(count)
-            seg_width.append(width)
-            value_lists.append(col.values)
+        n = len(columns)
+        if n:
+            seg_column += columns
+            presence += presences
+            value_lists += values
+            seg_item += [item] * n
+            seg_count += [len(rows)] * n
     if not presence:
         empty = np.zeros(0, dtype=np.intp)
         return empty, empty, np.zeros(0, dtype=np.int64), empty
     counts = np.asarray(seg_count, dtype=np.intp)
-    widths = np.asarray(seg_width, dtype=np.intp)
+    widths = (counts + 7) // 8
     bits = np.unpackbits(np.frombuffer(b"".join(presence), dtype=np.uint8), bitorder="little")
     seg_bit_start = np.cumsum(widths * 8) - widths * 8
     total = int(counts.sum())
