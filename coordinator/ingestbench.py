@@ -6,17 +6,28 @@ smoothed view.
 Set-up, all on this machine over loopback:
 - the coordinator runs as its own process (``python -m coordinator.main``),
   exactly as deployed;
-- a load generator process opens one bidirectional stream per simulated host
-  and sends, every ``--interval`` seconds per host, the next envelope of a
-  pre-recorded sim-backend sequence (8 GPUs, volatile synthetic load: a
-  keyframe, then deltas), with its own sequence numbers. Pre-recording keeps
-  the generator's CPU for sending, so the coordinator is what is measured.
-- throughput = applied envelopes x GPUs per envelope over the measurement
-  window, read from the coordinator's own Prometheus counters; delay = the
-  coordinator's ``gpulb_ingest_latency_seconds`` histogram (handler receipt
-  to smoothed view), p50/p99 interpolated within buckets.
-
-The two processes share the machine's cores; the table says how many.
+- a load-generator process opens one gRPC stream (``AgentGateway/Connect``)
+  per simulated host, multiplexed over ``--channels`` HTTP/2 connections
+  (real agents have one connection each; connections cost the coordinator
+  some kernel and gRPC-core time, the per-message Python path is the same).
+  It speaks HTTP/2 itself (``_generate_h2``): grpc.aio's client costs ~65 us
+  of CPU per message, on the cores the coordinator needs; the grpc.aio
+  generator (``_generate``) stays for comparison (``--generate ... grpc``).
+- phase 1: every stream registers and sends its keyframe; the generator
+  waits for each stream's RegisterAck (the coordinator accepts about one new
+  stream per event-loop turn, so streams are opened 100 at a time, and wait
+  with heartbeats until all are open). Phase 2 starts only then: every host
+  sends, every ``--interval`` seconds, the next envelope of a pre-recorded
+  sim-backend sequence (8 GPUs, volatile synthetic load, a keyframe every
+  30 s), at its own phase, a seeded uniform random offset within the
+  interval (as agents started at independent times), not all at once.
+- the measurement window starts ``--warmup`` seconds into phase 2, after
+  every stream is open and has sent its keyframe.
+- throughput = applied envelopes x GPUs per envelope over the window, from
+  the coordinator's own Prometheus counters; delay = the coordinator's
+  ``gpulb_ingest_latency_seconds`` histogram (handler receipt to smoothed
+  view; p50/p99 interpolated within buckets). CPU of both processes comes
+  from /proc, load average from the OS: the machine is shared.
 """
 
 from __future__ import annotations
@@ -76,7 +87,22 @@ def _templates(gpus: int, count: int) -> list[list[bytes]]:
     return out
 
 
-async def _generate(target: str, hosts: int, gpus: int, interval: float, duration: float, channels: int) -> None:
+def _frame(seq: int, body: bytes) -> bytes:
+    """A serialized AgentMessage{telemetry: Envelope{seq, ...body}}."""
+    env = b"\x08" + _varint(seq) + body
+    return b"\x12" + _varint(len(env)) + env
+
+
+async def _generate(target: str, hosts: int, gpus: int, interval: float, duration: float, channels: int, seed: int = 1) -> None:
+    """The load generator. Phase 1 opens every stream (register, then the
+    keyframe) and waits for each stream's RegisterAck, so the coordinator's
+    handler for it is running; it prints ``{"connected": ...}`` on stdout.
+    Phase 2 starts all hosts at once on a common clock, each at its own
+    phase: a uniform random offset within the interval (seeded), as real
+    agents that started at independent times would be. It prints one JSON
+    line per second: envelopes sent so far and how late the sends ran."""
+    import random
+
     import grpc
 
     from protos import telemetry_pb2 as pb
@@ -84,61 +110,366 @@ async def _generate(target: str, hosts: int, gpus: int, interval: float, duratio
     templates = _templates(gpus, 8)
     chans = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(channels)]
     identity = lambda b: b  # noqa: E731 - messages are pre-serialized
-    sent = [0]
+    calls: list = [None] * hosts
     failures: list[str] = []
-    stop_at = time.monotonic() + duration
+    t_connect = time.monotonic()
+    opening = asyncio.Semaphore(100)  # the coordinator accepts one new stream per loop turn
+
+    async def connect(h: int) -> None:
+        async with opening:
+            ch = chans[h % channels]
+            call = ch.stream_stream("/gpulb.v1.AgentGateway/Connect", request_serializer=identity, response_deserializer=identity)()
+            reg = pb.AgentMessage(
+                register=pb.Register(
+                    node_id=f"bench-{h:05d}",
+                    backend="sim",
+                    gpus=[pb.GpuInfo(index=i, uuid=f"GPU-bench-{h}-{i}", model="NVIDIA GeForce RTX 4090", memory_total_mib=24564) for i in range(gpus)],
+                )
+            )
+            try:
+                await call.write(reg.SerializeToString())
+                await call.write(_frame(1, templates[h % len(templates)][0]))  # the keyframe
+                await call.read()  # the RegisterAck: the coordinator's handler runs
+                calls[h] = call
+            except Exception as exc:
+                failures.append(f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}")
+
+    rng = random.Random(seed)
+    offsets = [rng.uniform(0.0, interval) for _ in range(hosts)]
+    sent = [0]
+    late: list[float] = []
+    go = asyncio.Event()
+    start = [0.0]
+    stop_at = [float("inf")]
 
     async def host(h: int) -> None:
-        ch = chans[h % channels]
-        connect = ch.stream_stream("/gpulb.v1.AgentGateway/Connect", request_serializer=identity, response_deserializer=identity)
-        call = connect()
-        reg = pb.AgentMessage(
-            register=pb.Register(
-                node_id=f"bench-{h:05d}",
-                backend="sim",
-                gpus=[pb.GpuInfo(index=i, uuid=f"GPU-bench-{h}-{i}", model="NVIDIA GeForce RTX 4090", memory_total_mib=24564) for i in range(gpus)],
-            )
-        )
-        await call.write(reg.SerializeToString())
-
-        async def drain() -> None:
-            async for _ in call:
-                pass
-
-        reader = asyncio.create_task(drain())
+        await connect(h)
+        call = calls[h]
+        if call is None:
+            return
+        await go.wait()
         bodies = templates[h % len(templates)]
-        seq = 0
-        # spread hosts over the interval so the load is smooth
-        await asyncio.sleep(interval * (h / hosts))
-        next_at = time.monotonic()
+        seq = 1
+        monotonic = time.monotonic
+        next_at = start[0] + offsets[h]
         try:
-            while time.monotonic() < stop_at:
-                body = bodies[seq % len(bodies)]
-                seq += 1
-                env = b"\x08" + _varint(seq) + body
-                await call.write(b"\x12" + _varint(len(env)) + env)
-                sent[0] += 1
-                next_at += interval
-                delay = next_at - time.monotonic()
+            while next_at < stop_at[0]:
+                delay = next_at - monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                else:
+                    late.append(-delay)
+                seq += 1
+                await call.write(_frame(seq, bodies[(seq - 1) % len(bodies)]))
+                sent[0] += 1
+                next_at += interval
             await call.done_writing()
         except Exception as exc:  # a refused stream: report it, keep the others going
             failures.append(f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}")
-        finally:
-            reader.cancel()
+
+    async def connected() -> None:
+        heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat(last_seq=1)).SerializeToString()
+        last_beat = time.monotonic()
+        while sum(c is not None for c in calls) + len(failures) < hosts:
+            await asyncio.sleep(0.1)
+            if time.monotonic() - last_beat > 5.0:  # streams that wait for the others stay alive
+                last_beat = time.monotonic()
+                for call in calls:
+                    if call is not None:
+                        await call.write(heartbeat)
+        print(json.dumps({"connected": sum(c is not None for c in calls), "failed": len(failures),
+                          "connect_s": round(time.monotonic() - t_connect, 2),
+                          "first_failure": failures[0] if failures else None}), flush=True)
+        start[0] = time.monotonic() + 0.05
+        stop_at[0] = start[0] + duration
+        go.set()
 
     async def report() -> None:
-        last = 0
-        while time.monotonic() < stop_at:
-            await asyncio.sleep(5)
-            print(f"generator: {(sent[0] - last) / 5 * gpus:,.0f} GPU-samples/s sent, {len(failures)} streams failed"
-                  + (f" (first: {failures[0]})" if failures else ""), file=sys.stderr, flush=True)
-            last = sent[0]
+        await go.wait()
+        while time.monotonic() < stop_at[0]:
+            await asyncio.sleep(1.0)
+            lateness = np.asarray(late) if late else np.zeros(1)
+            print(json.dumps({"t": round(time.monotonic() - start[0], 2), "sent": sent[0], "late_sends": len(late),
+                              "late_p99_ms": round(float(np.percentile(lateness, 99)) * 1000, 1), "failed": len(failures)}), flush=True)
 
-    await asyncio.gather(report(), *(host(h) for h in range(hosts)), return_exceptions=True)
+    await asyncio.gather(connected(), report(), *(host(h) for h in range(hosts)), return_exceptions=True)
     for ch in chans:
         await ch.close()
+
+
+# ---- the raw HTTP/2 load generator --------------------------------------------
+#
+# grpc.aio costs its client ~65 us of CPU per message sent, on the same two
+# cores as the coordinator it measures. This generator speaks the few parts of
+# HTTP/2 a gRPC client stream needs (preface, SETTINGS, HEADERS with literal
+# HPACK fields, DATA, PING and SETTINGS acks, WINDOW_UPDATE flow control) and
+# writes pre-encoded frames: a few us per message. The coordinator sees
+# ordinary gRPC streams; what it does with them is what is measured.
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PING, _GOAWAY, _WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
+_END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
+_BIG_WINDOW = (1 << 31) - 1
+
+
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+
+
+def _hpack_literal(name_index: int, value: bytes) -> bytes:
+    """A header field without indexing, its name from the static table (index < 15)."""
+    return bytes((name_index,)) + bytes((len(value),)) + value
+
+
+def _connect_headers(authority: str) -> bytes:
+    return (
+        b"\x83"  # :method POST
+        + b"\x86"  # :scheme http
+        + _hpack_literal(4, b"/gpulb.v1.AgentGateway/Connect")  # :path
+        + _hpack_literal(1, authority.encode())  # :authority
+        + b"\x0f\x10" + bytes((16,)) + b"application/grpc"  # content-type (static index 31)
+        + b"\x00\x02te\x08trailers"
+    )
+
+
+def _grpc_message(message: bytes) -> bytes:
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+class _H2Connection(asyncio.Protocol):
+    """One HTTP/2 connection carrying many Connect streams."""
+
+    def __init__(self, authority: str) -> None:
+        self.headers = _connect_headers(authority)
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.next_stream = 1
+        self.window = 65535  # what the coordinator lets us send on the connection
+        self.stream_initial = 65535
+        self.stream_window: dict[int, int] = {}
+        self.out = bytearray()  # frames waiting for this turn's single write
+        self.blocked: list[tuple[int, bytes]] = []  # frames waiting for flow-control window
+        self.answered: dict[int, asyncio.Future] = {}
+        self.failed: dict[int, str] = {}
+        self.blocked_count = 0
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        settings = (2).to_bytes(2, "big") + (0).to_bytes(4, "big") + (4).to_bytes(2, "big") + _BIG_WINDOW.to_bytes(4, "big")
+        transport.write(_PREFACE + _h2_frame(_SETTINGS, 0, 0, settings)
+                        + _h2_frame(_WINDOW_UPDATE, 0, 0, (_BIG_WINDOW - 65535).to_bytes(4, "big")))
+
+    def connection_lost(self, exc) -> None:
+        for sid, fut in self.answered.items():
+            if not fut.done():
+                fut.set_exception(ConnectionError("connection lost"))
+            self.failed.setdefault(sid, "connection lost")
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def open_stream(self, first_messages: list[bytes]) -> tuple[int, asyncio.Future]:
+        sid = self.next_stream
+        self.next_stream += 2
+        self.stream_window[sid] = self.stream_initial
+        fut = asyncio.get_running_loop().create_future()
+        self.answered[sid] = fut
+        self.out += _h2_frame(_HEADERS, _END_HEADERS, sid, self.headers)
+        for message in first_messages:
+            self.send(sid, message)
+        return sid, fut
+
+    def send(self, sid: int, message: bytes) -> None:
+        """Queue one gRPC message on a stream (written at ``flush``)."""
+        data = _grpc_message(message)
+        n = len(data)
+        if self.blocked or self.window < n or self.stream_window[sid] < n:
+            self.blocked.append((sid, data))
+            self.blocked_count += 1
+            return
+        self.window -= n
+        self.stream_window[sid] -= n
+        self.out += _h2_frame(_DATA, 0, sid, data)
+
+    def flush(self) -> None:
+        if self.out and self.transport is not None:
+            self.transport.write(bytes(self.out))
+            self.out.clear()
+
+    def _unblock(self) -> None:
+        waiting, self.blocked = self.blocked, []
+        for i, (sid, data) in enumerate(waiting):
+            n = len(data)
+            if self.window < n or self.stream_window[sid] < n:
+                self.blocked = waiting[i:]
+                break
+            self.window -= n
+            self.stream_window[sid] -= n
+            self.out += _h2_frame(_DATA, 0, sid, data)
+        self.flush()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        while len(buf) - pos >= 9:
+            length = int.from_bytes(buf[pos:pos + 3], "big")
+            if len(buf) - pos < 9 + length:
+                break
+            kind, flags = buf[pos + 3], buf[pos + 4]
+            sid = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
+            payload = bytes(buf[pos + 9:pos + 9 + length])
+            pos += 9 + length
+            self._frame(kind, flags, sid, payload)
+        del buf[:pos]
+        self.flush()
+
+    def _frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if kind == _DATA:
+            fut = self.answered.get(sid)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+            if flags & _END_STREAM:
+                self._ended(sid, "the coordinator ended the stream")
+        elif kind == _HEADERS:
+            if flags & _END_STREAM:  # trailers: the stream is over (refused or closed)
+                self._ended(sid, "the coordinator closed the stream with a status")
+        elif kind == _RST_STREAM:
+            self._ended(sid, f"RST_STREAM {int.from_bytes(payload[:4], 'big')}")
+        elif kind == _SETTINGS and not flags & _ACK:
+            for i in range(0, len(payload) - 5, 6):
+                ident, value = int.from_bytes(payload[i:i + 2], "big"), int.from_bytes(payload[i + 2:i + 6], "big")
+                if ident == 4:  # INITIAL_WINDOW_SIZE applies to every stream, open or not
+                    delta = value - self.stream_initial
+                    self.stream_initial = value
+                    for k in self.stream_window:
+                        self.stream_window[k] += delta
+            self.out += _h2_frame(_SETTINGS, _ACK, 0, b"")
+            self._unblock()
+        elif kind == _PING and not flags & _ACK:
+            self.out += _h2_frame(_PING, _ACK, 0, payload)
+        elif kind == _WINDOW_UPDATE:
+            increment = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+            if sid == 0:
+                self.window += increment
+            elif sid in self.stream_window:
+                self.stream_window[sid] += increment
+            if self.blocked:
+                self._unblock()
+        elif kind == _GOAWAY:
+            for k in list(self.answered):
+                self._ended(k, "GOAWAY")
+
+    def _ended(self, sid: int, why: str) -> None:
+        self.failed.setdefault(sid, why)
+        fut = self.answered.get(sid)
+        if fut is not None and not fut.done():
+            fut.set_exception(ConnectionError(why))
+
+
+async def _generate_h2(target: str, hosts: int, gpus: int, interval: float, duration: float, connections: int, seed: int = 1) -> None:
+    """The load generator over raw HTTP/2: as ``_generate`` (same phases,
+    same JSON lines), with every due host's frame of one loop turn written to
+    its connection in one write."""
+    import random
+
+    from protos import telemetry_pb2 as pb
+
+    loop = asyncio.get_running_loop()
+    templates = _templates(gpus, 8)
+    host_name, _, port = target.rpartition(":")
+    conns: list[_H2Connection] = []
+    for _ in range(connections):
+        _, proto = await loop.create_connection(lambda: _H2Connection(target), host_name, int(port))
+        conns.append(proto)
+    streams: list[tuple[_H2Connection, int] | None] = [None] * hosts
+    failures: list[str] = []
+    t_connect = time.monotonic()
+    opening = asyncio.Semaphore(100)  # the coordinator accepts one new stream per loop turn
+
+    async def connect(h: int) -> None:
+        async with opening:
+            conn = conns[h % connections]
+            reg = pb.AgentMessage(
+                register=pb.Register(
+                    node_id=f"bench-{h:05d}",
+                    backend="sim",
+                    gpus=[pb.GpuInfo(index=i, uuid=f"GPU-bench-{h}-{i}", model="NVIDIA GeForce RTX 4090", memory_total_mib=24564) for i in range(gpus)],
+                )
+            )
+            sid, answered = conn.open_stream([reg.SerializeToString(), _frame(1, templates[h % len(templates)][0])])
+            conn.flush()
+            try:
+                await asyncio.wait_for(answered, 60)  # the RegisterAck: the coordinator's handler runs
+                streams[h] = (conn, sid)
+            except Exception as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+
+    heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat(last_seq=1)).SerializeToString()
+
+    async def keep_alive() -> None:
+        while True:  # streams that wait for the others stay alive
+            await asyncio.sleep(5.0)
+            for stream in streams:
+                if stream is not None:
+                    stream[0].send(stream[1], heartbeat)
+            for conn in conns:
+                conn.flush()
+
+    beats = asyncio.create_task(keep_alive())
+    await asyncio.gather(*(connect(h) for h in range(hosts)))
+    beats.cancel()
+    connected = [h for h in range(hosts) if streams[h] is not None]
+    print(json.dumps({"connected": len(connected), "failed": len(failures), "connect_s": round(time.monotonic() - t_connect, 2),
+                      "first_failure": failures[0] if failures else None}), flush=True)
+
+    rng = random.Random(seed)
+    offsets = {h: rng.uniform(0.0, interval) for h in range(hosts)}
+    order = sorted(connected, key=offsets.__getitem__)
+    due_offsets = [offsets[h] for h in order]
+    seqs = [1] * hosts
+    bodies = [templates[h % len(templates)] for h in range(hosts)]
+    start = time.monotonic() + 0.05
+    stop_at = start + duration
+    sent = 0
+    late_sends = 0
+    lateness: list[float] = []
+    i, cycle, next_report = 0, 0, start + 1.0
+    monotonic = time.monotonic
+    while order:
+        now = monotonic()
+        if now >= stop_at:
+            break
+        dirty = set()
+        while True:
+            due = start + cycle * interval + due_offsets[i]
+            if due > now:
+                break
+            h = order[i]
+            conn, sid = streams[h]
+            seq = seqs[h] = seqs[h] + 1
+            conn.send(sid, _frame(seq, bodies[h][(seq - 1) % _TEMPLATE_ROUNDS]))
+            dirty.add(conn)
+            sent += 1
+            behind = now - due
+            if behind > 0.002:
+                late_sends += 1
+                lateness.append(behind)
+            i += 1
+            if i == len(order):
+                i, cycle = 0, cycle + 1
+        for conn in dirty:
+            conn.flush()
+        if now >= next_report:
+            next_report += 1.0
+            lost = sum(len(c.failed) for c in conns)
+            print(json.dumps({"t": round(now - start, 2), "sent": sent, "late_sends": late_sends,
+                              "late_p99_ms": round(float(np.percentile(lateness, 99)) * 1000, 1) if lateness else 0.0,
+                              "blocked": sum(c.blocked_count for c in conns), "failed": lost}), flush=True)
+        await asyncio.sleep(max(0.0, min(due, next_report) - monotonic()))
+    for conn in conns:
+        if conn.transport is not None:
+            conn.transport.close()
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -207,7 +538,20 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return float("nan")
+
+
 def run_ingest_bench(args: argparse.Namespace) -> int:
+    import queue
+    import threading
+
     from coordinator.demo import free_port
 
     port, mport = free_port(), free_port()
@@ -219,6 +563,7 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
         env=env,
     )
     gen = None
+    lines: queue.Queue = queue.Queue()
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -229,17 +574,28 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        total = args.warmup + args.duration + 5
         print(f"load: {args.hosts} hosts x {args.gpus} GPUs every {args.interval} s "
               f"= {args.hosts * args.gpus / args.interval:,.0f} GPU-samples/s offered; warm-up {args.warmup} s, measured {args.duration} s",
               file=sys.stderr)
         gen = subprocess.Popen(
             [py, "-m", "coordinator.ingestbench", "--generate", f"127.0.0.1:{port}", str(args.hosts), str(args.gpus),
-             str(args.interval), str(total), str(args.channels)],
-            env=env,
+             str(args.interval), str(args.warmup + args.duration + 2), str(args.channels), getattr(args, "generator", "h2")],
+            env=env, stdout=subprocess.PIPE, text=True,
         )
-        time.sleep(args.warmup)
+        threading.Thread(target=lambda: [lines.put(json.loads(line)) for line in gen.stdout], daemon=True).start()
+        connect_deadline = time.monotonic() + max(120.0, args.hosts / 10)
+        while True:  # progress lines come while streams open; wait for the one that says all are open
+            connect = lines.get(timeout=max(1.0, connect_deadline - time.monotonic()))
+            if "connected" in connect:
+                break
+        streams_ready = _scrape(mport).get("gpulb_agent_streams", float("nan"))
+        print(f"connected: {connect['connected']} of {args.hosts} streams in {connect['connect_s']} s "
+              f"(coordinator counts {streams_ready:.0f}); sending", file=sys.stderr)
+        time.sleep(args.warmup + 0.5)
         before = _scrape(mport)
+        gen_before = _latest(lines)
+        cpu_before = (_cpu_s(coord.pid), _cpu_s(gen.pid))
+        load_before = os.getloadavg()[0]
         t0 = time.monotonic()
         rss = []
         for i in range(int(args.duration)):
@@ -249,6 +605,9 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
                 print(f"  {i + 1}/{int(args.duration)} s measured", file=sys.stderr)
         after = _scrape(mport)
         elapsed = time.monotonic() - t0
+        gen_after = _latest(lines)
+        cpu_after = (_cpu_s(coord.pid), _cpu_s(gen.pid))
+        load_after = os.getloadavg()[0]
     finally:
         if gen is not None:
             gen.terminate()
@@ -259,21 +618,30 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
     rate = envelopes * args.gpus / elapsed
     p50 = _quantile(before, after, "gpulb_ingest_latency_seconds", 0.50)
     p99 = _quantile(before, after, "gpulb_ingest_latency_seconds", 0.99)
-    streams = after.get("gpulb_agent_streams", float("nan"))
     memory = view_memory_per_gpu()
+    sent = (gen_after.get("sent", 0) - gen_before.get("sent", 0)) * args.gpus / elapsed if gen_after and gen_before else float("nan")
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}",
+        "load_average_1m": [round(load_before, 2), round(load_after, 2)],
         "hosts": args.hosts,
         "gpus_per_host": args.gpus,
         "interval_s": args.interval,
         "offered_gpu_samples_per_s": args.hosts * args.gpus / args.interval,
+        "sent_gpu_samples_per_s": round(sent, 1),
         "applied_gpu_samples_per_s": round(rate, 1),
         "ingest_delay_p50_ms": round(p50 * 1000, 2),
         "ingest_delay_p99_ms": round(p99 * 1000, 2),
-        "open_streams": streams,
+        "streams_connected_before_window": connect["connected"],
+        "streams_open_at_start": before.get("gpulb_agent_streams", float("nan")),
+        "streams_open_at_end": after.get("gpulb_agent_streams", float("nan")),
+        "connect_s": connect["connect_s"],
+        "generator_late_p99_ms": gen_after.get("late_p99_ms"),
+        "coordinator_cpu_cores": round((cpu_after[0] - cpu_before[0]) / elapsed, 2),
+        "generator_cpu_cores": round((cpu_after[1] - cpu_before[1]) / elapsed, 2),
         "coordinator_rss_mib_max": round(float(np.nanmax(rss)), 1) if rss else None,
         "view_bytes_per_gpu": round(memory["bytes_per_gpu"], 1),
-        "load_generator": "separate process on the same machine",
+        "load_generator": f"one process on the same machine ({getattr(args, 'generator', 'h2')}), {args.hosts} streams over "
+                          f"{args.channels} HTTP/2 connections, seeded random phases",
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -283,6 +651,19 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _latest(lines) -> dict:
+    """The newest progress line of the generator (drains the queue)."""
+    import queue
+
+    last: dict = {}
+    while True:
+        try:
+            last = lines.get_nowait()
+        except queue.Empty:
+            return last
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--generate":
-    _, _, target, hosts, gpus, interval, duration, channels = sys.argv
-    asyncio.run(_generate(target, int(hosts), int(gpus), float(interval), float(duration), int(channels)))
+    _, _, target, hosts, gpus, interval, duration, channels, kind = sys.argv
+    generate = _generate_h2 if kind == "h2" else _generate
+    asyncio.run(generate(target, int(hosts), int(gpus), float(interval), float(duration), int(channels)))
