@@ -19,7 +19,9 @@ A policy turns the feasible GPUs (a mask from ``scheduler.filters``) into one
 
 When every node has the same number of GPUs in consecutive rows (the usual
 fleet), the same decision is reached on a (node x GPU) view of the scores that
-sorts only the nodes a bound says can matter (``_choose_set_uniform``); a
+sorts GPU identities only for the nodes a bound says can matter
+(``_choose_set_uniform``), and grows sets only on hopeful nodes whose best
+possible set (most links; for pairs, the best linked pair) beats option A; a
 single-GPU decision takes the overall minimum when it is a candidate, and
 scores only the candidates when they are few.
 
@@ -39,7 +41,13 @@ from typing import Callable, ClassVar, Mapping, Sequence
 import numpy as np
 
 from scheduler.errors import InvalidWeight, UnknownPolicy
-from scheduler.scoring import LOAD_AWARE_WEIGHTS, load_aware_bounds, load_aware_scores, load_aware_terms
+from scheduler.scoring import (
+    LOAD_AWARE_WEIGHTS,
+    load_aware_bounds,
+    load_aware_node_bounds,
+    load_aware_scores,
+    load_aware_terms,
+)
 from scheduler.task import ScoreBreakdown, TaskSpec
 from scheduler.view import PlacementView
 
@@ -132,14 +140,21 @@ class Policy(ABC):
         if not candidates.any():
             return None
         width = view.uniform_width
-        if 0 < width <= _MAX_RANK and view.gpu_count >= _BOUNDS_MIN_GPUS:
-            bounds = self.gpu_bounds(view, spec)
-            if bounds is not None:
-                exact = _ExactScores(self, view, spec, candidates, bounds[0] + bounds[1], width)
-                try:
-                    return self._choose_set_uniform(view, spec, candidates, exact.values, width, exact.fill)
-                except _NotExact:
-                    pass
+        if 0 < width <= _MAX_RANK:
+            node_low = None
+            if view.gpu_count >= _BOUNDS_MIN_GPUS:
+                bounds = self.gpu_bounds(view, spec)
+                if bounds is not None:
+                    node_low = self.node_bounds(view, spec)
+                    exact = _ExactScores(self, view, spec, candidates, bounds[0] + bounds[1], width)
+                    try:
+                        return self._choose_set_uniform(
+                            view, spec, candidates, exact.values, width, exact.fill, node_low
+                        )
+                    except _NotExact:
+                        pass
+                    node_low = self.node_bounds(view, spec)  # the try changed it in place
+            return self._choose_set_uniform(view, spec, candidates, self.gpu_scores(view, spec), width, None, node_low)
         return self._choose_set(view, spec, candidates, self.gpu_scores(view, spec))
 
     def gpu_scores_at(self, view: PlacementView, spec: TaskSpec, rows: np.ndarray) -> np.ndarray | None:
@@ -152,6 +167,12 @@ class Policy(ABC):
         """A lower bound of ``gpu_scores`` per row as ``(column, shift)``
         (``column + shift``, up to rounding), cheap to get; with it a decision
         scores exactly only the rows that can win. None: no such bound."""
+        return None
+
+    def node_bounds(self, view: PlacementView, spec: TaskSpec) -> np.ndarray | None:
+        """Per node (uniform layouts), a lower bound of the mean score of any
+        ``spec.num_gpus`` of its GPUs, up to rounding, cheap to get; with it a
+        set decision sorts only the nodes that can matter. None: no such bound."""
         return None
 
     def _choose_one(self, view: PlacementView, spec: TaskSpec, candidates: np.ndarray) -> Placement | None:
@@ -313,6 +334,7 @@ class Policy(ABC):
         scores: np.ndarray,
         width: int,
         fill: Callable[[np.ndarray], None] | None = None,
+        node_low: np.ndarray | None = None,
     ) -> Placement | None:
         """``_choose_set_general`` when every node has ``width`` GPUs in consecutive rows.
 
@@ -333,7 +355,12 @@ class Policy(ABC):
         ``fill(nodes)`` makes the rows of those nodes exact in place: node
         bounds come from the lower bounds (still lower bounds), and every node
         whose GPUs are sorted, probed or chosen is filled first, so only the
-        nodes that can matter are scored exactly.
+        nodes that can matter are scored exactly. ``node_low`` (a new array,
+        changed in place): per node a lower bound of the mean score of any k
+        of its GPUs (``Policy.node_bounds``), tighter than the best GPU; it
+        bounds the nodes and picks the probes (by their ceiling, see
+        ``_choose_set_sorted``). With exact scores and not too many nodes,
+        ``_choose_set_sorted`` sorts every node instead of probing.
         """
         k = spec.num_gpus
         count = view.node_count
@@ -350,26 +377,97 @@ class Policy(ABC):
         if groups <= _SET_SEARCH_NODES:
             fill(nodes)
             return self._best_set(view, spec, scores, *grid.sorted_rows(nodes), groups)
-        bonus = self.weights["nvlink"]
-        penalty = _nvlink_penalty(view, bonus)
-        # over every GPU of the node, usable or not: a lower bound all the same
-        low = _row_min(grid.scores)
-        if penalty is not None:
-            low -= penalty
-        low[~ok] = np.inf
-        # probe: the lowest bound of each of _SET_SEARCH_NODES blocks of
-        # nodes (the lowest overall among them); their option A gives U
         if spec.needs_nvlink and k > 3:
             # option A has no connected set: option B over every linked node
             fill(nodes)
             return self._best_of(view, spec, scores, grid, nodes, grid.sorted_values(nodes), None, np.inf, groups)
-        probe = _block_argmins(low, _SET_SEARCH_NODES)
+        if fill is _no_fill and groups <= _SORT_EVERY_NODE:
+            found = self._choose_set_sorted(view, spec, scores, grid, nodes)
+            if found is not _UNBOUNDED:
+                return found
+        bonus = self.weights["nvlink"]
+        penalty = _nvlink_penalty(view, bonus)
+        if node_low is None:
+            # over every GPU of the node, usable or not: a lower bound all the same
+            low = _row_min(grid.scores)
+            if penalty is not None:
+                low -= penalty
+            low[~ok] = np.inf
+            # probe: the lowest bound of each of _SET_SEARCH_NODES blocks of
+            # nodes (the lowest overall among them); their option A gives U
+            probe = _block_argmins(low, _SET_SEARCH_NODES)
+        else:
+            # the mean of k: a tighter bound of the node's objective; probes
+            # (which only need to be good guesses) by the bound of their
+            # objective's ceiling (the fewest links any k of their GPUs have)
+            node_low[~ok] = np.inf
+            guess = node_low
+            if bonus:
+                fewest = view.min_links(k)
+                guess = node_low - bonus * fewest / (k * (k - 1) / 2)
+                if spec.needs_nvlink:  # prefer nodes whose every k-set is connected
+                    guess[fewest < k - 1] += bonus
+            probe = _block_argmins(guess, _SET_SEARCH_NODES)
+            low = node_low - penalty if penalty is not None else node_low
         fill(probe)
         upper = float(self._option_a(view, spec, *grid.sorted_rows(probe))[0].min())
         if not upper < np.inf:  # no probe has a connected option A set (needs_nvlink)
             fill(nodes)
             return self._best_of(view, spec, scores, grid, nodes, grid.sorted_values(nodes), None, upper, groups)
         return self._best_of(view, spec, scores, grid, *grid.at_most(low, upper, penalty, k, fill), upper, groups)
+
+    def _choose_set_sorted(
+        self, view: PlacementView, spec: TaskSpec, scores: np.ndarray, grid: "_UsableGrid", nodes: np.ndarray
+    ) -> Placement | None | object:
+        """``_choose_set_uniform`` with exact scores, sorting the scores of
+        every candidate node ``nodes`` once (one sort of a few thousand short
+        rows costs less than the steps that would spare it).
+
+        With every node's mean of k best known, its option A objective lies
+        between its floor ``mean - w_nvlink * most links among any k of its
+        GPUs / (k(k-1)/2)`` and its ceiling (the same with the fewest links;
+        inf for needs_nvlink unless any k of its GPUs are connected), in the
+        same float operations as the objective itself, so exactly. The lowest
+        ceiling U (first node p) bounds option A's best: only the nodes whose
+        floor is below U, or equal to it and not after p (the first node wins
+        ties), can be option A's best; their GPUs are sorted and option A
+        runs on them. The hopeful nodes are exactly those of the general path
+        (every candidate node's ``mean - w_nvlink`` is known), in node order,
+        so option B runs on the same nodes. ``_UNBOUNDED`` when no ceiling is
+        finite (the caller takes the probing route).
+        """
+        k = spec.num_gpus
+        full = k * (k - 1) / 2
+        bonus = self.weights["nvlink"]
+        if nodes.size * 2 > view.node_count:  # most nodes: sort them all, no gathers
+            mean_top = _mean_first(np.sort(np.where(grid.usable, grid.scores, np.inf), axis=1), k)[nodes]
+        else:
+            mean_top = _mean_first(grid.sorted_values(nodes), k)
+        if bonus:
+            floor = mean_top - bonus * view.max_links(k)[nodes] / full
+            fewest = view.min_links(k)[nodes]
+            ceiling = mean_top - bonus * fewest / full
+        else:
+            floor = ceiling = mean_top
+            fewest = view.min_links(k)[nodes] if spec.needs_nvlink else None
+        if spec.needs_nvlink:
+            # k-1 links among k <= 3 GPUs connect them (k > 3 never comes here)
+            ceiling = np.where(fewest >= k - 1, ceiling, np.inf)
+        first = int(np.argmin(ceiling))
+        upper = float(ceiling[first])
+        if not upper < np.inf:
+            return _UNBOUNDED
+        contenders = np.flatnonzero(floor <= upper)
+        if contenders.size > 1:
+            contenders = contenders[(floor[contenders] < upper) | (contenders <= first)]
+        objective, _, top_rows, links = self._option_a(view, spec, *grid.sorted_rows(nodes[contenders]))
+        g = int(np.argmin(objective))
+        best = (float(objective[g]), tuple(int(r) for r in top_rows[g]), float(links[g] / full))
+        lower = np.where(view.node_has_nvlink[nodes], mean_top - bonus, np.inf)
+        return self._finish_set(
+            view, spec, scores, nodes.size, best, lower, lambda h: grid.sorted_rows(nodes[h]), floor,
+            lambda h: (grid.masked(nodes[h]), nodes[h]),
+        )
 
     def _best_of(
         self,
@@ -400,6 +498,7 @@ class Policy(ABC):
         mean_top = _mean_first(values, k)
         lower = np.where(view.node_has_nvlink[keep], mean_top - bonus, np.inf)
         best: tuple[float, tuple[int, ...], float] = (np.inf, (), 0.0)
+        floor = None
         if not (spec.needs_nvlink and k > 3):  # else option A has no connected set
             contenders = keep  # or positions in keep
             if upper < np.inf:
@@ -412,9 +511,14 @@ class Policy(ABC):
             objective_top, _, top_rows, links_top = self._option_a(view, spec, *sorted_grid)
             g = int(np.argmin(objective_top))
             best = (float(objective_top[g]), tuple(int(r) for r in top_rows[g]), float(links_top[g] / full))
+        by_position = lambda h: (grid.masked(keep[h]), keep[h])  # noqa: E731
         if rows is None:
-            return self._finish_set(view, spec, scores, groups, best, lower, lambda h: grid.sorted_rows(keep[h]))
-        return self._finish_set(view, spec, scores, groups, best, lower, lambda h: (values[h], rows[h]))
+            return self._finish_set(
+                view, spec, scores, groups, best, lower, lambda h: grid.sorted_rows(keep[h]), floor, by_position
+            )
+        return self._finish_set(
+            view, spec, scores, groups, best, lower, lambda h: (values[h], rows[h]), floor, by_position
+        )
 
     def _option_a(
         self, view: PlacementView, spec: TaskSpec, grid: np.ndarray, row_grid: np.ndarray
@@ -474,6 +578,8 @@ class Policy(ABC):
         best: tuple[float, tuple[int, ...], float],
         lower: np.ndarray,
         sorted_of: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+        floor: np.ndarray | None = None,
+        by_position: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> Placement | None:
         """Option B on the hopeful nodes, then the placement of the best set.
 
@@ -481,6 +587,17 @@ class Policy(ABC):
         per node, in node order, ``mean of k best - w_nvlink`` (inf without
         NVLink), over a list of nodes that holds every hopeful one;
         ``sorted_of(i)``: the sorted grid and rows of the nodes at positions i.
+        ``floor``, when given, per node of the same list: ``mean of k best -
+        w_nvlink * most links among k of its GPUs / (k(k-1)/2)``, at most
+        (up to rounding) the objective of any set on it. A hopeful node whose
+        floor is above option A's best cannot hold a better set, so it is left
+        out of the growth, which changes no result: option B replaces option
+        A only with a set below it, found first on the same nodes in the
+        same order. ``by_position(i)`` (uniform layouts): the usable scores
+        (else inf) of the nodes at positions i by GPU position, and their
+        node numbers; for pairs it gives each node's best linked pair, which
+        is what option B finds there, so nodes whose best linked pair is not
+        below option A's best are left out too.
         """
         k = spec.num_gpus
         needs = spec.needs_nvlink
@@ -491,9 +608,19 @@ class Policy(ABC):
             if hopeful.size > _SET_SEARCH_NODES:
                 part = np.argpartition(lower[hopeful], _SET_SEARCH_NODES - 1)[:_SET_SEARCH_NODES]
                 hopeful = hopeful[part]
-            found = self._grow_sets(view, *sorted_of(hopeful), k, bonus, needs)
-            if found is not None and found[0] < best[0]:
-                best = found
+            if floor is not None and best[0] < np.inf:
+                hopeful = hopeful[floor[hopeful] <= _with_margin(best[0])]
+            if k == 2 and by_position is not None and best[0] < np.inf and hopeful.size:
+                # each GPU with its best-scoring NVLink peer: the pair option
+                # B grows from it; (a + b) / 2 - w_nvlink as option B computes it
+                sub, ids = by_position(hopeful)
+                partner = np.where(view.nvlink_matrix[ids], sub[:, None, :], np.inf).min(axis=2)
+                pair = _row_min((sub + partner) / 2 - bonus)
+                hopeful = hopeful[pair <= _with_margin(best[0])]
+            if hopeful.size:
+                found = self._grow_sets(view, *sorted_of(hopeful), k, bonus, needs)
+                if found is not None and found[0] < best[0]:
+                    best = found
 
         value, picked, frac = best
         if value == np.inf:
@@ -591,6 +718,9 @@ class Policy(ABC):
 _MAX_RANK = 62
 # Nodes that get the NVLink greedy search in one decision (lowest bound first).
 _SET_SEARCH_NODES = 32
+# With exact scores, set choice sorts the scores of every candidate node when
+# there are at most this many (else it sorts only those a bound keeps).
+_SORT_EVERY_NODE = 4096
 # Set choice sorts the GPUs of up to this many kept nodes once, by score and
 # GPU, rather than by score for all and by GPU for some.
 _SORT_ALL_NODES = 256
@@ -626,6 +756,10 @@ def _bits(mask: int) -> list[int]:
 
 def _no_fill(nodes: np.ndarray) -> None:
     """Scores already exact: nothing to fill."""
+
+
+# ``_choose_set_sorted``: no probe bounds option A (the caller takes another route).
+_UNBOUNDED = object()
 
 
 class _NotExact(Exception):
@@ -810,6 +944,9 @@ class LoadAware(Policy):
 
     def gpu_bounds(self, view: PlacementView, spec: TaskSpec) -> tuple[np.ndarray, float] | None:
         return load_aware_bounds(view, spec, self.weights)
+
+    def node_bounds(self, view: PlacementView, spec: TaskSpec) -> np.ndarray | None:
+        return load_aware_node_bounds(view, spec, self.weights, spec.num_gpus)
 
     def terms(
         self, view: PlacementView, spec: TaskSpec, rows: Sequence[int], scores: np.ndarray

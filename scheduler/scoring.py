@@ -39,7 +39,7 @@ GPUs win ties (and win outright unless they are loaded beyond ``w_stale``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -59,6 +59,7 @@ __all__ = [
     "load_aware_scores",
     "load_aware_terms",
     "load_aware_bounds",
+    "load_aware_node_bounds",
 ]
 
 LOAD_AWARE_WEIGHTS: Mapping[str, float] = {
@@ -223,6 +224,17 @@ def load_aware_bounds(
     if view.any_stale:
         return None
     w = weights
+    column = view.derived(*_bound_column(view, spec, w))
+    if spec.preferred_node_labels and w["preferred_labels"]:
+        column = column - w["preferred_labels"] * view.preferred_fraction(spec.preferred_node_labels)
+    return column, w["load"] * spec.gpu_share
+
+
+def _bound_column(
+    view: PlacementView, spec: TaskSpec, w: Mapping[str, float]
+) -> tuple[object, Callable[[PlacementView, object], np.ndarray]]:
+    """Key and row-local ``compute`` of ``load_aware_bounds``' task-independent
+    column (a ``PlacementView.derived`` column)."""
     w_load, w_jitter, w_completion = w["load"], w["jitter"], w["completion"]
     static = _static(view, w)
     floor = _completion_floor(view, spec.kind, w_completion) if w_completion else None
@@ -237,10 +249,30 @@ def load_aware_bounds(
 
     key = ("load_aware.bound", w_load, w_jitter, w["temperature"], w["response_time"],
            spec.kind if floor is not None else None, w_completion if floor is not None else 0.0)
-    column = view.derived(key, compute)
+    return key, compute
+
+
+def load_aware_node_bounds(
+    view: PlacementView, spec: TaskSpec, weights: Mapping[str, float], k: int
+) -> np.ndarray | None:
+    """Per node (uniform layouts), a lower bound of the mean of ``load_aware_scores``
+    over any ``k`` of its GPUs, up to rounding (compare with a margin): the
+    mean of its ``k`` lowest ``load_aware_bounds``, from running sums the view
+    keeps sorted per node (``PlacementView.node_sorted_sums``), so it costs a
+    few operations per node and no sort. None where ``load_aware_bounds`` is.
+    """
+    if view.any_stale or not 0 < k <= view.uniform_width:
+        return None
+    w = weights
+    sums = view.node_sorted_sums(*_bound_column(view, spec, w))
+    if sums is None:
+        return None
+    mean = sums[:, k - 1] / k
+    mean += w["load"] * spec.gpu_share
     if spec.preferred_node_labels and w["preferred_labels"]:
-        column = column - w["preferred_labels"] * view.preferred_fraction(spec.preferred_node_labels)
-    return column, w_load * spec.gpu_share
+        # the preferred fraction is per node: the same for every GPU of a node
+        mean -= w["preferred_labels"] * view.labels.preferred(spec.preferred_node_labels)
+    return mean
 
 
 def load_aware_terms(

@@ -245,6 +245,8 @@ class _Topology:
             arr.flags.writeable = False
         self._row_of: dict[str, int] | None = None
         self._max_links: dict[int, np.ndarray] = {}
+        self._min_links: dict[int, np.ndarray] = {}
+        self._nvlink_matrix: np.ndarray | None = None
 
     @property
     def row_of(self) -> dict[str, int]:
@@ -263,13 +265,41 @@ class _Topology:
             self._max_links[k] = cached
         return cached
 
+    @property
+    def nvlink_matrix(self) -> np.ndarray:
+        """(node x GPU x GPU) bool, uniform layouts: ``[n, a, b]`` when the
+        GPUs at positions a and b of node n are joined by NVLink. Read-only."""
+        if self._nvlink_matrix is None:
+            width = self.uniform_width
+            if not width:
+                raise ValueError("nvlink_matrix needs a uniform layout")
+            adj = self.adj_bits.reshape(-1, width)
+            local = self.local_bit.reshape(-1, width)
+            # bit 63 (an index past 62) is in no peer mask: no link
+            matrix = ((adj[:, :, None] >> local[:, None, :]) & 1).astype(bool)
+            matrix.flags.writeable = False
+            self._nvlink_matrix = matrix
+        return self._nvlink_matrix
+
+    def min_links(self, k: int) -> np.ndarray:
+        """Per node: the fewest NVLink-joined pairs among any ``k`` of its GPUs
+        (uniform layouts; past ``_MAX_LINKS_WIDTH`` GPUs a node, 0, a lower
+        bound). Read-only, cached per k."""
+        cached = self._min_links.get(k)
+        if cached is None:
+            cached = _max_links(self.adj_bits, self.local_bit, self.uniform_width, k, fewest=True)
+            cached.flags.writeable = False
+            self._min_links[k] = cached
+        return cached
+
 
 # Nodes up to this many GPUs get the exact most links among k of them (by trying every k-set).
 _MAX_LINKS_WIDTH = 16
 
 
-def _max_links(adj_bits: np.ndarray, local_bit: np.ndarray, width: int, k: int) -> np.ndarray:
-    """``_Topology.max_links`` over (node x GPU) columns; one search per distinct node topology."""
+def _max_links(adj_bits: np.ndarray, local_bit: np.ndarray, width: int, k: int, fewest: bool = False) -> np.ndarray:
+    """``_Topology.max_links`` over (node x GPU) columns; one search per
+    distinct node topology. ``fewest``: ``_Topology.min_links`` instead."""
     if not width:
         raise ValueError("max_links needs a uniform layout")
     nodes = adj_bits.shape[0] // width
@@ -286,15 +316,16 @@ def _max_links(adj_bits: np.ndarray, local_bit: np.ndarray, width: int, k: int) 
         joined = ((row_adj[:, None] >> row_local[None, :]) & 1).astype(bool)
         pairs = int(np.count_nonzero(np.triu(joined, 1)))
         if width > _MAX_LINKS_WIDTH or k > width:
-            best[p] = min(full, pairs)
+            best[p] = 0 if fewest else min(full, pairs)
             continue
-        most = 0
+        most, least = 0, full
         for combo in itertools.combinations(range(width), k):
             sub = joined[np.ix_(combo, combo)]
-            most = max(most, int(np.count_nonzero(np.triu(sub, 1))))
-            if most == full or most == pairs:
+            links = int(np.count_nonzero(np.triu(sub, 1)))
+            most, least = max(most, links), min(least, links)
+            if least == 0 if fewest else (most == full or most == pairs):
                 break
-        best[p] = most
+        best[p] = least if fewest else most
     return best[np.asarray(which).reshape(-1)]
 
 
@@ -339,6 +370,12 @@ def _nvlink_bits(s: ClusterSnapshot, node: np.ndarray) -> tuple[np.ndarray, np.n
     adj_bits = np.where(inside, np.stack(table)[node_row[node], clipped], 0)
     local_bit = np.where(inside, idx, 63).astype(np.int64)
     return adj_bits, local_bit
+
+
+def _sorted_sums(values: np.ndarray) -> np.ndarray:
+    """Running sums of ``values`` sorted ascending along the last axis, NaN as -inf."""
+    values = np.sort(np.where(np.isnan(values), -np.inf, values), axis=-1)
+    return np.cumsum(values, axis=-1)
 
 
 _TOPOLOGIES = IdentityCache(4)
@@ -430,11 +467,14 @@ class PlacementView:
         # GPUs per node when every node has that many in consecutive rows, else 0
         self.uniform_width = topo.uniform_width
         self.max_links = topo.max_links
+        self.min_links = topo.min_links
         self._labels: LabelIndex | None = None  # built on the first label lookup
         self._spec_masks: dict[str, np.ndarray] = {}
         self.static_cache: dict[object, np.ndarray] = {}  # policies keep weighted statics here
         # per-GPU columns derived from the dynamic ones, kept current by refresh
         self._derived: dict[object, tuple[Callable[["PlacementView", object], np.ndarray], np.ndarray]] = {}
+        # per node, running sums of a derived column's values sorted (uniform layouts), kept current by refresh
+        self._node_sums: dict[object, tuple[np.ndarray, np.ndarray]] = {}
 
         if reservations is not None and len(reservations):
             cols = reservations.columns(self.row_of, used, fresh)
@@ -448,6 +488,11 @@ class PlacementView:
     def row_of(self) -> dict[str, int]:
         """GPU uuid -> row (shared by views over the same static columns; do not modify)."""
         return self._topology.row_of
+
+    @property
+    def nvlink_matrix(self) -> np.ndarray:
+        """Per node, which of its GPU positions are NVLink-joined (``_Topology.nvlink_matrix``)."""
+        return self._topology.nvlink_matrix
 
     def spec_mask(self, gpu_spec: str) -> np.ndarray:
         mask = self._spec_masks.get(gpu_spec)
@@ -488,6 +533,26 @@ class PlacementView:
             return column
         return entry[1]
 
+    def node_sorted_sums(
+        self, key: object, compute: Callable[["PlacementView", object], np.ndarray]
+    ) -> np.ndarray | None:
+        """Per node, the running sums of its GPUs' values of ``derived(key,
+        compute)`` in ascending order, as (node x GPU): ``[n, j]`` is the sum
+        of node n's ``j + 1`` lowest values (NaN counts as -inf, so the sums
+        stay lower bounds). Uniform layouts only (else None); kept current by
+        ``refresh`` for the nodes whose rows change. Do not modify it.
+        """
+        width = self.uniform_width
+        if not width:
+            return None
+        entry = self._node_sums.get(key)
+        if entry is None:
+            column = self.derived(key, compute)
+            sums = _sorted_sums(column.reshape(-1, width))
+            self._node_sums[key] = (column, sums)
+            return sums
+        return entry[1]
+
     # ---- dynamic columns ----------------------------------------------------------
     def _set_dynamic(self, cols: ReservedColumns) -> None:
         self.res_vram = cols.vram_mib
@@ -519,6 +584,7 @@ class PlacementView:
         row_of = self.row_of
         derived = tuple(self._derived.values())
         stale_rows = []
+        changed = []
         for gpu_uuid in gpu_uuids:
             row = row_of.get(gpu_uuid)
             if row is None:
@@ -545,6 +611,13 @@ class PlacementView:
                 column[row] = compute(self, row)
             if stale:
                 stale_rows.append(row)
+            changed.append(row)
+        if self._node_sums and changed:
+            width = self.uniform_width
+            for n in {row // width for row in changed}:
+                start = n * width
+                for column, sums in self._node_sums.values():
+                    sums[n] = _sorted_sums(column[start : start + width])
         if stale_rows:
             for n in np.unique(self.node[stale_rows]):
                 on_node = self.node == n

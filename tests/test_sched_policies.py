@@ -539,3 +539,87 @@ def test_choice_from_lower_bounds_is_the_choice_from_every_score(seed: int, ties
                     [float(view.used[r]) for r in fast.rows])
             view.refresh(fast.gpu_uuids)
     assert bounded > 0  # some placements were made without scoring every GPU
+
+
+# ---- multi-GPU paths of large fleets against the general path -------------------------------------
+
+
+def test_fewest_and_most_links_and_the_link_matrix_match_brute_force() -> None:
+    rng = np.random.default_rng(5)
+    facts = []
+    for i in range(40):
+        pairs = [tuple(int(x) for x in rng.integers(0, 6, 2)) for _ in range(int(rng.integers(0, 9)))]
+        facts.append(NodeFacts(f"n{i}", 6, nvlink_pairs=pairs))
+    view = PlacementView(ClusterSnapshot.build(facts))
+    for n, fact in enumerate(facts):
+        joined = {frozenset(p) for p in fact.nvlink_pairs if p[0] != p[1]}
+        for a, b in itertools.product(range(6), repeat=2):
+            assert view.nvlink_matrix[n, a, b] == (frozenset((a, b)) in joined)
+        for k in (2, 3, 4, 6):
+            links = [sum(frozenset(p) in joined for p in itertools.combinations(c, 2))
+                     for c in itertools.combinations(range(6), k)]
+            assert (view.min_links(k)[n], view.max_links(k)[n]) == (min(links), max(links))
+
+
+def messy_fleet(rng: np.random.Generator, nodes: int, ties: bool, identical: bool = False) -> ClusterSnapshot:
+    """8-GPU nodes of mixed topologies with ties, NaN readings, full GPUs,
+    labels and learned slowdowns (NaN ones too); ``identical``: every node
+    the same (ties across all nodes)."""
+    import dataclasses
+
+    if identical:
+        facts = [NodeFacts(f"n{i:04d}", 8, labels={"zone": f"z{i % 3}"}, nvlink_pairs=TOPOLOGIES["pairs"])
+                 for i in range(nodes)]
+        snap = ClusterSnapshot.build(facts, util_pct=np.tile([0.0, 30.0, 10.0, 10.0, 50.0, 0.0, 20.0, 5.0], nodes))
+        return snap
+    snap = uniform_snapshot(rng, nodes, 8, ties)
+    count = snap.gpu_count
+    snap.node_stale[:] = False  # stale nodes turn the lower bounds off; test_uniform_* covers them
+    snap.util_pct[rng.random(count) < 0.03] = math.nan
+    snap.util_forecast_pct[:] = snap.util_pct
+    snap.memory_used_mib[rng.random(count) < 0.03] = math.nan
+    snap.temperature_c[rng.random(count) < 0.03] = math.nan
+    labels = [{"zone": f"z{i % 3}"} for i in range(nodes)]
+    snap = dataclasses.replace(snap, node_labels=labels)
+    if rng.random() < 0.6:
+        slow = lambda: rng.choice([0.8, 1.0, 1.0, 1.5, math.nan], count)  # noqa: E731
+        snap = dataclasses.replace(snap, gpu_slowdown={"": slow(), "training": slow()})
+    return snap
+
+
+@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("fleet", ["random", "ties", "identical"])
+def test_every_set_choice_path_matches_the_general_path(seed: int, fleet: str, monkeypatch) -> None:
+    """On fleets of hundreds of nodes, the set choice from sorting every node
+    (exact scores), from probing and bounds (exact scores), and from node and
+    GPU lower bounds (big fleets) all give the general path's placement, to
+    the bit, through placements and releases (the view's per-node sums are
+    patched), with ties, NVLink needs, slowdowns, NaN rows and labels."""
+    from scheduler import policies
+
+    rng = np.random.default_rng(2000 + seed)
+    snap = messy_fleet(rng, int(rng.choice([60, 150, 300])), fleet == "ties", fleet == "identical")
+    view = PlacementView(snap, res := Reservations())
+    policy = make_policy("load_aware", {"nvlink": float(rng.choice([0.0, 0.5, 0.5, 3.0])),
+                                        "jitter": float(rng.choice([0.0, 0.1]))})
+    leases = []
+    for i in range(14):
+        k = int(rng.choice([2, 2, 3, 4, 8]))
+        task = spec(task_id=f"t{i}", num_gpus=k, needs_nvlink=bool(rng.random() < 0.3),
+                    vram_mib=float(rng.choice([1_024.0, 4_096.0, 12_000.0])), gpu_share=float(rng.uniform(0, 1)),
+                    kind=str(rng.choice(["inference", "training"])),
+                    required_node_labels={"zone": "z1"} if rng.random() < 0.15 else {},
+                    preferred_node_labels={"zone": "z2"} if rng.random() < 0.2 else {})
+        mask = feasible(view, task)
+        reference = policy._choose_set_general(view, task, mask, policy.gpu_scores(view, task))
+        for bounds_from, sort_every in ((10**9, 10**9), (10**9, 0), (0, 10**9)):
+            monkeypatch.setattr(policies, "_BOUNDS_MIN_GPUS", bounds_from)
+            monkeypatch.setattr(policies, "_SORT_EVERY_NODE", sort_every)
+            assert policy.choose(view, task, mask) == reference, (k, task.needs_nvlink, bounds_from, sort_every)
+        if reference is not None:
+            res.add(f"k{i}", reference.gpu_uuids, task.vram_mib, 100 * task.gpu_share,
+                    [float(view.used[r]) for r in reference.rows])
+            view.refresh(reference.gpu_uuids)
+            leases.append(f"k{i}")
+        if leases and rng.random() < 0.3:
+            view.refresh(res.release(leases.pop(0)))

@@ -185,3 +185,60 @@ def test_scores_of_some_rows_are_those_of_all_rows_to_the_bit(seed: int) -> None
         every = load_aware_scores(view, spec, weights)
         assert np.array_equal(load_aware_scores(view, spec, weights, rows), every[rows], equal_nan=True)
         assert np.array_equal(LoadAware(weights).gpu_scores_at(view, spec, rows), every[rows], equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_node_bounds_are_lower_bounds_kept_current_by_refresh(seed: int) -> None:
+    """``load_aware_node_bounds``: per node, at most the mean score of any k of
+    its GPUs (the k lowest, exactly scored), from running sums the view keeps
+    sorted per node; after placements and releases they equal a fresh view's."""
+    import dataclasses
+
+    from scheduler.reservations import Reservations
+    from scheduler.scoring import load_aware_node_bounds
+
+    rng = np.random.default_rng(seed)
+    width = int(rng.choice([2, 4, 8]))
+    nodes = [NodeFacts(f"n{i}", width, labels={"zone": f"z{i % 3}"}) for i in range(30)]
+    count = 30 * width
+    snap = ClusterSnapshot.build(
+        nodes,
+        util_pct=np.where(rng.random(count) < 0.1, NAN, rng.choice([0.0, 50.0], count) if seed % 2 else rng.uniform(0, 100, count)),
+        memory_used_mib=rng.uniform(0, 20_000, count),
+        temperature_c=np.where(rng.random(count) < 0.1, NAN, rng.uniform(30, 80, count)),
+    )
+    snap.active_tasks[:] = rng.integers(0, 3, count)
+    if seed % 3 == 0:  # learned slowdowns (NaN ones too): the completion term
+        snap = dataclasses.replace(snap, gpu_slowdown={"": rng.choice([0.8, 1.0, 1.5, NAN], count)})
+    res = Reservations()
+    view = PlacementView(snap, res)
+    weights = dict(W, jitter=float(rng.choice([0.0, 0.1])))
+    leases = []
+    for i in range(12):
+        k = int(rng.integers(1, width + 1))
+        spec = TaskSpec(f"t{i}", num_gpus=k, vram_mib=float(rng.uniform(100, 8_000)), gpu_share=float(rng.uniform(0, 1)),
+                        preferred_node_labels={"zone": "z1"} if i % 2 else {})
+        bound = load_aware_node_bounds(view, spec, weights, k)
+        best_k = np.sort(load_aware_scores(view, spec, weights).reshape(30, width), axis=1)[:, :k].mean(axis=1)
+        assert np.all(bound <= best_k + 1e-9)
+        fresh = PlacementView(snap, res)
+        assert np.allclose(load_aware_node_bounds(fresh, spec, weights, k), bound, rtol=0, atol=1e-12)
+        # a placement on some node, and now and then a release
+        node = int(rng.integers(0, 30))
+        gpus = [snap.gpu_uuid[node * width + g] for g in rng.choice(width, k, replace=False)]
+        res.add(f"l{i}", gpus, 2_000.0, 30.0, [0.0] * k)
+        view.refresh(gpus)
+        leases.append(f"l{i}")
+        if rng.random() < 0.4:
+            view.refresh(res.release(leases.pop(0)))
+    assert load_aware_node_bounds(view, TaskSpec("x", num_gpus=width + 1), weights, width + 1) is None
+
+
+def test_node_sorted_sums_count_nan_as_minus_inf() -> None:
+    snap = ClusterSnapshot.build([NodeFacts("a", 2), NodeFacts("b", 2)])
+    view = PlacementView(snap)
+    column = np.array([3.0, NAN, 2.0, 1.0])
+    sums = view.node_sorted_sums("test", lambda v, rows: column[rows])
+    assert sums[0, 0] == -math.inf and sums[1].tolist() == [1.0, 3.0]
+    assert PlacementView(ClusterSnapshot.build([NodeFacts("a", 2), NodeFacts("b", 1)])).node_sorted_sums(
+        "test", lambda v, rows: np.zeros(3)[rows]) is None
