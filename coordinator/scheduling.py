@@ -156,6 +156,15 @@ class Dispatcher:
         readings alone made possible)."""
         while True:
             await asyncio.sleep(self.interval_s)
+            if self.engine.queued() == 0:
+                # Nothing waits: only leases can expire. Building the snapshot
+                # (2-7 ms at 2,500 nodes, 100 ms while nodes join) would buy
+                # nothing; the next submission asks for a pass of its own.
+                try:
+                    self.engine.expire_leases()
+                except Exception:
+                    log.exception("lease_expiry_failed")
+                continue
             self._run_pass()
 
     def dispatch_now(self) -> list[Task]:
