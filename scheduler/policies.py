@@ -142,10 +142,11 @@ class Policy(ABC):
         width = view.uniform_width
         if 0 < width <= _MAX_RANK:
             node_low = None
+            if view.gpu_count >= _NODE_BOUNDS_MIN_GPUS:
+                node_low = self.node_bounds(view, spec, spec.num_gpus)
             if view.gpu_count >= _BOUNDS_MIN_GPUS:
                 bounds = self.gpu_bounds(view, spec)
                 if bounds is not None:
-                    node_low = self.node_bounds(view, spec)
                     exact = _ExactScores(self, view, spec, candidates, bounds[0] + bounds[1], width)
                     try:
                         return self._choose_set_uniform(
@@ -153,7 +154,8 @@ class Policy(ABC):
                         )
                     except _NotExact:
                         pass
-                    node_low = self.node_bounds(view, spec)  # the try changed it in place
+                    if node_low is not None:  # the try changed it in place
+                        node_low = self.node_bounds(view, spec, spec.num_gpus)
             return self._choose_set_uniform(view, spec, candidates, self.gpu_scores(view, spec), width, None, node_low)
         return self._choose_set(view, spec, candidates, self.gpu_scores(view, spec))
 
@@ -169,10 +171,10 @@ class Policy(ABC):
         scores exactly only the rows that can win. None: no such bound."""
         return None
 
-    def node_bounds(self, view: PlacementView, spec: TaskSpec) -> np.ndarray | None:
-        """Per node (uniform layouts), a lower bound of the mean score of any
-        ``spec.num_gpus`` of its GPUs, up to rounding, cheap to get; with it a
-        set decision sorts only the nodes that can matter. None: no such bound."""
+    def node_bounds(self, view: PlacementView, spec: TaskSpec, k: int) -> np.ndarray | None:
+        """Per node (uniform layouts), a new array: a lower bound of the mean
+        score of any ``k`` of its GPUs, up to rounding, cheap to get; with it
+        a set decision sorts only the nodes that can matter. None: no such bound."""
         return None
 
     def _choose_one(self, view: PlacementView, spec: TaskSpec, candidates: np.ndarray) -> Placement | None:
@@ -398,17 +400,25 @@ class Policy(ABC):
             probe = _block_argmins(low, _SET_SEARCH_NODES)
         else:
             # the mean of k: a tighter bound of the node's objective; probes
-            # (which only need to be good guesses) by the bound of their
-            # objective's ceiling (the fewest links any k of their GPUs have)
+            # (which only need to be good guesses; more cost little) by it,
+            # by the node's best GPU and by a bound of its ceiling
             node_low[~ok] = np.inf
-            guess = node_low
+            low = node_low - penalty if penalty is not None else node_low
+            probe = _block_argmins(low, _SET_SEARCH_NODES)
+            best_one = self.node_bounds(view, spec, 1)  # as many by their best GPU
+            if best_one is not None:
+                if penalty is not None:
+                    best_one -= penalty
+                best_one[~ok] = np.inf
+                probe = np.concatenate([probe, _block_argmins(best_one, _SET_SEARCH_NODES)])
             if bonus:
+                # and as many by the bound of their ceiling (the fewest links
+                # any k of their GPUs have): nodes whose objective is surely low
                 fewest = view.min_links(k)
                 guess = node_low - bonus * fewest / (k * (k - 1) / 2)
                 if spec.needs_nvlink:  # prefer nodes whose every k-set is connected
                     guess[fewest < k - 1] += bonus
-            probe = _block_argmins(guess, _SET_SEARCH_NODES)
-            low = node_low - penalty if penalty is not None else node_low
+                probe = np.concatenate([probe, _block_argmins(guess, _SET_SEARCH_NODES)])
         fill(probe)
         upper = float(self._option_a(view, spec, *grid.sorted_rows(probe))[0].min())
         if not upper < np.inf:  # no probe has a connected option A set (needs_nvlink)
@@ -428,13 +438,14 @@ class Policy(ABC):
         GPUs / (k(k-1)/2)`` and its ceiling (the same with the fewest links;
         inf for needs_nvlink unless any k of its GPUs are connected), in the
         same float operations as the objective itself, so exactly. The lowest
-        ceiling U (first node p) bounds option A's best: only the nodes whose
+        ceiling U (first node p; without a finite one, option A's best on the
+        nodes of lowest floor) bounds option A's best: only the nodes whose
         floor is below U, or equal to it and not after p (the first node wins
         ties), can be option A's best; their GPUs are sorted and option A
         runs on them. The hopeful nodes are exactly those of the general path
         (every candidate node's ``mean - w_nvlink`` is known), in node order,
-        so option B runs on the same nodes. ``_UNBOUNDED`` when no ceiling is
-        finite (the caller takes the probing route).
+        so option B runs on the same nodes. ``_UNBOUNDED`` when U is inf (the
+        caller takes the probing route).
         """
         k = spec.num_gpus
         full = k * (k - 1) / 2
@@ -456,11 +467,25 @@ class Policy(ABC):
         first = int(np.argmin(ceiling))
         upper = float(ceiling[first])
         if not upper < np.inf:
-            return _UNBOUNDED
+            # needs_nvlink and no node has every k-set connected: option A
+            # on the nodes of lowest floor (the first lowest among them)
+            probe = np.argpartition(floor, _SET_SEARCH_NODES - 1)[:_SET_SEARCH_NODES]
+            probe = np.sort(np.append(probe[probe != np.argmin(floor)], np.argmin(floor)))
+            ids = nodes[probe]
+            order = np.argsort(grid.masked(ids), axis=1, kind="stable")[:, :k]
+            objective, _ = self._objective_of(view, spec, mean_top[probe], order + (ids * grid.width)[:, None])
+            g = int(np.argmin(objective))
+            first, upper = int(probe[g]), float(objective[g])
+            if not upper < np.inf:
+                return _UNBOUNDED
         contenders = np.flatnonzero(floor <= upper)
         if contenders.size > 1:
             contenders = contenders[(floor[contenders] < upper) | (contenders <= first)]
-        objective, _, top_rows, links = self._option_a(view, spec, *grid.sorted_rows(nodes[contenders]))
+        # option A on the contenders: their means are known, their k best GPUs are not
+        ids = nodes[contenders]
+        order = np.argsort(grid.masked(ids), axis=1, kind="stable")[:, :k]  # ties: lower row first
+        top_rows = order + (ids * grid.width)[:, None]
+        objective, links = self._objective_of(view, spec, mean_top[contenders], top_rows)
         g = int(np.argmin(objective))
         best = (float(objective[g]), tuple(int(r) for r in top_rows[g]), float(links[g] / full))
         lower = np.where(view.node_has_nvlink[nodes], mean_top - bonus, np.inf)
@@ -504,11 +529,27 @@ class Policy(ABC):
             if upper < np.inf:
                 floor = mean_top - bonus * view.max_links(k)[keep] / full if bonus else mean_top
                 contenders = np.flatnonzero(floor <= _with_margin(upper))
-            if rows is None:
-                sorted_grid = grid.sorted_rows(keep if contenders is keep else keep[contenders])
+                if contenders.size > _SET_SEARCH_NODES:
+                    # the kept nodes' ceilings (see _choose_set_sorted) may bound
+                    # option A's best closer than U: the first lowest one, p,
+                    # and ties after p cannot come first
+                    ceiling = mean_top - bonus * view.min_links(k)[keep] / full if bonus else mean_top
+                    if spec.needs_nvlink:
+                        ceiling = np.where(view.min_links(k)[keep] >= k - 1, ceiling, np.inf)
+                    first = int(np.argmin(ceiling))
+                    if ceiling[first] < upper:
+                        top = float(ceiling[first])
+                        contenders = contenders[(floor[contenders] < top)
+                                                | ((floor[contenders] == top) & (contenders <= first))]
+            if contenders is keep:
+                contenders = np.arange(keep.size)
+            if rows is None:  # the contenders' k best GPUs (ties: lower row first)
+                ids = keep[contenders]
+                order = np.argsort(grid.masked(ids), axis=1, kind="stable")[:, :k]
+                top_rows = order + (ids * grid.width)[:, None]
             else:
-                sorted_grid = (values, rows) if contenders is keep else (values[contenders], rows[contenders])
-            objective_top, _, top_rows, links_top = self._option_a(view, spec, *sorted_grid)
+                top_rows = rows[contenders, :k]
+            objective_top, links_top = self._objective_of(view, spec, mean_top[contenders], top_rows)
             g = int(np.argmin(objective_top))
             best = (float(objective_top[g]), tuple(int(r) for r in top_rows[g]), float(links_top[g] / full))
         by_position = lambda h: (grid.masked(keep[h]), keep[h])  # noqa: E731
@@ -526,19 +567,28 @@ class Policy(ABC):
         """Per node of a sorted grid: option A's objective, the mean of its k
         best scores, their rows and the NVLink links among them."""
         k = spec.num_gpus
-        full = k * (k - 1) / 2
-        bonus = self.weights["nvlink"]
         mean_top = _mean_first(grid, k)
-        # option A: each node's k best GPUs; links counted in host-local bit space
+        # option A: each node's k best GPUs
         top_rows = row_grid[:, :k]
-        top_adj = view.adj_bits[top_rows]
-        top_set = np.bitwise_or.reduce(np.left_shift(np.int64(1), view.local_bit[top_rows]), axis=1)
-        links_top = np.bitwise_count(top_adj & top_set[:, None]).sum(axis=1) / 2
-        objective_top = mean_top - bonus * links_top / full
+        objective_top, links_top = self._objective_of(view, spec, mean_top, top_rows)
+        return objective_top, mean_top, top_rows, links_top
+
+    def _objective_of(
+        self, view: PlacementView, spec: TaskSpec, mean: np.ndarray, sets: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per set of GPU rows (one per line of ``sets``, mean score ``mean``):
+        the objective and the NVLink links inside it (counted in host-local
+        bit space); inf where needs_nvlink and the set is not connected."""
+        k = spec.num_gpus
+        full = k * (k - 1) / 2
+        top_adj = view.adj_bits[sets]
+        top_set = np.bitwise_or.reduce(np.left_shift(np.int64(1), view.local_bit[sets]), axis=1)
+        links = np.bitwise_count(top_adj & top_set[:, None]).sum(axis=1) / 2
+        objective = mean - self.weights["nvlink"] * links / full
         if spec.needs_nvlink:
             # k-1 links among k <= 3 GPUs always connect them; larger sets rely on option B
-            objective_top = np.where((links_top >= k - 1) & (k <= 3), objective_top, np.inf)
-        return objective_top, mean_top, top_rows, links_top
+            objective = np.where((links >= k - 1) & (k <= 3), objective, np.inf)
+        return objective, links
 
     def _best_set(
         self,
@@ -611,11 +661,11 @@ class Policy(ABC):
             if floor is not None and best[0] < np.inf:
                 hopeful = hopeful[floor[hopeful] <= _with_margin(best[0])]
             if k == 2 and by_position is not None and best[0] < np.inf and hopeful.size:
-                # each GPU with its best-scoring NVLink peer: the pair option
-                # B grows from it; (a + b) / 2 - w_nvlink as option B computes it
+                # the best NVLink-joined pair of usable GPUs, (a + b) / 2 -
+                # w_nvlink as option B computes it: what option B finds there
                 sub, ids = by_position(hopeful)
-                partner = np.where(view.nvlink_matrix[ids], sub[:, None, :], np.inf).min(axis=2)
-                pair = _row_min((sub + partner) / 2 - bonus)
+                sums = np.where(view.nvlink_matrix[ids], sub[:, None, :] + sub[:, :, None], np.inf)
+                pair = sums.min(axis=(1, 2)) / 2 - bonus  # (a + b) / 2 - bonus is monotone in a + b
                 hopeful = hopeful[pair <= _with_margin(best[0])]
             if hopeful.size:
                 found = self._grow_sets(view, *sorted_of(hopeful), k, bonus, needs)
@@ -718,6 +768,8 @@ class Policy(ABC):
 _MAX_RANK = 62
 # Nodes that get the NVLink greedy search in one decision (lowest bound first).
 _SET_SEARCH_NODES = 32
+# Set choice bounds nodes by their mean of k (``Policy.node_bounds``) from this many GPUs.
+_NODE_BOUNDS_MIN_GPUS = 16_384
 # With exact scores, set choice sorts the scores of every candidate node when
 # there are at most this many (else it sorts only those a bound keeps).
 _SORT_EVERY_NODE = 4096
@@ -945,8 +997,8 @@ class LoadAware(Policy):
     def gpu_bounds(self, view: PlacementView, spec: TaskSpec) -> tuple[np.ndarray, float] | None:
         return load_aware_bounds(view, spec, self.weights)
 
-    def node_bounds(self, view: PlacementView, spec: TaskSpec) -> np.ndarray | None:
-        return load_aware_node_bounds(view, spec, self.weights, spec.num_gpus)
+    def node_bounds(self, view: PlacementView, spec: TaskSpec, k: int) -> np.ndarray | None:
+        return load_aware_node_bounds(view, spec, self.weights, k)
 
     def terms(
         self, view: PlacementView, spec: TaskSpec, rows: Sequence[int], scores: np.ndarray

@@ -612,10 +612,15 @@ def test_every_set_choice_path_matches_the_general_path(seed: int, fleet: str, m
                     preferred_node_labels={"zone": "z2"} if rng.random() < 0.2 else {})
         mask = feasible(view, task)
         reference = policy._choose_set_general(view, task, mask, policy.gpu_scores(view, task))
-        for bounds_from, sort_every in ((10**9, 10**9), (10**9, 0), (0, 10**9)):
-            monkeypatch.setattr(policies, "_BOUNDS_MIN_GPUS", bounds_from)
-            monkeypatch.setattr(policies, "_SORT_EVERY_NODE", sort_every)
-            assert policy.choose(view, task, mask) == reference, (k, task.needs_nvlink, bounds_from, sort_every)
+        # (GPU bounds from, node bounds from, sort every node up to): sort every
+        # node; probe by the best GPU; probe by node bounds; GPU bounds with
+        # and without node bounds
+        never = 10**9
+        for paths in ((never, never, never), (never, never, 0), (never, 0, 0), (0, 0, never), (0, never, never)):
+            monkeypatch.setattr(policies, "_BOUNDS_MIN_GPUS", paths[0])
+            monkeypatch.setattr(policies, "_NODE_BOUNDS_MIN_GPUS", paths[1])
+            monkeypatch.setattr(policies, "_SORT_EVERY_NODE", paths[2])
+            assert policy.choose(view, task, mask) == reference, (k, task.needs_nvlink, paths)
         if reference is not None:
             res.add(f"k{i}", reference.gpu_uuids, task.vram_mib, 100 * task.gpu_share,
                     [float(view.used[r]) for r in reference.rows])
