@@ -20,6 +20,11 @@ static columns, as the coordinator makes them) every 200 submits;
     python benchmarks/bench_decision.py [--nodes 1000 5000] [--decisions 2000] [--json]
     python benchmarks/bench_decision.py --only-mixed   # just the mixed rows
     python benchmarks/bench_decision.py --clock cpu --repeat 3   # on a busy machine
+    python benchmarks/bench_decision.py --clock cpu --only-mixed --baseline HEAD~1   # choose, old vs new
+
+``--baseline REV`` times ``Policy.choose`` of ``scheduler/policies.py`` at git
+revision REV and today's on the same mixed decisions, in turns, and checks
+they place alike: a comparison that the machine's load skews alike.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -155,18 +163,52 @@ def bench_decisions(snap: ClusterSnapshot, policy_name: str, decisions: int, spe
     return {"p50_us": p50, "p99_us": p99, "max_us": worst, "placed": placed}
 
 
-def bench_mixed(snap: ClusterSnapshot, specs: list[TaskSpec], live_cap: int) -> dict[str, dict]:
-    """Mixed-shape decisions with load_aware; percentiles overall and per GPU count."""
+def baseline_policies(rev: str) -> ModuleType:
+    """``scheduler/policies.py`` as of git revision ``rev``, loaded as a module
+    of its own (it imports today's ``scheduler.scoring`` and view)."""
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{rev}:scheduler/policies.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    name = f"_baseline_policies_{len(sys.modules)}"
+    module = ModuleType(name)
+    module.__file__ = f"{rev}:scheduler/policies.py"
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def bench_mixed(
+    snap: ClusterSnapshot, specs: list[TaskSpec], live_cap: int, baseline: ModuleType | None = None,
+    label: str = "",
+) -> dict[str, dict]:
+    """Mixed-shape decisions with load_aware; percentiles overall and per GPU
+    count. ``baseline``: a policies module (``baseline_policies``) whose
+    ``choose`` is timed on the same decisions as today's, in turns (first one,
+    then the other), with the same placement checked; rows ``kN choose`` and
+    ``kN choose @label``."""
     config = SchedulerConfig()
     reservations = Reservations()
     view = PlacementView(snap, reservations, config)
     policy = make_policy("load_aware")
+    old = baseline.make_policy("load_aware") if baseline is not None else None
     times: dict[int, list[float]] = {1: [], 2: [], 4: []}
+    chosen: dict[tuple[int, bool], list[float]] = {}
     placed = {1: 0, 2: 0, 4: 0}
     live: list[str] = []
     for i, spec in enumerate(specs):
         if len(live) >= live_cap:  # steady state: the oldest lease ends (untimed)
             view.refresh(reservations.release(live.pop(0)))
+        if old is not None:
+            mask = feasible(view, spec, config)
+            turns = [(False, policy), (True, old)] if i % 2 else [(True, old), (False, policy)]
+            found = {}
+            for is_old, p in turns:
+                t0 = timer()
+                found[is_old] = p.choose(view, spec, mask)
+                chosen.setdefault((spec.num_gpus, is_old), []).append(timer() - t0)
+            same = lambda p: None if p is None else (p.rows, p.score)  # noqa: E731 (two Placement classes)
+            if same(found[True]) != same(found[False]):
+                raise AssertionError(f"decision {i}: {found[False]} != baseline {found[True]}")
         t0 = timer()
         mask = feasible(view, spec, config)
         placement = policy.choose(view, spec, mask)
@@ -188,6 +230,10 @@ def bench_mixed(snap: ClusterSnapshot, specs: list[TaskSpec], live_cap: int) -> 
         if ts:
             p50, p99, worst = percentiles(ts)
             out[f"mixed k{k}"] = {"p50_us": p50, "p99_us": p99, "max_us": worst, "placed": placed[k]}
+    for (k, is_old), ts in sorted(chosen.items()):
+        p50, p99, worst = percentiles(ts)
+        name = f"k{k} choose @{label}" if is_old else f"k{k} choose"
+        out[name] = {"p50_us": p50, "p99_us": p99, "max_us": worst, "placed": placed[k]}
     return out
 
 
@@ -261,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall: perf_counter; cpu: thread CPU time (ignores preemption)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run everything N times; report per row the run with the lowest p99")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="mixed: also time Policy.choose of scheduler/policies.py at git REV on the same "
+                             "decisions (rows 'kN choose' and 'kN choose @REV')")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     global timer
@@ -292,8 +341,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
         rebuild_ms = bench_view_rebuild(mixed_snap)
         base = {"nodes": nodes, "gpus": mixed_snap.gpu_count, "policy": "load_aware",
                 "view_build_ms": view_ms, "view_build_reserved_ms": view_reserved_ms}
-        for shape, result in bench_mixed(mixed_snap, specs, args.live_leases).items():
-            rows.append({**base, "shape": shape, "num_gpus": int(shape[-1]) if shape[-1].isdigit() else 0,
+        baseline = baseline_policies(args.baseline) if args.baseline else None
+        for shape, result in bench_mixed(mixed_snap, specs, args.live_leases, baseline, args.baseline).items():
+            k = re.search(r"\bk(\d+)\b", shape)
+            rows.append({**base, "shape": shape, "num_gpus": int(k.group(1)) if k else 0,
                          **result})
         rows.append({**base, "policy": "-", "shape": "submit(never_fits)", "num_gpus": 0,
                      **bench_never_fits(mixed_snap, specs)})
@@ -340,6 +391,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     print("mixed: 70 % k1, 20 % k2 (1/3 needs_nvlink), 10 % k4, 10 % required zone, 10 % preferred rack")
     print("submit(never_fits): the never-fits check per submit; view rebuild: p50 column = us to build")
     print("the view of a new snapshot sharing the static columns, plus one label mask")
+    if args.baseline:
+        print(f"kN choose: Policy.choose alone, today's and @{args.baseline}'s in turns on the same decisions")
     print(f"clock: {args.clock}; repeat: {max(args.repeat, 1)} (per row the run with the lowest p99)")
 
 
