@@ -244,8 +244,7 @@ class _Topology:
         for arr in (self.node, self.node_has_nvlink, self.adj_bits, self.local_bit, self.has_peer, self.node_gpus):
             arr.flags.writeable = False
         self._row_of: dict[str, int] | None = None
-        self._max_links: dict[int, np.ndarray] = {}
-        self._min_links: dict[int, np.ndarray] = {}
+        self._links: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # (fewest, most) links among k GPUs
         self._nvlink_matrix: np.ndarray | None = None
 
     @property
@@ -258,11 +257,21 @@ class _Topology:
         """Per node: the most NVLink-joined pairs among any ``k`` of its GPUs
         (uniform layouts; past ``_MAX_LINKS_WIDTH`` GPUs a node, an upper
         bound: its pairs, at most k(k-1)/2). Read-only, cached per k."""
-        cached = self._max_links.get(k)
+        return self._links_range(k)[1]
+
+    def min_links(self, k: int) -> np.ndarray:
+        """Per node: the fewest NVLink-joined pairs among any ``k`` of its GPUs
+        (uniform layouts; past ``_MAX_LINKS_WIDTH`` GPUs a node, 0, a lower
+        bound). Read-only, cached per k."""
+        return self._links_range(k)[0]
+
+    def _links_range(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        cached = self._links.get(k)
         if cached is None:
-            cached = _max_links(self.adj_bits, self.local_bit, self.uniform_width, k)
-            cached.flags.writeable = False
-            self._max_links[k] = cached
+            cached = _links_range(self.adj_bits, self.local_bit, self.uniform_width, k)
+            for arr in cached:
+                arr.flags.writeable = False
+            self._links[k] = cached
         return cached
 
     @property
@@ -281,52 +290,43 @@ class _Topology:
             self._nvlink_matrix = matrix
         return self._nvlink_matrix
 
-    def min_links(self, k: int) -> np.ndarray:
-        """Per node: the fewest NVLink-joined pairs among any ``k`` of its GPUs
-        (uniform layouts; past ``_MAX_LINKS_WIDTH`` GPUs a node, 0, a lower
-        bound). Read-only, cached per k."""
-        cached = self._min_links.get(k)
-        if cached is None:
-            cached = _max_links(self.adj_bits, self.local_bit, self.uniform_width, k, fewest=True)
-            cached.flags.writeable = False
-            self._min_links[k] = cached
-        return cached
 
-
-# Nodes up to this many GPUs get the exact most links among k of them (by trying every k-set).
+# Nodes up to this many GPUs get the exact fewest and most links among k of them (by trying every k-set).
 _MAX_LINKS_WIDTH = 16
 
 
-def _max_links(adj_bits: np.ndarray, local_bit: np.ndarray, width: int, k: int, fewest: bool = False) -> np.ndarray:
-    """``_Topology.max_links`` over (node x GPU) columns; one search per
-    distinct node topology. ``fewest``: ``_Topology.min_links`` instead."""
+def _links_range(adj_bits: np.ndarray, local_bit: np.ndarray, width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(_Topology.min_links, _Topology.max_links)`` over (node x GPU)
+    columns; one search per distinct node topology."""
     if not width:
         raise ValueError("max_links needs a uniform layout")
     nodes = adj_bits.shape[0] // width
     full = k * (k - 1) // 2
     if not nodes or k < 2:
-        return np.zeros(nodes, dtype=np.int64)
+        return np.zeros(nodes, dtype=np.int64), np.zeros(nodes, dtype=np.int64)
     adj = adj_bits.reshape(nodes, width)
     local = local_bit.reshape(nodes, width)
     patterns, which = np.unique(np.concatenate([adj, local], axis=1), axis=0, return_inverse=True)
-    best = np.zeros(len(patterns), dtype=np.int64)
+    fewest = np.zeros(len(patterns), dtype=np.int64)
+    most = np.zeros(len(patterns), dtype=np.int64)
     for p, pattern in enumerate(patterns):
         row_adj, row_local = pattern[:width], pattern[width:]
         # (a, b): GPUs at positions a and b of the node are joined by NVLink
         joined = ((row_adj[:, None] >> row_local[None, :]) & 1).astype(bool)
         pairs = int(np.count_nonzero(np.triu(joined, 1)))
         if width > _MAX_LINKS_WIDTH or k > width:
-            best[p] = 0 if fewest else min(full, pairs)
+            most[p] = min(full, pairs)
             continue
-        most, least = 0, full
+        high, low = 0, full
         for combo in itertools.combinations(range(width), k):
             sub = joined[np.ix_(combo, combo)]
             links = int(np.count_nonzero(np.triu(sub, 1)))
-            most, least = max(most, links), min(least, links)
-            if least == 0 if fewest else (most == full or most == pairs):
+            high, low = max(high, links), min(low, links)
+            if (high == full or high == pairs) and low == 0:
                 break
-        best[p] = least if fewest else most
-    return best[np.asarray(which).reshape(-1)]
+        fewest[p], most[p] = low, high
+    which = np.asarray(which).reshape(-1)
+    return fewest[which], most[which]
 
 
 def _nvlink_bits(s: ClusterSnapshot, node: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
