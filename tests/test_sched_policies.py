@@ -561,10 +561,12 @@ def test_fewest_and_most_links_and_the_link_matrix_match_brute_force() -> None:
             assert (view.min_links(k)[n], view.max_links(k)[n]) == (min(links), max(links))
 
 
-def messy_fleet(rng: np.random.Generator, nodes: int, ties: bool, identical: bool = False) -> ClusterSnapshot:
+def messy_fleet(rng: np.random.Generator, nodes: int, ties: bool, identical: bool = False,
+                stale: bool = False) -> ClusterSnapshot:
     """8-GPU nodes of mixed topologies with ties, NaN readings, full GPUs,
     labels and learned slowdowns (NaN ones too); ``identical``: every node
-    the same (ties across all nodes)."""
+    the same (ties across all nodes); ``stale``: some stale nodes (scored by
+    free GPUs; the lower bounds are off)."""
     import dataclasses
 
     if identical:
@@ -574,7 +576,8 @@ def messy_fleet(rng: np.random.Generator, nodes: int, ties: bool, identical: boo
         return snap
     snap = uniform_snapshot(rng, nodes, 8, ties)
     count = snap.gpu_count
-    snap.node_stale[:] = False  # stale nodes turn the lower bounds off; test_uniform_* covers them
+    if not stale:
+        snap.node_stale[:] = False  # stale nodes turn the lower bounds off
     snap.util_pct[rng.random(count) < 0.03] = math.nan
     snap.util_forecast_pct[:] = snap.util_pct
     snap.memory_used_mib[rng.random(count) < 0.03] = math.nan
@@ -588,7 +591,7 @@ def messy_fleet(rng: np.random.Generator, nodes: int, ties: bool, identical: boo
 
 
 @pytest.mark.parametrize("seed", range(16))
-@pytest.mark.parametrize("fleet", ["random", "ties", "identical"])
+@pytest.mark.parametrize("fleet", ["random", "ties", "identical", "stale"])
 def test_every_set_choice_path_matches_the_general_path(seed: int, fleet: str, monkeypatch) -> None:
     """On fleets of hundreds of nodes, the set choice from sorting every node
     (exact scores), from probing and bounds (exact scores), and from node and
@@ -598,7 +601,7 @@ def test_every_set_choice_path_matches_the_general_path(seed: int, fleet: str, m
     from scheduler import policies
 
     rng = np.random.default_rng(2000 + seed)
-    snap = messy_fleet(rng, int(rng.choice([60, 150, 300])), fleet == "ties", fleet == "identical")
+    snap = messy_fleet(rng, int(rng.choice([60, 150, 300])), fleet == "ties", fleet == "identical", fleet == "stale")
     view = PlacementView(snap, res := Reservations())
     policy = make_policy("load_aware", {"nvlink": float(rng.choice([0.0, 0.5, 0.5, 3.0])),
                                         "jitter": float(rng.choice([0.0, 0.1]))})
