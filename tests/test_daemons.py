@@ -4,6 +4,7 @@ SIGHUP reload that changes scheduler weights without dropping agent streams."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -112,6 +113,9 @@ def test_daemons_notify_ready_watchdog_stopping_and_reload_keeps_streams(tmp_pat
         assert log.count('"event": "node_registered"') == 1
         assert '"event": "reconnecting"' not in (tmp_path / "agent.log").read_text()
         assert '"event": "configuration_reloaded"' in log
+        # the runtime tuning the ingest benchmark relies on is in force in the real daemon
+        runtime = next(json.loads(line) for line in log.splitlines() if '"event": "runtime"' in line)
+        assert runtime["event_loop"] == "uvloop" and runtime["gc_threshold"][0] == 50_000
         assert "scheduler.weights" in log
 
 

@@ -427,3 +427,25 @@ def test_options_walk_any_dataclass() -> None:
     assert opts["names"].help == "Names of things, one per line."
     assert opts["limit_pct"].unit == "%" and opts["limit_pct"].env == "FUT_LIMIT_PCT"
     assert opts["mode"].choices == ("a", "b") and opts["mode"].unit == ""
+
+
+def test_runtime_tuning_choices() -> None:
+    import asyncio
+    import gc
+
+    from coordinator.main import event_loop_runner, tune_gc
+
+    runner, name = event_loop_runner("asyncio")
+    assert (runner, name) == (asyncio.run, "asyncio")
+    _, auto = event_loop_runner("auto")
+    assert auto == "uvloop"  # a dependency, so installed wherever gpulb is
+    before = gc.get_threshold()
+    try:
+        tune_gc(50_000)
+        assert gc.get_threshold() == (50_000, before[1], before[2])
+        tune_gc(0)  # 0 leaves the thresholds alone
+        assert gc.get_threshold() == (50_000, before[1], before[2])
+    finally:
+        gc.set_threshold(*before)
+    with pytest.raises(ConfigError, match="must be one of auto, uvloop, asyncio"):
+        load_settings(None, {"GPULB_EVENT_LOOP": "tokio"}, {})
