@@ -47,7 +47,7 @@ def test_tiny_run_places_and_completes_everything(capsys):
     assert batched["dispatch_passes"] < 40
     # every measured placement was timed inside the server (latency, churn, throughput)
     assert size["decision"]["count"] == 120
-    assert {"p50_us", "p99_us"} <= set(size["decision"])
+    assert {"p50_us", "p99_us"} <= set(size["decision"]) and size["decision_wall"]["count"] == 120
     assert size["no_rpc"]["placed"] == 40
     # nothing left behind: every lease completed, every reservation released
     assert size["leftover"] == {"queued": 0, "leased": 0, "reservations": 0}
