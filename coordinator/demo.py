@@ -484,6 +484,7 @@ def _watch_phase(
     draining_since: float | None = None
     next_tick = t0
     while True:
+        _check_stop()
         now = time.monotonic()
         elapsed = now - t0
         gpus = list(ops.ListGpus(cpb.ListGpusRequest(), timeout=_RPC_TIMEOUT_S).gpus)
@@ -575,8 +576,21 @@ class _Interrupted(Exception):
     """SIGTERM (or SIGINT) asked the demo to stop."""
 
 
+# Set by the signal handler too: an exception raised from a handler while a
+# blocking gRPC call runs can be lost inside grpc (a SIGINT let a test's demo
+# run to its end once), so the phase loop also checks this once a second.
+_STOP_REQUESTED: list[str] = []
+
+
 def _raise_interrupted(signum, frame) -> None:
-    raise _Interrupted(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    _STOP_REQUESTED.append(name)
+    raise _Interrupted(name)
+
+
+def _check_stop() -> None:
+    if _STOP_REQUESTED:
+        raise _Interrupted(_STOP_REQUESTED[0])
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -596,7 +610,8 @@ def run_demo(args: argparse.Namespace) -> int:
     ok = False
     previous_handlers = {}
     if threading.current_thread() is threading.main_thread():
-        previous_handlers = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM,)}
+        _STOP_REQUESTED.clear()
+        previous_handlers = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpulb-demo-")))
         logs = Path(args.log_dir) if getattr(args, "log_dir", None) else tmp
@@ -632,6 +647,7 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"{reporting} of {expected} GPUs reporting")
             if reporting >= expected:
                 for number, policy in enumerate(POLICY_ORDER, start=1):
+                    _check_stop()
                     record = _run_phase(target, number, policy, workload, window_s, drain_s, display)
                     records.append(record)
                     figures = _figures(record)
