@@ -291,10 +291,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             tasks = tpb_grpc.SchedulerStub(ch).ScheduleTasks(
                 tpb.ScheduleTasksRequest(specs=specs, wait=not args.no_wait), timeout=args.timeout
             ).tasks
-        if args.json:
-            _print_json(tasks)
-        else:
-            print(render_table(_TASK_HEADERS, _task_rows(tasks)))
+        _print_tasks(tasks, args.json)
         return 0
     with _channel(args) as ch:
         task = tpb_grpc.SchedulerStub(ch).ScheduleTask(
@@ -320,11 +317,15 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         tasks = tpb_grpc.SchedulerStub(ch).ListTasks(
             tpb.ListTasksRequest(state=state, tenant=args.tenant or "", limit=args.limit), timeout=args.timeout
         ).tasks
-    if args.json:
+    _print_tasks(tasks, args.json)
+    return 0
+
+
+def _print_tasks(tasks, as_json: bool) -> None:
+    if as_json:
         _print_json(tasks)
     else:
         print(render_table(_TASK_HEADERS, _task_rows(tasks)))
-    return 0
 
 
 @command("queue")

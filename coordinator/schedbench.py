@@ -75,6 +75,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -637,6 +638,25 @@ async def _wait_serving(target: str, timeout: float = 60.0) -> None:
             await asyncio.sleep(0.1)
 
 
+async def _run_clients(clients: list, label: str, total: int, placed: Callable[[], int]) -> tuple[float, float, float]:
+    """Run the client coroutines with a progress line every 2 s; returns
+    (start on the perf_counter clock, wall s, this process's CPU s)."""
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            print(f"  {label}: {placed():,}/{total:,} placed", file=sys.stderr, flush=True)
+
+    reporter = asyncio.create_task(progress())
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*clients)
+    finally:
+        reporter.cancel()
+    return t0, time.perf_counter() - t0, time.process_time() - cpu0
+
+
 async def _drive(target: str, shapes: list[dict], clients: int, prefix: str, label: str,
                  timeout_s: float = 60.0, complete: bool = True, channels_max: int = 16,
                  leases: dict[str, str] | None = None) -> dict:
@@ -693,24 +713,12 @@ async def _drive(target: str, shapes: list[dict], clients: int, prefix: str, lab
                 except grpc.aio.AioRpcError as exc:
                     errors.append(f"{task_id}: {exc.code().name}: {exc.details()}")
 
-        async def progress() -> None:
-            while True:
-                await asyncio.sleep(2.0)
-                print(f"  {label}: {counts['placed']:,}/{total:,} placed", file=sys.stderr, flush=True)
-
-        reporter = asyncio.create_task(progress())
-        cpu0 = time.process_time()
-        t0 = clock()
-        last_placed = [t0]
-        try:
-            await asyncio.gather(*(client(channels[i % len(channels)]) for i in range(clients)))
-        finally:
-            reporter.cancel()
-        wall = clock() - t0
+        last_placed = [clock()]
+        t0, wall, cpu = await _run_clients([client(channels[i % len(channels)]) for i in range(clients)],
+                                           label, total, lambda: counts["placed"])
         # without completions a task that fits nowhere waits out its deadline:
         # the rate counts the time until the last placement
-        placing = last_placed[0] - t0 if not complete else wall
-        cpu = time.process_time() - cpu0
+        placing = max(0.0, last_placed[0] - t0) if not complete else wall
     finally:
         await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)
     lat = _pct_us(latencies)
@@ -777,22 +785,9 @@ async def _drive_batched(target: str, shapes: list[dict], clients: int, batch: i
                     else:
                         errors.append(f"{task.spec.task_id}: {tpb.TaskState.Name(task.state)} {task.reason}")
 
-        async def progress() -> None:
-            while True:
-                await asyncio.sleep(2.0)
-                print(f"  {label}: {placed[0]:,}/{total:,} placed", file=sys.stderr, flush=True)
-
-        reporter = asyncio.create_task(progress())
-        cpu0 = time.process_time()
-        t0 = clock()
-        last_placed = [t0]
-        try:
-            await asyncio.gather(*(client(ch) for ch in channels))
-        finally:
-            reporter.cancel()
-        wall = clock() - t0
-        placing = last_placed[0] - t0
-        cpu = time.process_time() - cpu0
+        last_placed = [clock()]
+        t0, wall, cpu = await _run_clients([client(ch) for ch in channels], label, total, lambda: placed[0])
+        placing = max(0.0, last_placed[0] - t0)
     finally:
         await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)
     lat = _pct_us(latencies)
