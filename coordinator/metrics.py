@@ -133,7 +133,8 @@ class CoordinatorMetrics:
         self.ingest_latency = Histogram(
             "gpulb_ingest_latency_seconds",
             "Delay from an envelope's arrival to its readings being in the smoothed view",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+            # 10 ms steps around the 50 ms target, so a p99 near it is resolved, not a bucket edge
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.25, 0.5, 1.0),
             registry=r,
         )
         self.node_transitions = Counter("gpulb_node_transitions_total", "Node liveness transitions, by new state", ["state"], registry=r)
