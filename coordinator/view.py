@@ -289,23 +289,31 @@ class ClusterView:
         make it sample fast) before that, and stays rejected.
         """
         bank = self.signals
-        used = self.row_used[:, None]
-        current = np.empty((self._capacity, len(SIGNALS)))
-        current[:, :_DISK] = self.raw[:, self.signal_field_columns]
-        current[:, _DISK] = self.disk_await_ms
+        # Silence first: it is one comparison over every cell, and while
+        # readings stream in (2,500 nodes at 200 ms) almost no cell is silent,
+        # so the costlier tests below run on a handful of cells instead of
+        # every (row, signal) - about 6 ms of the event loop every 200 ms
+        # before at 20,000 GPUs.
+        quiet_for = np.maximum(2.0 * self.sample_interval_s, 0.2)
         with np.errstate(invalid="ignore"):
-            behind = np.abs(bank.smoothed - current) > bank.min_spread
-        pending = used & ~np.isnan(current) & (bank.flagged | behind)
+            due = (now_s - bank.last_reading_s) >= quiet_for[:, None]
+        due &= self.row_used[:, None]
+        rows, sigs = np.nonzero(due)
+        if rows.size == 0:
+            return
+        disk = sigs == _DISK
+        current = np.empty(rows.size)
+        current[~disk] = self.raw[rows[~disk], self.signal_field_columns[sigs[~disk]]]
+        current[disk] = self.disk_await_ms[rows[disk]]
+        with np.errstate(invalid="ignore"):
+            behind = np.abs(bank.smoothed[rows, sigs] - current) > bank.min_spread[sigs]
+        pending = ~np.isnan(current) & (bank.flagged[rows, sigs] | behind)
         if not pending.any():
             return
-        rows, sigs = np.nonzero(pending)
-        due = now_s - self.signals.last_reading_s[rows, sigs] >= np.maximum(2.0 * self.sample_interval_s[rows], 0.2)
-        if not due.any():
-            return
-        rows, sigs = rows[due], sigs[due]
+        rows, sigs, current = rows[pending], sigs[pending], current[pending]
         unique_rows, inverse = np.unique(rows, return_inverse=True)
         values = np.full((unique_rows.size, len(SIGNALS)), np.nan)
-        values[inverse, sigs] = current[rows, sigs]
+        values[inverse, sigs] = current
         self._pending_rows.append(unique_rows)
         self._pending_values.append(values)
         self._pending_at.append(np.full(unique_rows.size, now_s))

@@ -122,3 +122,46 @@ async def test_h2_load_generator_streams_through_a_real_coordinator():
         await coord.stop(grace_s=0.5)
     first = next(line for line in out.getvalue().splitlines() if line.startswith('{"connected"'))
     assert '"connected": 3' in first and '"failed": 0' in first
+
+
+def test_a_step_that_goes_quiet_is_read_again_until_accepted_and_a_lone_spike_is_not():
+    """The view feeds a silent signal's value again (once per two sampling
+    periods) while its filter lags it: a real step that arrives once is
+    accepted after ``persist`` readings; a spike undone by the next reading
+    never is. Checked through ClusterView with its own clock values."""
+    import numpy as np
+
+    from coordinator.view import SIGNALS, ClusterView
+    from protos import telemetry_pb2 as pb
+    from protos.fields import BY_NAME
+
+    view = ClusterView(capacity=4)
+    reg = pb.Register(node_id="n", gpus=[pb.GpuInfo(index=i, uuid=f"GPU-{i}", model="M", memory_total_mib=24_000)
+                                         for i in range(2)])
+    node = view.register(reg, 0.0)
+    view.set_sample_interval(node, 200)
+    mem = BY_NAME["memory_used_mib"]
+    sig = SIGNALS.index("memory_used_mib")
+    rows = node.rows
+    t = 0.0
+
+    def reading(values_mib):
+        nonlocal t
+        t += 0.2
+        view.raw[rows, mem] = values_mib
+        values = np.full((rows.size, len(view.signal_field_columns)), np.nan)  # every signal but disk await
+        values[:, sig] = values_mib
+        view.queue_signals(rows, values, t)
+        view.flush_signals(t)
+
+    for _ in range(30):  # a steady level fills the window
+        reading([1_000.0, 1_000.0])
+    # GPU 0: a real 20 GiB step, sent once (deltas go quiet); GPU 1: a spike, undone at once
+    reading([21_480.0, 21_480.0])
+    reading([21_480.0, 1_000.0])
+    for _ in range(40):  # 8 s of silence: only the view's re-reads feed the filter
+        t += 0.2
+        view.flush_signals(t)
+    smoothed = view.smoothed("memory_used_mib")[rows]
+    assert abs(smoothed[0] - 21_480.0) < 0.05 * 20_480, smoothed  # followed the step
+    assert abs(smoothed[1] - 1_000.0) < 50.0, smoothed  # the spike stayed out
