@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from coordinator.demo import free_port  # noqa: E402
 from coordinator.ingestbench import _rss_mib  # noqa: E402
 from coordinator.tables import render_table  # noqa: E402
+from scheduler.config import SchedulerConfig  # noqa: E402
 from protos import cluster_pb2 as cpb  # noqa: E402
 from protos import cluster_pb2_grpc as cpb_grpc  # noqa: E402
 from protos import tasks_pb2 as tpb  # noqa: E402
@@ -78,9 +80,19 @@ async def _run(args: argparse.Namespace) -> dict:
             env=env, stdout=open(f"{tmp}/coordinator.log", "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
         )
         duration = args.minutes * 60
+        # the HTTP/2 generator connects once, without retrying: wait for the port
+        up = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > up:
+                    raise SystemExit("the coordinator did not listen within 30 s")
+                await asyncio.sleep(0.2)
         gen = subprocess.Popen(
             [sys.executable, "-m", "coordinator.ingestbench", "--generate", target, str(args.agents), "8", str(args.interval),
-             str(duration + 30), str(max(1, args.agents // 20))],
+             str(duration + 30), str(max(1, args.agents // 20)), "h2"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
         )
         expected: dict[str, int] = {}
@@ -114,6 +126,8 @@ async def _run(args: argparse.Namespace) -> dict:
                 # every acknowledged task, in the state its client left it: one
                 # GetTask each (a single ListTasks of tens of thousands of tasks
                 # would exceed the 4 MiB message bound)
+                # the streams are still up now; the checks below take a while
+                nodes = (await op.ListNodes(cpb.ListNodesRequest(state=cpb.NODE_STATE_HEALTHY), timeout=10)).nodes
                 stub = tpb_grpc.SchedulerStub(ch)
                 states: dict[str, int] = {}
                 missing: list[str] = []
@@ -133,19 +147,29 @@ async def _run(args: argparse.Namespace) -> dict:
                 ids = Counter(t.spec.task_id for t in live)
                 duplicated = [t for t, c in ids.items() if c > 1]
                 wrong = [t for t, s in expected.items() if t in states and s != tpb.TASK_STATE_QUEUED and states[t] != s]
-                nodes = (await op.ListNodes(cpb.ListNodesRequest(state=cpb.NODE_STATE_HEALTHY), timeout=10)).nodes
         finally:
             gen.terminate()
             gen.wait(timeout=30)
             coord.terminate()
             coord.wait(timeout=30)
     warm = [m for t, m in rss if t >= 60] or [m for _, m in rss]
+    # The coordinator keeps the newest retain_finished finished tasks for
+    # GetTask (oldest dropped first): beyond that, finished tasks are gone by
+    # design. Only a task that was not finished, or more finished ones than
+    # the retention explains, is missing.
+    retain = SchedulerConfig().retain_finished
+    finished = [t for t, state in expected.items() if state in _FINISHED]
+    beyond_retention = max(0, len(finished) - retain)
+    finished_missing = [t for t in missing if expected[t] in _FINISHED]
+    evicted = min(len(finished_missing), beyond_retention)
     return {
         "agents": args.agents,
         "clients": args.clients,
         "minutes": args.minutes,
         "tasks_acknowledged": len(expected),
-        "tasks_missing": len(missing),
+        "tasks_missing": len(missing) - evicted,
+        "tasks_dropped_by_retention": evicted,
+        "retain_finished": retain,
         "tasks_duplicated": len(duplicated),
         "tasks_in_wrong_state": len(wrong),
         "rpc_errors": dict(errors),
@@ -153,6 +177,10 @@ async def _run(args: argparse.Namespace) -> dict:
         "rss_mib_over_time": rss,
         "rss_growth_after_warmup_mib": round(max(warm) - min(warm), 1) if warm else None,
     }
+
+
+_FINISHED = frozenset({tpb.TASK_STATE_COMPLETED, tpb.TASK_STATE_CANCELLED, tpb.TASK_STATE_EXPIRED,
+                       tpb.TASK_STATE_LOST, tpb.TASK_STATE_REJECTED, tpb.TASK_STATE_FAILED})
 
 
 def main() -> int:

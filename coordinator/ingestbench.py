@@ -664,6 +664,7 @@ def _latest(lines) -> dict:
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--generate":
-    _, _, target, hosts, gpus, interval, duration, channels, kind = sys.argv
+    _, _, target, hosts, gpus, interval, duration, channels, *rest = sys.argv
+    kind = rest[0] if rest else "h2"
     generate = _generate_h2 if kind == "h2" else _generate
     asyncio.run(generate(target, int(hosts), int(gpus), float(interval), float(duration), int(channels)))

@@ -75,6 +75,10 @@ class Outcome(Enum):
     EXHAUSTED = "exhausted"  # did not fit, and nothing else can fit this drain
 
 
+# dead promotion-heap entries tolerated before a rebuild is considered
+_COMPACT_AT = 1024
+
+
 @dataclass(slots=True, eq=False)
 class _Entry:
     task: Task
@@ -111,6 +115,10 @@ class AgingQueue:
         self._index: dict[str, _Entry] = {}
         self._credit = [0] * CLASSES  # persistent SWRR credits
         self._due: list[tuple[float, int, _Entry]] = []  # promotion heap
+        # entries in _due whose task left the queue (lazy deletion); the heap is
+        # rebuilt once they are the larger part, or every placed task would stay
+        # referenced until its class threshold passed (10 minutes for P3)
+        self._dead_due = 0
         self._seq = itertools.count()
         self._sla_watch: deque[_Entry] = deque()
         self.sla_misses = 0
@@ -176,6 +184,16 @@ class AgingQueue:
         if not self._classes[entry.cls]:
             # an emptied class leaves the rotation; it must not come back with old credit
             self._credit[entry.cls] = 0
+        if entry.cls > 0:
+            self._dead_due += 1
+            if self._dead_due > _COMPACT_AT and 2 * self._dead_due > len(self._due):
+                self._compact_due()
+
+    def _compact_due(self) -> None:
+        """Rebuild the promotion heap from its live entries (amortised O(1) a drop)."""
+        self._due = [item for item in self._due if self._live(item[2]) and item[2].due_at == item[0]]
+        heapq.heapify(self._due)
+        self._dead_due = 0
 
     def _live(self, entry: _Entry) -> bool:
         return self._index.get(entry.task.task_id) is entry
@@ -190,6 +208,7 @@ class AgingQueue:
         while self._due and self._due[0][0] <= now:
             due_at, _, entry = heapq.heappop(self._due)
             if not self._live(entry) or entry.due_at != due_at:
+                self._dead_due = max(0, self._dead_due - 1)
                 continue  # placed, cancelled or already moved: lazy heap deletion
             del self._classes[entry.cls][entry.task.task_id]
             if not self._classes[entry.cls]:

@@ -214,6 +214,7 @@ class LeaseBook:
         self._leases: dict[str, Lease] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
+        self._dead = 0  # heap entries of released or renewed leases
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -230,10 +231,34 @@ class LeaseBook:
     def renew(self, lease_id: str, now: float, extend_s: float) -> Lease:
         """Move the expiry to ``now + extend_s``; KeyError if the lease is not live."""
         lease = self._leases[lease_id]
-        return self._put(Lease(lease.lease_id, lease.task_id, now + extend_s))
+        if now + extend_s == lease.expires_at:
+            return lease  # the same expiry: its heap entry stands
+        self._dead += 1  # its old heap entry
+        renewed = self._put(Lease(lease.lease_id, lease.task_id, now + extend_s))
+        self._maybe_compact()
+        return renewed
 
     def release(self, lease_id: str) -> Lease | None:
-        return self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._dead += 1
+            self._maybe_compact()
+        return lease
+
+    def _maybe_compact(self) -> None:
+        # Released and renewed leases stay in the heap until their old expiry
+        # (lazy deletion); at hundreds of placements a second and 300 s leases
+        # that is ~200k dead entries: rebuild once they are most of the heap.
+        if self._dead > 1024 and 2 * self._dead > len(self._heap):
+            leases = self._leases
+            live: dict[str, tuple[float, int, str]] = {}
+            for item in self._heap:  # one entry per live lease, at its current expiry
+                lease = leases.get(item[2])
+                if lease is not None and lease.expires_at == item[0]:
+                    live.setdefault(item[2], item)
+            self._heap = list(live.values())
+            heapq.heapify(self._heap)
+            self._dead = 0
 
     def expired(self, now: float) -> list[Lease]:
         """Remove and return every lease with ``expires_at <= now``, soonest first."""
@@ -242,6 +267,7 @@ class LeaseBook:
             expires_at, _, lease_id = heapq.heappop(self._heap)
             lease = self._leases.get(lease_id)
             if lease is None or lease.expires_at != expires_at:
+                self._dead = max(0, self._dead - 1)
                 continue  # released or renewed since: lazy heap deletion
             del self._leases[lease_id]
             out.append(lease)

@@ -247,6 +247,25 @@ def test_p0_is_never_promoted_and_removed_tasks_are_not_promoted() -> None:
     assert p0.priority == 0 and q.depths() == (1, 0, 0, 0)
 
 
+def test_placed_tasks_do_not_stay_referenced_by_the_promotion_heap() -> None:
+    """Lazy deletion left every placed P1-P3 task in the promotion heap until
+    its class threshold (10 minutes for P3): at hundreds of tasks a second a
+    soak run grew the coordinator by ~1 MiB/s. The heap is rebuilt once dead
+    entries are most of it; promotions of the tasks still waiting are unchanged."""
+    q = AgingQueue(promote_after_s=THRESHOLDS)
+    waiting = [make_task(f"wait-{i}", 3, now=0.0) for i in range(5)]
+    for t in waiting:
+        q.push(t, now=0.0)
+    for i in range(20_000):  # a stream of P3 tasks placed as soon as they arrive
+        q.push(make_task(f"p3-{i}", 3, now=1.0), now=1.0)
+        q.drain(lambda task, fenced: Outcome.PLACED if task.task_id.startswith("p3-") else Outcome.BLOCKED, now=1.0)
+    assert len(q) == 5
+    assert len(q._due) <= 2 * 1024 + 5  # not 20,005 entries holding placed tasks
+    promoted = q.promote_due(THRESHOLDS[2])
+    assert [t.task_id for t in promoted] == [t.task_id for t in waiting]
+    assert all(t.priority == 2 for t in waiting)
+
+
 def test_promoted_task_joins_the_tail_of_its_new_class() -> None:
     q = AgingQueue(promote_after_s=THRESHOLDS)
     old = make_task("old", 1, now=0.0)

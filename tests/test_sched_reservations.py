@@ -163,3 +163,17 @@ def test_lease_ids_must_be_unique() -> None:
     book.grant("a", 0.0, 1.0)
     with pytest.raises(ValueError):
         book.grant("b", 0.0, 1.0)
+
+
+def test_released_and_renewed_leases_do_not_pile_up_in_the_expiry_heap() -> None:
+    book = LeaseBook()
+    keep = [book.grant(f"keep-{i}", 0.0, 100.0) for i in range(3)]
+    for i in range(10_000):  # placed and completed long before their 300 s expiry
+        book.release(book.grant(f"t-{i}", 1.0, 300.0).lease_id)
+    renewed = book.renew(keep[0].lease_id, 2.0, 500.0)
+    for i in range(3_000):  # renewals keep moving the expiry; the last one is at 502 s
+        renewed = book.renew(renewed.lease_id, 2.0 - (i + 1) / 10_000, 500.0 + (i + 1) / 10_000)
+    assert len(book._heap) <= 2 * 1024 + 4
+    # expiry is unchanged: the two untouched leases at 100 s, the renewed one at 502 s
+    assert [lease.task_id for lease in book.expired(100.0)] == ["keep-1", "keep-2"]
+    assert book.expired(501.0) == [] and [lease.task_id for lease in book.expired(502.0)] == ["keep-0"]
