@@ -72,7 +72,7 @@ import numpy as np  # noqa: E402
 from coordinator.tables import fmt, render_table  # noqa: E402
 from scheduler.advisor import AdvisorConfig, is_movable  # noqa: E402
 from scheduler.cluster import ClusterNode, homogeneous, lookup_model  # noqa: E402
-from scheduler.simreport import figures  # noqa: E402
+from scheduler.simreport import figures, json_safe  # noqa: E402
 from scheduler.simulator import SimConfig, Simulation  # noqa: E402
 from scheduler.task import Priority  # noqa: E402
 from scheduler.traces import TraceTask, convert_openb, scale_trace  # noqa: E402
@@ -341,27 +341,20 @@ def main(argv: list[str] | None = None) -> int:
     for title, off, on, learned in pred_rows:
         rows.append(["", title + " (cluster-file priors)", fmt(off, 0, " s"), fmt(on, 0, " s"), _change(off, on)])
         rows.append(["", title + " (learned from scratch)", fmt(off, 0, " s"), fmt(learned, 0, " s"), _change(off, learned)])
-    rows.append(["std of GPU utilisation", "seeds", fmt(SEED_UTIL_STD_PCT[0], 1, "%"), fmt(SEED_UTIL_STD_PCT[1], 1, "%"),
-                 _change(*SEED_UTIL_STD_PCT)])
-    for title, off, on, tight in adv_rows:
-        rows.append(["", title, fmt(off["util_std_inst"], 1, "%"), fmt(on["util_std_inst"], 1, "%"),
-                     _change(off["util_std_inst"], on["util_std_inst"])])
-        rows.append(["", title + " (variance > 100)", fmt(off["util_std_inst"], 1, "%"), fmt(tight["util_std_inst"], 1, "%"),
-                     _change(off["util_std_inst"], tight["util_std_inst"])])
-        rows.append(["", title + " (bound: free, instant re-deal)", fmt(off["util_std_inst"], 1, "%"),
-                     fmt(off["bound_util_std"], 1, "%"), _change(off["util_std_inst"], off["bound_util_std"])])
-    rows.append(["largest load difference", "seeds", fmt(SEED_LARGEST_DIFF_PCT[0], 0, "%"), fmt(SEED_LARGEST_DIFF_PCT[1], 0, "%"),
-                 _change(*SEED_LARGEST_DIFF_PCT)])
-    for title, off, on, tight in adv_rows:
-        rows.append(["", title, fmt(off["util_spread"], 1, "%"), fmt(on["util_spread"], 1, "%"),
-                     _change(off["util_spread"], on["util_spread"])])
-        rows.append(["", title + " (variance > 100)", fmt(off["util_spread"], 1, "%"), fmt(tight["util_spread"], 1, "%"),
-                     _change(off["util_spread"], tight["util_spread"])])
-        rows.append(["", title + " (bound: free, instant re-deal)", fmt(off["util_spread"], 1, "%"),
-                     fmt(off["bound_util_spread"], 1, "%"), _change(off["util_spread"], off["bound_util_spread"])])
+    # per advisor figure: its label, the seeds' (before, after) and digits, its key and its bound's key
+    advisor_figures = (
+        ("std of GPU utilisation", SEED_UTIL_STD_PCT, 1, "util_std_inst", "bound_util_std"),
+        ("largest load difference", SEED_LARGEST_DIFF_PCT, 0, "util_spread", "bound_util_spread"),
+    )
+    for label, seed, digits, key, bound_key in advisor_figures:
+        rows.append([label, "seeds", fmt(seed[0], digits, "%"), fmt(seed[1], digits, "%"), _change(*seed)])
+        for title, off, on, tight in adv_rows:
+            for suffix, value in (("", on[key]), (" (variance > 100)", tight[key]),
+                                  (" (bound: free, instant re-deal)", off[bound_key])):
+                rows.append(["", title + suffix, fmt(off[key], 1, "%"), fmt(value, 1, "%"), _change(off[key], value)])
     say(render_table(["figure", "run", "off", "on", "change"], rows, align="llrrr"))
     say(f"\ntotal wall time {time.perf_counter() - started:.0f}s")
-    clean = _clean(doc)
+    clean = json_safe(doc)
     if args.json:
         json.dump(clean, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -369,18 +362,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json_out, "w") as fh:
             json.dump(clean, fh, indent=1)
     return 0
-
-
-def _clean(value):
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if isinstance(value, (float, np.floating)):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
 
 
 if __name__ == "__main__":

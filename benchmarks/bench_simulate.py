@@ -57,7 +57,7 @@ from coordinator.tables import fmt, render_table  # noqa: E402
 from scheduler.cluster import convert_openb_nodes, homogeneous  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.policies import POLICIES  # noqa: E402
-from scheduler.simreport import RATIO_KEYS, SEED_CLAIMS, figures, plot, ratios, render  # noqa: E402
+from scheduler.simreport import RATIO_KEYS, SEED_CLAIMS, figures, json_safe, plot, ratios, render  # noqa: E402
 from scheduler.simulator import REQUESTS_ONLY, SimConfig, saturate, simulate  # noqa: E402
 from scheduler.traces import convert_openb, scale_trace  # noqa: E402
 
@@ -192,24 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal wall time {time.perf_counter() - started:.0f}s")
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump(_clean(doc), fh, indent=1)
+            json.dump(json_safe(doc), fh, indent=1)
     return 0
-
-
-def _clean(value):
-    import math
-
-    import numpy as np
-
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if isinstance(value, (float, np.floating)):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
 
 
 if __name__ == "__main__":

@@ -180,6 +180,15 @@ class AdvisorRuntime:
         self.hook_runs: dict[str, int] = {}
         self.last_hook: HookResult | None = None
 
+    def reconfigure(self, advisor_config: AdvisorConfig | None = None, scheduler_config: SchedulerConfig | None = None) -> None:
+        """New thresholds (validated first) and/or the scheduler's new rules,
+        from the next evaluation on; averages, cool-downs and the move window
+        carry over."""
+        if advisor_config is not None:
+            self.advisor.config = advisor_config.validate()
+        if scheduler_config is not None:
+            self.advisor.scheduler_config = scheduler_config
+
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         if self._loop_task is None:

@@ -40,7 +40,7 @@ from scheduler.errors import (
     UnknownTask,
 )
 from scheduler.snapshot import ClusterSnapshot
-from scheduler.task import Priority, Task, TaskState
+from scheduler.task import Task, TaskState
 
 if TYPE_CHECKING:
     from coordinator.server import Coordinator
@@ -366,6 +366,15 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         code, message = status_of(exc)
         await context.abort(code, message)
 
+    async def _fail_at(self, context, exc: SchedulerError, index: int | None):
+        """``_fail`` for the spec at ``index`` of a ScheduleTasks call:
+        "spec.vram_mib: ..." becomes "specs[3].vram_mib: ..."; other errors
+        are prefixed with "specs[3]: "."""
+        code, message = status_of(exc)
+        if index is not None:
+            message = f"specs[{index}].{message.removeprefix('spec.')}" if isinstance(exc, InvalidTask) else f"specs[{index}]: {message}"
+        await context.abort(code, message)
+
     async def ScheduleTask(self, request: tpb.ScheduleTaskRequest, context) -> tpb.ScheduleTaskResponse:
         identity = self.c.authorize(context, admin=False)
         try:
@@ -396,21 +405,17 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         if not 1 <= count <= MAX_BATCH:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"specs: 1 to {MAX_BATCH} tasks per call, got {count}")
         specs = []
-        index = 0
-        try:
-            for index, proto in enumerate(request.specs):
+        for index, proto in enumerate(request.specs):
+            try:
                 specs.append(self.c.tenant_spec(identity, spec_from_proto(proto)))
-            index = -1
+            except SchedulerError as exc:
+                await self._fail_at(context, exc, index)
+        try:
             self.c.admit_submissions(identity, specs)
             snapshot = self.d.snapshots.snapshot()
             tasks = self.d.engine.submit_many(specs, snapshot if snapshot.gpu_count else None)
         except SchedulerError as exc:
-            index = getattr(exc, "index", index)
-            code, message = status_of(exc)
-            if index >= 0:
-                # "spec.vram_mib: ..." -> "specs[3].vram_mib: ..."; others name the task
-                message = f"specs[{index}].{message.removeprefix('spec.')}" if isinstance(exc, InvalidTask) else f"specs[{index}]: {message}"
-            await context.abort(code, message)
+            await self._fail_at(context, exc, getattr(exc, "index", None))
         await self._durable(context, self.c.task_accepted(tasks[-1]))
         self.d.request()
         wait = request.wait if request.HasField("wait") else True

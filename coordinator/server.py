@@ -125,6 +125,7 @@ class Coordinator:
         if self.security.quota is not None:
             self.dispatcher.engine.add_listener(self.security.quota.changed)
         self.store = store
+        self._learned_version: int | None = None  # predictor version last saved or restored
         self.state_writer: GroupCommitter | None = None
         self._background: list[asyncio.Task] = []
         self.agent_port: int | None = None
@@ -267,7 +268,7 @@ class Coordinator:
     def _save_learned(self) -> None:
         """Store the predictor's state if it learned since the last save."""
         predictor = self.advisor.predictor
-        if predictor.version == getattr(self, "_learned_version", None):
+        if predictor.version == self._learned_version:
             return
         version = predictor.version
         try:
@@ -322,11 +323,9 @@ class Coordinator:
         if any(name.startswith("scheduler.") for name in changed):
             self.dispatcher.engine.reconfigure(scheduler_config)
             # the advisor filters destinations with the scheduler's rules
-            self.advisor.advisor.scheduler_config = self.dispatcher.engine.config
+            self.advisor.reconfigure(scheduler_config=self.dispatcher.engine.config)
         if advisor_changed:
-            # thresholds take effect at the next evaluation; the averages,
-            # cool-downs and move window carry over
-            self.advisor.advisor.config = advisor_config
+            self.advisor.reconfigure(advisor_config)
         live = {name.partition(".")[2] for name in changed if name.startswith("coordinator.")}
         for option in live:
             setattr(self.config, option, getattr(config, option))

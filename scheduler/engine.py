@@ -203,6 +203,10 @@ class Scheduler:
             if existing.spec != spec:
                 raise TaskConflict(spec.task_id, existing.spec.differing_fields(spec))
             return copy.copy(existing)
+        return self._enqueue(spec, snapshot)
+
+    def _enqueue(self, spec: TaskSpec, snapshot: ClusterSnapshot | None) -> Task:
+        """A new task for a validated ``spec`` whose id is not known yet."""
         now = self._clock()
         if snapshot is not None:
             self._last_snapshot = snapshot
@@ -251,7 +255,12 @@ class Scheduler:
             except SchedulerError as exc:
                 exc.index = i  # type: ignore[attr-defined]
                 raise
-        return [self.submit(spec, snapshot) for spec in specs]
+        # checked above: a known id is a resubmission, anything else is new
+        out = []
+        for spec in specs:
+            existing = self._tasks.get(spec.task_id)
+            out.append(copy.copy(existing) if existing is not None else self._enqueue(spec, snapshot))
+        return out
 
     # ---- dispatch -----------------------------------------------------------------------
     def _view_for(self, snapshot: ClusterSnapshot) -> PlacementView:

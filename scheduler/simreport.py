@@ -43,7 +43,7 @@ import numpy as np
 from coordinator.tables import fmt, render_table
 from scheduler.simulator import SimResult
 
-__all__ = ["figures", "to_json", "render", "ratios", "plot", "RATIO_KEYS", "SEED_CLAIMS"]
+__all__ = ["figures", "to_json", "json_safe", "render", "ratios", "plot", "RATIO_KEYS", "SEED_CLAIMS"]
 
 _CLASSES = ("P0", "P1", "P2", "P3")
 
@@ -183,14 +183,15 @@ def to_json(results: Sequence[SimResult], meta: dict | None = None) -> dict[str,
     """The figures of every run, plus ratios and run metadata; JSON-safe (NaN -> None)."""
     figs = [figures(r) for r in results]
     doc = {"meta": dict(meta or {}), "policies": figs, "load_aware_vs_round_robin": ratios(figs)}
-    return _clean(doc)
+    return json_safe(doc)
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """``value`` with numpy scalars made plain and NaN/inf as None, for json.dump."""
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     if isinstance(value, (float, np.floating)):
         v = float(value)
         return v if math.isfinite(v) else None
