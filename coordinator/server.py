@@ -38,6 +38,7 @@ from protos import tasks_pb2_grpc as tpb_grpc
 from protos import telemetry_pb2 as pb
 from protos import telemetry_pb2_grpc as pb_grpc
 from protos.codec import DecodeResult
+from scheduler import setsearch
 from scheduler.advisor import AdvisorConfig
 from scheduler.config import SchedulerConfig
 from scheduler.predictor import PredictorConfig
@@ -153,6 +154,12 @@ class Coordinator:
         ]
         if self.store is not None:
             self._restore()
+        # compile (or load) the multi-GPU set search before the first decision waits on it
+        jit_s = setsearch.warm()
+        if jit_s is not None:
+            log.info("set_search_compiled", seconds=round(jit_s, 3))
+        elif setsearch.failure is not None:  # e.g. MemoryDenyWriteExecute=yes: numpy places alike, slower
+            log.warning("set_search_not_compiled", reason=setsearch.failure)
         server = grpc.aio.server(options=options, interceptors=[self.security.interceptor()])
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, server)
         cpb_grpc.add_ClusterOperatorServicer_to_server(self.operator, server)

@@ -40,6 +40,7 @@ from typing import Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from scheduler import setsearch
 from scheduler.errors import InvalidWeight, UnknownPolicy
 from scheduler.scoring import (
     LOAD_AWARE_WEIGHTS,
@@ -141,6 +142,11 @@ class Policy(ABC):
             return None
         width = view.uniform_width
         if 0 < width <= _MAX_RANK:
+            if spec.num_gpus <= setsearch.MAX_K and setsearch.ready():
+                # every node in one compiled loop: cheaper than the bounds
+                # below where scores tie (they prune little there), and as
+                # fast where they do not, up to 5,000 nodes (benchmarks/bench_decision.py)
+                return self._choose_set_compiled(view, spec, candidates, self.gpu_scores(view, spec), width)
             node_low = None
             if view.gpu_count >= _NODE_BOUNDS_MIN_GPUS:
                 node_low = self.node_bounds(view, spec, spec.num_gpus)
@@ -158,6 +164,19 @@ class Policy(ABC):
                         node_low = self.node_bounds(view, spec, spec.num_gpus)
             return self._choose_set_uniform(view, spec, candidates, self.gpu_scores(view, spec), width, None, node_low)
         return self._choose_set(view, spec, candidates, self.gpu_scores(view, spec))
+
+    def _choose_set_compiled(
+        self, view: PlacementView, spec: TaskSpec, candidates: np.ndarray, scores: np.ndarray, width: int
+    ) -> Placement | None:
+        """``_choose_set_general`` on a uniform layout in one compiled loop
+        (``scheduler.setsearch``): the same placement, a fraction of the time."""
+        objective, rows, frac, groups = setsearch.best_set(
+            scores, candidates, view.adj_bits, view.local_bit, view.node_has_nvlink, int(width),
+            int(spec.num_gpus), bool(spec.needs_nvlink), float(self.weights["nvlink"]), _SET_SEARCH_NODES,
+        )
+        if not objective < np.inf:
+            return None
+        return self._placement(view, spec, rows, scores, objective, frac, groups)
 
     def gpu_scores_at(self, view: PlacementView, spec: TaskSpec, rows: np.ndarray) -> np.ndarray | None:
         """``gpu_scores(view, spec)[rows]``, computed for those rows only; None
@@ -195,7 +214,7 @@ class Policy(ABC):
                         return None
                     at = int(np.argmin(np.where(finite, some, np.inf)))
                 return self._placement(view, spec, (int(rows[at]),), None, float(some[at]), 0.0, count)
-        if self.SCORES_SOME_ROWS and view.gpu_count >= _BOUNDS_MIN_GPUS:
+        if self.SCORES_SOME_ROWS and view.gpu_count >= _ONE_BOUNDS_MIN_GPUS:
             bounds = self.gpu_bounds(view, spec)
             if bounds is not None:
                 found = self._choose_one_bounded(view, spec, candidates, *bounds)
@@ -271,6 +290,8 @@ class Policy(ABC):
         """Best k-set on one node (see module docstring)."""
         width = view.uniform_width
         if 0 < width <= _MAX_RANK:
+            if spec.num_gpus <= setsearch.MAX_K and setsearch.ready():
+                return self._choose_set_compiled(view, spec, candidates, scores, width)
             return self._choose_set_uniform(view, spec, candidates, scores, width)
         return self._choose_set_general(view, spec, candidates, scores)
 
@@ -455,9 +476,11 @@ class Policy(ABC):
         else:
             mean_top = _mean_first(grid.sorted_values(nodes), k)
         if bonus:
-            floor = mean_top - bonus * view.max_links(k)[nodes] / full
-            fewest = view.min_links(k)[nodes]
-            ceiling = mean_top - bonus * fewest / full
+            most_off, fewest_off = _link_discounts(view, bonus, k)
+            every = nodes.size == view.node_count  # nodes is then arange: no gathers
+            floor = mean_top - (most_off if every else most_off[nodes])
+            fewest = view.min_links(k) if every else view.min_links(k)[nodes]
+            ceiling = mean_top - (fewest_off if every else fewest_off[nodes])
         else:
             floor = ceiling = mean_top
             fewest = view.min_links(k)[nodes] if spec.needs_nvlink else None
@@ -581,9 +604,16 @@ class Policy(ABC):
         bit space); inf where needs_nvlink and the set is not connected."""
         k = spec.num_gpus
         full = k * (k - 1) / 2
+        # column by column: numpy's per-row reductions are slow for rows of k <= 8
+        bits = np.left_shift(np.int64(1), view.local_bit[sets])
+        top_set = bits[:, 0].copy()
+        for j in range(1, k):
+            top_set |= bits[:, j]
         top_adj = view.adj_bits[sets]
-        top_set = np.bitwise_or.reduce(np.left_shift(np.int64(1), view.local_bit[sets]), axis=1)
-        links = np.bitwise_count(top_adj & top_set[:, None]).sum(axis=1) / 2
+        count = np.bitwise_count(top_adj[:, 0] & top_set).astype(np.int64)
+        for j in range(1, k):
+            count += np.bitwise_count(top_adj[:, j] & top_set)
+        links = count / 2
         objective = mean - self.weights["nvlink"] * links / full
         if spec.needs_nvlink:
             # k-1 links among k <= 3 GPUs always connect them; larger sets rely on option B
@@ -656,7 +686,9 @@ class Policy(ABC):
         hopeful = np.flatnonzero(lower < best[0]) if best[0] < np.inf else np.flatnonzero(lower < np.inf)
         if hopeful.size and (bonus > 0 or needs):
             if hopeful.size > _SET_SEARCH_NODES:
-                part = np.argpartition(lower[hopeful], _SET_SEARCH_NODES - 1)[:_SET_SEARCH_NODES]
+                # the lowest bounds, lower node first on ties (a stable sort:
+                # argpartition's choice among ties is its own), in that order
+                part = np.argsort(lower[hopeful], kind="stable")[:_SET_SEARCH_NODES]
                 hopeful = hopeful[part]
             if floor is not None and best[0] < np.inf:
                 hopeful = hopeful[floor[hopeful] <= _with_margin(best[0])]
@@ -666,7 +698,16 @@ class Policy(ABC):
                 sub, ids = by_position(hopeful)
                 sums = np.where(view.nvlink_matrix[ids], sub[:, None, :] + sub[:, :, None], np.inf)
                 pair = sums.min(axis=(1, 2)) / 2 - bonus  # (a + b) / 2 - bonus is monotone in a + b
-                hopeful = hopeful[pair <= _with_margin(best[0])]
+                keep = np.flatnonzero(pair <= _with_margin(best[0]))
+                if keep.size:
+                    # option B's value on a node is its pair value to the bit
+                    # (the same float operations), so it is the first node at
+                    # the lowest one, in this order, that option B takes
+                    at = int(keep[np.argmin(pair[keep])])
+                    found = _best_linked_pair(sub[at], view.nvlink_matrix[ids[at]], int(ids[at]) * sub.shape[1], bonus)
+                    if found is not None and found[0] < best[0]:
+                        best = found
+                hopeful = hopeful[:0]
             if hopeful.size:
                 found = self._grow_sets(view, *sorted_of(hopeful), k, bonus, needs)
                 if found is not None and found[0] < best[0]:
@@ -782,10 +823,15 @@ _SPARSE = 5
 
 
 # Lower bounds of the scores (``Policy.gpu_bounds``) are used from this many
-# GPUs: below, the columns fit in cache and scoring every row is cheaper than
-# the extra steps (on the mixed benchmark fleet: 8,000 GPUs slower, 40,000
-# 2-5x faster with the completion term).
+# GPUs by the numpy set choice: below, the columns fit in cache and scoring
+# every row is cheaper than the extra steps (on the mixed benchmark fleet:
+# 8,000 GPUs slower, 40,000 2-5x faster).
 _BOUNDS_MIN_GPUS = 16_384
+# ... and from this many by a single-GPU decision, which needs one argmin
+# after scoring: with the completion term's cached factor, scoring every row
+# costs less up to ~80,000 GPUs (bench_decision.py mixed k1 at 5,000 nodes:
+# 149 µs p50 scoring all, 172 µs bounded; at 10,000: 273 and 246 µs).
+_ONE_BOUNDS_MIN_GPUS = 65_536
 
 # Rank of the lowest set bit of every mask of up to 8 ranks (0 for 0, never read).
 _LOWEST_BIT_WIDTH = 8
@@ -804,6 +850,36 @@ def _bits(mask: int) -> list[int]:
         out.append(low.bit_length() - 1)
         mask ^= low
     return out
+
+
+def _best_linked_pair(
+    scores: np.ndarray, linked: np.ndarray, first_row: int, bonus: float
+) -> tuple[float, tuple[int, int], float] | None:
+    """``Policy._grow_sets`` for k = 2 on one node, in scalars: what it returns
+    there when that node's best NVLink-joined pair beats option A (the only
+    call site), to the bit and with the same ties.
+
+    ``scores``: the node's usable scores by GPU position (inf: unusable);
+    ``linked``: its NVLink matrix by position; ``first_row``: the row of
+    position 0. Seeds go in rank order (score, then position: the stable
+    sort ``_grow_sets`` gets), each with its best-ranked linked partner; the
+    first seed reaching the lowest ``(a + b) / 2 - bonus`` wins. Seeds
+    without a partner are left out: their sets (option A's kind, no link)
+    never beat option A, so they change nothing where this is used.
+    """
+    values = scores.tolist()
+    ranked = sorted((v, p) for p, v in enumerate(values) if v < math.inf)
+    links = linked.tolist()
+    best: tuple[float, tuple[int, int], float] | None = None
+    for value, p in ranked:
+        row = links[p]
+        for other, q in ranked:
+            if q != p and row[q]:
+                objective = (value + other) / 2 - bonus * 1 / 1.0
+                if best is None or objective < best[0]:
+                    best = (objective, (first_row + min(p, q), first_row + max(p, q)), 1.0)
+                break
+    return best
 
 
 def _no_fill(nodes: np.ndarray) -> None:
@@ -875,6 +951,19 @@ def _nvlink_penalty(view: PlacementView, bonus: float) -> np.ndarray | None:
         penalty = np.where(view.node_has_nvlink, bonus, 0.0)
         view.static_cache[key] = penalty
     return penalty
+
+
+def _link_discounts(view: PlacementView, bonus: float, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per node ``bonus * links / (k(k-1)/2)`` for the most and the fewest
+    links among any k of its GPUs (the same float operations per node as
+    computed in place; cached per view)."""
+    key = ("link_discounts", bonus, k)
+    cached = view.static_cache.get(key)
+    if cached is None:
+        full = k * (k - 1) / 2
+        cached = (bonus * view.max_links(k) / full, bonus * view.min_links(k) / full)
+        view.static_cache[key] = cached
+    return cached
 
 
 def _block_argmins(values: np.ndarray, blocks: int) -> np.ndarray:

