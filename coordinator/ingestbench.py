@@ -592,19 +592,23 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
         print(f"connected: {connect['connected']} of {args.hosts} streams in {connect['connect_s']} s "
               f"(coordinator counts {streams_ready:.0f}); sending", file=sys.stderr)
         time.sleep(args.warmup + 0.5)
+        # the window runs between the two scrapes' midpoints (a scrape reads
+        # the counters somewhere inside its own round trip)
+        s0 = time.monotonic()
         before = _scrape(mport)
+        t0 = (s0 + time.monotonic()) / 2
         gen_before = _latest(lines)
         cpu_before = (_cpu_s(coord.pid), _cpu_s(gen.pid))
         load_before = os.getloadavg()[0]
-        t0 = time.monotonic()
         rss = []
         for i in range(int(args.duration)):
             time.sleep(1)
             rss.append(_rss_mib(coord.pid))
             if (i + 1) % 5 == 0:
                 print(f"  {i + 1}/{int(args.duration)} s measured", file=sys.stderr)
+        s1 = time.monotonic()
         after = _scrape(mport)
-        elapsed = time.monotonic() - t0
+        elapsed = (s1 + time.monotonic()) / 2 - t0
         gen_after = _latest(lines)
         cpu_after = (_cpu_s(coord.pid), _cpu_s(gen.pid))
         load_after = os.getloadavg()[0]
@@ -619,7 +623,9 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
     p50 = _quantile(before, after, "gpulb_ingest_latency_seconds", 0.50)
     p99 = _quantile(before, after, "gpulb_ingest_latency_seconds", 0.99)
     memory = view_memory_per_gpu()
-    sent = (gen_after.get("sent", 0) - gen_before.get("sent", 0)) * args.gpus / elapsed if gen_after and gen_before else float("nan")
+    # the generator's own rate, over its own progress lines' clock (they come once a second)
+    gen_span = (gen_after.get("t", 0.0) - gen_before.get("t", 0.0)) if gen_after and gen_before else 0.0
+    sent = (gen_after["sent"] - gen_before["sent"]) * args.gpus / gen_span if gen_span > 0 else float("nan")
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}",
         "load_average_1m": [round(load_before, 2), round(load_after, 2)],
@@ -629,6 +635,7 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
         "offered_gpu_samples_per_s": args.hosts * args.gpus / args.interval,
         "sent_gpu_samples_per_s": round(sent, 1),
         "applied_gpu_samples_per_s": round(rate, 1),
+        "applied_of_sent": round(rate / sent, 4) if sent == sent and sent > 0 else None,
         "ingest_delay_p50_ms": round(p50 * 1000, 2),
         "ingest_delay_p99_ms": round(p99 * 1000, 2),
         "streams_connected_before_window": connect["connected"],
@@ -636,6 +643,8 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
         "streams_open_at_end": after.get("gpulb_agent_streams", float("nan")),
         "connect_s": connect["connect_s"],
         "generator_late_p99_ms": gen_after.get("late_p99_ms"),
+        # sends that found an HTTP/2 flow-control window shut (the coordinator not reading)
+        "generator_flow_blocked": gen_after.get("blocked"),
         "coordinator_cpu_cores": round((cpu_after[0] - cpu_before[0]) / elapsed, 2),
         "generator_cpu_cores": round((cpu_after[1] - cpu_before[1]) / elapsed, 2),
         "coordinator_rss_mib_max": round(float(np.nanmax(rss)), 1) if rss else None,
