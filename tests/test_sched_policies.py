@@ -677,3 +677,27 @@ def test_the_compiled_set_choice_is_optional_and_can_be_turned_off() -> None:
     if setsearch.ready():
         seconds = setsearch.warm()
         assert seconds is not None and seconds >= 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("width", [16, 40])
+def test_wide_nodes_set_choice_matches_the_general_path(seed: int, width: int, set_search: str) -> None:
+    """Nodes wider than the 8-rank lookup table (16- and 40-GPU hosts): rank
+    masks go through the bit tricks, on both set choices."""
+    rng = np.random.default_rng(500 + seed)
+    snap = uniform_snapshot(rng, 30, width, ties=bool(seed % 2))
+    view = PlacementView(snap, res := Reservations())
+    policy = make_policy("load_aware", {"nvlink": float(rng.choice([0.5, 3.0]))})
+    placed = 0
+    for i in range(10):
+        k = int(rng.choice([2, 3, 5, 7]))
+        task = spec(task_id=f"t{i}", num_gpus=k, needs_nvlink=bool(k <= 3 and rng.random() < 0.4))
+        mask = feasible(view, task)
+        reference = policy._choose_set_general(view, task, mask, policy.gpu_scores(view, task))
+        assert policy.choose(view, task, mask) == reference, (k, task.needs_nvlink)
+        if reference is not None:
+            placed += 1
+            res.add(f"k{i}", reference.gpu_uuids, task.vram_mib, 100 * task.gpu_share,
+                    [float(view.used[r]) for r in reference.rows])
+            view.refresh(reference.gpu_uuids)
+    assert placed >= 5
