@@ -25,7 +25,9 @@ Definitions (every figure is computed from ``SimResult`` alone):
 * **learning** (when on): rebalance ``plans`` and ``migrations`` carried
   out, and the predictor's ``prediction_mape`` (each completion predicted
   before it was learned from, over its last completions).
-* **oom_kills**, **sla_misses** (P0 tasks queued past the SLA, from the
+* **oom_kills** (``oom_kills_alone``: of those, tasks alone on their GPUs,
+  which outgrew the card by themselves: no placement among the cards they
+  fit on avoids those, only a bigger card), **sla_misses** (P0 tasks queued past the SLA, from the
   scheduler's own counter), **throughput** (completed tasks per hour of
   makespan), **makespan** (last completion).
 * **saturation** (when run): share of GPU capacity left unallocated when the
@@ -126,6 +128,7 @@ def figures(r: SimResult) -> dict[str, Any]:
         "migrations": r.migrations,
         "prediction_mape": r.prediction_mape,
         "oom_kills": r.oom_kills,
+        "oom_kills_alone": r.oom_kills_alone,
         "sla_misses": r.sla_misses,
         "throughput_per_h": len(done) / (makespan / 3600.0) if makespan > 0 else math.nan,
         "makespan_s": makespan,
@@ -240,6 +243,7 @@ def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
     row("hottest node mean util %", [fmt(f["hottest_node_util"], 1) for f in figs])
     row("hottest GPU time >= 90 %", [fmt(100 * f["hottest_gpu_time_above_90"], 1, "%") for f in figs])
     row("OOM kills", [fmt(f["oom_kills"]) for f in figs])
+    row("  of which alone on the GPU", [fmt(f["oom_kills_alone"]) for f in figs])
     row("P0 SLA misses", [fmt(f["sla_misses"]) for f in figs])
     row("throughput tasks/h", [fmt(f["throughput_per_h"], 1) for f in figs])
     row("makespan", [_dur(f["makespan_s"]) for f in figs])

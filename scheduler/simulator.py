@@ -322,6 +322,7 @@ class SimResult:
     heatmap_t: np.ndarray  # s
     heatmap: np.ndarray  # (samples, GPUs) true util %
     oom_kills: int
+    oom_kills_alone: int  # of those, runs alone on their GPUs (they outgrew the card)
     sla_misses: int
     dispatches: int
     snapshots: int
@@ -642,6 +643,7 @@ class Simulation:
         self._attempt = [0] * len(self.tasks)
         self._remaining = len(self.tasks)
         self.oom_kills = 0
+        self.oom_kills_alone = 0
         self.dispatches = 0
         self.snapshots = 0
         self.events = 0
@@ -748,6 +750,7 @@ class Simulation:
             heatmap_t=np.asarray(self._heat_t),
             heatmap=np.asarray(self._heat) if self._heat else np.zeros((0, self.G)),
             oom_kills=self.oom_kills,
+            oom_kills_alone=self.oom_kills_alone,
             sla_misses=self.sched.queue_summary().sla_misses,
             dispatches=self.dispatches,
             snapshots=self.snapshots,
@@ -1189,6 +1192,9 @@ class Simulation:
     def _kill(self, run: _Run, used: float) -> None:
         """Out of memory: the run whose allocation overflowed dies and is resubmitted."""
         self.oom_kills += 1
+        if all(len(self._runs_on[r]) == 1 for r in run.rows):
+            # alone on its GPUs: it outgrew the card itself, no co-tenant to blame
+            self.oom_kills_alone += 1
         rec = self.records[run.idx]
         rec.oom_kills += 1
         self._remove(run)

@@ -99,6 +99,7 @@ def test_oom_under_round_robin_but_not_load_aware():
     rr = run(tasks, TWO_4090, "round_robin", memory)
     la = run(tasks, TWO_4090, "load_aware", memory)
     assert rr.oom_kills == 1 and la.oom_kills == 0
+    assert rr.oom_kills_alone == 0  # C shared GPU0 when A grew
     a = rec(rr, "A")
     assert (a.oom_kills, a.runs, a.state) == (1, 2, "completed")
     assert a.first_start_s == 0.0
@@ -174,6 +175,7 @@ def test_oom_at_start_raises_the_ask_until_it_cannot_fit():
     r = run([task("A", 0, 100, 20_000)], ONE_4090, "load_aware", RatioMemory({"A": (1.25,)}))
     a = rec(r, "A")
     assert (r.oom_kills, a.oom_kills, a.state) == (1, 1, "dropped")
+    assert r.oom_kills_alone == 1 and figures(r)["oom_kills_alone"] == 1  # it outgrew the card alone
     assert "vram_mib" in a.reason
 
 
