@@ -314,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     global timer
     timer = time.thread_time if args.clock == "cpu" else time.perf_counter
+    from scheduler import setsearch
+
+    jit_s = setsearch.warm()  # compiling is not a decision
     runs = [measure(args) for _ in range(max(args.repeat, 1))]
     rows = []
     for same in zip(*runs):
@@ -321,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["clock"] = args.clock
         r["repeat"] = max(args.repeat, 1)
+        r["set_search"] = "compiled" if jit_s is not None else "numpy"
 
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -393,7 +397,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     print("the view of a new snapshot sharing the static columns, plus one label mask")
     if args.baseline:
         print(f"kN choose: Policy.choose alone, today's and @{args.baseline}'s in turns on the same decisions")
-    print(f"clock: {args.clock}; repeat: {max(args.repeat, 1)} (per row the run with the lowest p99)")
+    print(f"clock: {args.clock}; repeat: {max(args.repeat, 1)} (per row the run with the lowest p99); "
+          f"multi-GPU set search: {rows[0]['set_search'] if rows else '-'} (GPULB_NO_JIT=1: numpy)")
 
 
 if __name__ == "__main__":

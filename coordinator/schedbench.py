@@ -964,9 +964,24 @@ def machine_info() -> dict:
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "grpcio": grpc.__version__,
         "numpy": np.__version__,
+        "set_search": _set_search(),
         "os": f"{platform.system()} {platform.release()}",
         "load_average_1m": _loadavg(),
     }
+
+
+def _set_search() -> str:
+    """How the multi-GPU set search runs (the server inherits this environment)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from scheduler import setsearch
+
+    if not setsearch.available():
+        return "numpy (numba missing or GPULB_NO_JIT set)"
+    try:
+        return f"compiled (numba {version('numba')})"
+    except PackageNotFoundError:  # pragma: no cover
+        return "compiled (numba)"
 
 
 def _loadavg() -> float | None:
@@ -1044,7 +1059,7 @@ def render(result: dict) -> str:
     lines += [
         "",
         f"machine: {m['cpu_model']}, {m['cores']} cores ({m['usable_cores']} usable), {m['arch']}, {m['python']}, "
-        f"grpcio {m['grpcio']}, numpy {m['numpy']}; load average {m['load_average_1m']} at start, "
+        f"grpcio {m['grpcio']}, numpy {m['numpy']}, set search {m.get('set_search')}; load average {m['load_average_1m']} at start, "
         f"{m.get('load_average_1m_at_end')} at end; coordinator and clients are separate processes sharing these cores",
         f"load: {c['requests']:,} tasks per size and phase; {c['gpus_per_node']} x {c['gpu_model']} "
         f"{c['gpu_memory_mib']:,} MiB per node, seed {c['seed']}",
