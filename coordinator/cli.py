@@ -581,6 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from coordinator.demo import add_demo_arguments
 
+    sub.add_parser("set-search", help="build the multi-GPU set search ahead of time (build [--out DIR]), or show how it runs (status)")
     add_demo_arguments(sub.add_parser("demo", help="run a coordinator and simulated agents on loopback, and balance a workload"))
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -615,6 +616,10 @@ def main(argv: list[str] | None = None) -> int:
         from scheduler.simulator import simulate_main, trace_main
 
         return simulate_main(argv[1:]) if argv[0] == "simulate" else trace_main(argv)
+    if argv and argv[0] == "set-search":  # the compiled set search: build it ahead of time, or say how it runs
+        from scheduler.setsearch import main as set_search_main
+
+        return set_search_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)

@@ -157,9 +157,10 @@ class Coordinator:
         # compile (or load) the multi-GPU set search before the first decision waits on it
         jit_s = setsearch.warm()
         if jit_s is not None:
-            log.info("set_search_compiled", seconds=round(jit_s, 3))
-        elif setsearch.failure is not None:  # e.g. MemoryDenyWriteExecute=yes: numpy places alike, slower
-            log.warning("set_search_not_compiled", reason=setsearch.failure)
+            log.info("set_search_compiled", mode=setsearch.mode, seconds=round(jit_s, 3))
+        elif setsearch.failure is not None:  # e.g. W^X and no ahead-of-time build: numpy places alike, slower
+            log.warning("set_search_not_compiled", reason=setsearch.failure,
+                        hint="gpulb set-search build (systemd/install.sh runs it)")
         server = grpc.aio.server(options=options, interceptors=[self.security.interceptor()])
         pb_grpc.add_AgentGatewayServicer_to_server(self.gateway, server)
         cpb_grpc.add_ClusterOperatorServicer_to_server(self.operator, server)

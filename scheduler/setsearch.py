@@ -11,25 +11,40 @@ same float operations in the same order, so the placement is the same to the
 bit (``tests/test_sched_policies.py`` checks it against the general path on
 random fleets, with ties, NVLink needs, stale and NaN rows).
 
-numba is optional at run time: without it, with ``GPULB_NO_JIT=1`` in the
-environment, or where it cannot compile (llvmlite needs memory that is
-writable, then executable, which systemd's ``MemoryDenyWriteExecute=yes``
-forbids: ``failure`` says why) ``ready()`` is False and policies take the
-numpy paths, which place alike. The first use compiles (about 5 s; then
-cached on disk, ~0.2 s to load, where the package directory or
-``NUMBA_CACHE_DIR`` is writable); ``warm()`` does it up front, and the
-coordinator and simulator call it at start so no decision waits.
+Three ways to run it, the first that works:
+
+1. **ahead of time**: a C extension built from this very file by
+   ``gpulb set-search build`` (numba's ``pycc`` and a C
+   compiler; ``systemd/install.sh`` runs it), named after the file's
+   digest so a changed kernel never loads a stale build, found in
+   ``$GPULB_AOT_DIR`` or next to this module. Loading it needs neither numba
+   nor executable heap memory, so it works under systemd's
+   ``MemoryDenyWriteExecute=yes``, and costs ~1 MiB instead of numba's
+   ~110-140 MiB of LLVM;
+2. **just in time** with numba (about 5 s the first time, then cached on
+   disk, ~0.2 s to load, where the package directory or ``NUMBA_CACHE_DIR``
+   is writable); llvmlite needs memory that is writable, then executable,
+   which W^X forbids;
+3. otherwise (neither, ``GPULB_NO_JIT=1``, or a failure: ``failure`` says
+   why) ``ready()`` is False and policies take the numpy paths, which place
+   alike, slower.
+
+``warm()`` loads or compiles up front; the coordinator and simulator call it
+at start so no decision waits.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["available", "ready", "warm", "best_set", "failure", "MAX_K"]
+__all__ = ["available", "ready", "warm", "best_set", "build_aot", "aot_dir", "failure", "mode", "MAX_K"]
 
 #: sets of at least this many GPUs take the numpy path: numpy's mean of eight
 #: or more values sums them pairwise, which this loop does not reproduce
@@ -38,29 +53,50 @@ MAX_K = 7
 _lock = threading.Lock()
 _kernel = None
 _compile_s: float | None = None
+#: how the loop runs once loaded: "aot", "jit", or None
+mode: str | None = None
 _disabled = os.environ.get("GPULB_NO_JIT", "") not in ("", "0")
 try:  # numba is imported when first needed (it takes a few hundred ms)
-    import importlib.util
-
     _have_numba = importlib.util.find_spec("numba") is not None
 except (ImportError, ValueError):  # pragma: no cover
     _have_numba = False
 
+#: the ahead-of-time module's name: this file's digest, so an edited kernel
+#: never runs a build of an older one
+AOT_MODULE = "gpulb_setsearch_" + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
-#: why the loop could not be compiled (e.g. no executable memory under
-#: systemd's MemoryDenyWriteExecute=yes); None while it can be
+
+def aot_dir() -> Path:
+    """Where the ahead-of-time build lives: ``$GPULB_AOT_DIR``, else next to this module."""
+    return Path(os.environ.get("GPULB_AOT_DIR") or Path(__file__).parent)
+
+
+def _aot_file() -> Path | None:
+    try:
+        names = os.listdir(aot_dir())
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith(AOT_MODULE + ".") and name.endswith((".so", ".pyd")):
+            return aot_dir() / name
+    return None
+
+
+#: why the loop could not be loaded or compiled (e.g. no executable memory
+#: for the JIT under MemoryDenyWriteExecute=yes and no ahead-of-time build);
+#: None while it can be
 failure: str | None = None
 
 
 def available() -> bool:
-    """Whether the compiled set choice may be used: numba installed, not
-    disabled, and not failed to compile. Cheap; compiles nothing."""
-    return _have_numba and not _disabled and failure is None
+    """Whether the compiled set choice may be used: an ahead-of-time build or
+    numba present, not disabled, not failed. Cheap; compiles nothing."""
+    return not _disabled and failure is None and (_have_numba or _aot_file() is not None)
 
 
 def ready() -> bool:
-    """Whether the compiled set choice is usable now; compiles it on the
-    first call (``warm`` does it at start), False for good on failure."""
+    """Whether the compiled set choice is usable now; loads or compiles it on
+    the first call (``warm`` does it at start), False for good on failure."""
     return available() and (_kernel is not None or _get() is not None)
 
 
@@ -218,14 +254,32 @@ def _get():
         with _lock:
             if _kernel is None and failure is None:
                 try:
-                    _compile()
+                    if not _load_aot():
+                        _compile()
                 except Exception as exc:  # numba imports llvmlite, which needs W+X pages
                     failure = f"{type(exc).__name__}: {exc}"
     return _kernel
 
 
+def _load_aot() -> bool:
+    """Import the ahead-of-time build of this kernel, if there is one."""
+    global _kernel, _compile_s, mode
+    path = _aot_file()
+    if path is None:
+        return False
+    t0 = time.perf_counter()
+    spec = importlib.util.spec_from_file_location(AOT_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _compile_s = time.perf_counter() - t0
+    _kernel, mode = module.best_set, "aot"
+    return True
+
+
 def _compile() -> None:
-    global _kernel, _compile_s, _popcount_jit, _lowest_rank_jit
+    global _kernel, _compile_s, _popcount_jit, _lowest_rank_jit, mode
+    if not _have_numba:
+        raise ImportError("numba is not installed and there is no ahead-of-time build")
     import numba
 
     t0 = time.perf_counter()
@@ -243,7 +297,38 @@ def _compile() -> None:
     kernel(np.zeros(2), np.ones(2, dtype=np.bool_), np.zeros(2, dtype=np.int64),
            np.arange(2, dtype=np.int64), np.ones(1, dtype=np.bool_), 2, 2, False, 0.5, 32)
     _compile_s = time.perf_counter() - t0
-    _kernel = kernel
+    _kernel, mode = kernel, "jit"
+
+
+#: the kernel's types, for the ahead-of-time build (what ``best_set`` passes)
+_SIGNATURE = "Tuple((f8, i8[:], f8, i8))(f8[:], b1[:], i8[:], i8[:], b1[:], i8, i8, b1, f8, i8)"
+
+
+def build_aot(out_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Compile the kernel ahead of time into ``out_dir`` (default ``aot_dir()``)
+    as ``AOT_MODULE``; needs numba and a C compiler. Returns the file."""
+    global _popcount_jit, _lowest_rank_jit
+    import warnings
+
+    import numba
+
+    with warnings.catch_warnings():  # numba.pycc is marked for deprecation; it is what AOT there is
+        warnings.simplefilter("ignore")
+        from numba.pycc import CC
+
+    out = Path(out_dir) if out_dir is not None else aot_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    _popcount_jit = numba.njit(_popcount)
+    _lowest_rank_jit = numba.njit(_lowest_rank)
+    cc = CC(AOT_MODULE)
+    cc.output_dir = str(out)
+    cc.verbose = False
+    cc.export("best_set", _SIGNATURE)(_kernel_py)
+    cc.compile()
+    for name in os.listdir(out):
+        if name.startswith(AOT_MODULE + "."):
+            return out / name
+    raise RuntimeError(f"numba.pycc built nothing in {out}")
 
 
 def warm() -> float | None:
@@ -272,3 +357,24 @@ def best_set(
         scores, usable, adj_bits, local_bit, has_nvlink, width, k, needs, bonus, max_hopeful
     )
     return float(objective), tuple(sorted(int(r) for r in rows)), float(frac), int(groups)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``gpulb set-search build [--out DIR]``: the ahead-of-time build;
+    ``gpulb set-search status``: how the loop runs here."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="gpulb set-search", description="the compiled multi-GPU set search")
+    parser.add_argument("command", choices=["build", "status"])
+    parser.add_argument("--out", help="build: directory (default: $GPULB_AOT_DIR or next to this module)")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        t0 = time.perf_counter()
+        path = build_aot(args.out)
+        print(f"built {path} in {time.perf_counter() - t0:.1f} s")
+        return 0
+    seconds = warm()
+    print(f"set search: {mode or 'numpy'}" + (f" (loaded in {seconds:.2f} s)" if seconds is not None else "")
+          + (f"; {failure}" if failure else ""))
+    return 0
+

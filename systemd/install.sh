@@ -87,6 +87,15 @@ else
     run "$python" -m venv "$venv"
 fi
 run "$venv/bin/python" -m pip install --quiet --upgrade "$source_spec"
+# The multi-GPU set search, compiled ahead of time: it loads under the
+# coordinator's MemoryDenyWriteExecute=yes, where numba's JIT cannot, and
+# keeps LLVM out of the daemon. It needs a C compiler and the Python headers;
+# without them the coordinator runs the numpy path (same placements, slower).
+if [ "$dry_run" = 1 ]; then
+    run "$venv/bin/gpulb" set-search build
+elif ! "$venv/bin/gpulb" set-search build; then
+    note "could not build the set search ahead of time (a C compiler and Python headers are needed); the coordinator will use numpy"
+fi
 run install -d -m 0755 "$bin_dir"
 for exe in gpulb gpulb-coordinator gpulb-agent; do
     run ln -sfn "$prefix/bin/$exe" "$bin_dir/$exe"

@@ -26,3 +26,25 @@ if (3, 11, 5) <= sys.version_info[:3] < (3, 11, 8):
                 gc.enable()
 
     ast.parse = _parse_without_gc
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def aot_build(tmp_path_factory):
+    """The set search compiled ahead of time (``gpulb set-search build``),
+    once per session, in a directory of its own (use it with GPULB_AOT_DIR);
+    skipped where numba or a C compiler is missing."""
+    import importlib.util
+    import os
+    import shutil
+    import subprocess
+
+    if importlib.util.find_spec("numba") is None or shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("numba or a C compiler is missing")
+    out = tmp_path_factory.mktemp("aot")
+    result = subprocess.run([sys.executable, "-m", "coordinator.cli", "set-search", "build", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return out

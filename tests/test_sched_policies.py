@@ -701,3 +701,54 @@ def test_wide_nodes_set_choice_matches_the_general_path(seed: int, width: int, s
                     [float(view.used[r]) for r in reference.rows])
             view.refresh(reference.gpu_uuids)
     assert placed >= 5
+
+
+_AOT_CHECK = """
+import sys
+import numpy as np
+sys.path.insert(0, "tests")
+from test_sched_policies import messy_fleet, spec
+from scheduler import setsearch
+from scheduler.filters import feasible
+from scheduler.policies import make_policy
+from scheduler.reservations import Reservations
+from scheduler.view import PlacementView
+
+assert setsearch.ready() and setsearch.mode == "aot", (setsearch.mode, setsearch.failure)
+compared = 0
+for seed in range(6):
+    rng = np.random.default_rng(7000 + seed)
+    view = PlacementView(messy_fleet(rng, 150, seed % 2 == 0, False, seed == 5), res := Reservations())
+    policy = make_policy("load_aware", {"nvlink": float(rng.choice([0.5, 3.0]))})
+    for i in range(12):
+        k = int(rng.choice([2, 3, 4]))
+        task = spec(task_id=f"t{i}", num_gpus=k, needs_nvlink=bool(rng.random() < 0.3),
+                    gpu_share=float(rng.uniform(0, 1)), vram_mib=float(rng.choice([1024.0, 12000.0])))
+        mask = feasible(view, task)
+        reference = policy._choose_set_general(view, task, mask, policy.gpu_scores(view, task))
+        assert policy.choose(view, task, mask) == reference, (seed, i, k)
+        compared += 1
+        if reference is not None:
+            res.add(f"k{i}", reference.gpu_uuids, task.vram_mib, 100 * task.gpu_share,
+                    [float(view.used[r]) for r in reference.rows])
+            view.refresh(reference.gpu_uuids)
+print("AOT_OK", compared, "numba" in sys.modules)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_ahead_of_time_build_places_as_the_general_path(aot_build) -> None:
+    """``gpulb set-search build`` compiles the same kernel to a C extension:
+    loaded from GPULB_AOT_DIR without importing numba, it places as the
+    general path does, to the bit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, GPULB_AOT_DIR=str(aot_build))
+    result = subprocess.run([sys.executable, "-c", _AOT_CHECK], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "AOT_OK 72 False" in result.stdout

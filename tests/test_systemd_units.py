@@ -249,6 +249,10 @@ def test_install_dry_run_prints_every_step_and_changes_nothing(tmp_path: Path) -
     venv = f"{root}/opt/gpulb"
     assert steps[0].endswith(f"-m venv {venv}")
     assert f"{venv}/bin/python -m pip install --quiet --upgrade /src/gpulb" in steps
+    # the set search compiled ahead of time, right after the package (loads under W^X)
+    assert steps[steps.index(f"{venv}/bin/python -m pip install --quiet --upgrade /src/gpulb") + 1] == (
+        f"{venv}/bin/gpulb set-search build"
+    )
     for exe in ("gpulb", "gpulb-coordinator", "gpulb-agent"):
         # links point at the real /opt path, not the staging root
         assert f"ln -sfn /opt/gpulb/bin/{exe} {root}/usr/local/bin/{exe}" in steps
@@ -342,10 +346,11 @@ _MDWE_CHECK = textwrap.dedent(
             body = await reader.read()
             writer.close()
             assert b"gpulb_gpu_utilization_ratio{" in body, body[:200]
-            # numba's JIT needs W+X memory: the coordinator serves on the
-            # numpy set search instead, and says why
+            # numba's JIT needs W+X memory: without an ahead-of-time build
+            # the coordinator serves on the numpy set search and says why;
+            # with one ($GPULB_AOT_DIR) it runs compiled all the same
             from scheduler import setsearch
-            print("SET_SEARCH", setsearch.ready(), setsearch.failure)
+            print("SET_SEARCH", setsearch.ready(), setsearch.mode, setsearch.failure)
         finally:
             await agent.stop()
             await task
@@ -357,14 +362,29 @@ _MDWE_CHECK = textwrap.dedent(
 )
 
 
-@pytest.mark.timeout(120)
-def test_daemons_run_with_write_xor_execute_memory(tmp_path: Path) -> None:
+def _run_mdwe(tmp_path: Path, aot_dir: str) -> subprocess.CompletedProcess:
     script = tmp_path / "mdwe_check.py"
     script.write_text(_MDWE_CHECK)
-    result = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=90)
+    env = dict(os.environ, GPULB_AOT_DIR=aot_dir)
+    result = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=90, env=env)
     if result.returncode == 77:
         pytest.skip(f"kernel lacks PR_SET_MDWE (Linux < 6.3): {result.stdout.strip()}")
     assert result.returncode == 0 and "MDWE_OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_daemons_run_with_write_xor_execute_memory(tmp_path: Path) -> None:
+    result = _run_mdwe(tmp_path, str(tmp_path / "no-aot-build-here"))
     if importlib.util.find_spec("numba") is not None:
-        assert "SET_SEARCH False PermissionError" in result.stdout, result.stdout[-3000:]
+        assert "SET_SEARCH False None PermissionError" in result.stdout, result.stdout[-3000:]
         assert "set_search_not_compiled" in result.stdout + result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_the_ahead_of_time_set_search_runs_under_write_xor_execute(tmp_path: Path, aot_build: Path) -> None:
+    """What systemd/install.sh builds: loaded without numba's JIT, so the
+    hardened coordinator keeps the compiled set search."""
+    result = _run_mdwe(tmp_path, str(aot_build))
+    assert "SET_SEARCH True aot None" in result.stdout, result.stdout[-3000:]
+    assert "set_search_compiled" in result.stdout + result.stderr
