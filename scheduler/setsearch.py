@@ -97,7 +97,9 @@ def available() -> bool:
 def ready() -> bool:
     """Whether the compiled set choice is usable now; loads or compiles it on
     the first call (``warm`` does it at start), False for good on failure."""
-    return available() and (_kernel is not None or _get() is not None)
+    if _kernel is not None:  # the per-decision case: no file lookups
+        return True
+    return available() and _get() is not None
 
 
 # The plain functions below are compiled by ``_get``; the kernel calls the
