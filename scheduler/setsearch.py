@@ -355,8 +355,12 @@ def best_set(
     of a uniform layout, as ``Policy._choose_set_general`` chooses it; the
     objective is inf when no set qualifies. ``usable``: candidate GPUs (the
     finite scores among them are used)."""
+    # the ahead-of-time build has one signature; these are no-ops for the
+    # columns policies and views hand over (float64 scores, int64 bits, bools)
     objective, rows, frac, groups = _get()(
-        scores, usable, adj_bits, local_bit, has_nvlink, width, k, needs, bonus, max_hopeful
+        np.asarray(scores, dtype=np.float64), np.asarray(usable, dtype=np.bool_),
+        np.asarray(adj_bits, dtype=np.int64), np.asarray(local_bit, dtype=np.int64),
+        np.asarray(has_nvlink, dtype=np.bool_), width, k, needs, bonus, max_hopeful,
     )
     return float(objective), tuple(sorted(int(r) for r in rows)), float(frac), int(groups)
 

@@ -719,7 +719,8 @@ compared = 0
 for seed in range(6):
     rng = np.random.default_rng(7000 + seed)
     view = PlacementView(messy_fleet(rng, 150, seed % 2 == 0, False, seed == 5), res := Reservations())
-    policy = make_policy("load_aware", {"nvlink": float(rng.choice([0.5, 3.0]))})
+    name = ["load_aware", "binpack", "least_connections", "round_robin", "weighted_round_robin", "load_aware"][seed]
+    policy = make_policy(name, {"nvlink": float(rng.choice([0.5, 3.0]))})
     for i in range(12):
         k = int(rng.choice([2, 3, 4]))
         task = spec(task_id=f"t{i}", num_gpus=k, needs_nvlink=bool(rng.random() < 0.3),
@@ -752,3 +753,19 @@ def test_the_ahead_of_time_build_places_as_the_general_path(aot_build) -> None:
                             timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "AOT_OK 72 False" in result.stdout
+
+
+def test_set_search_status_says_how_the_search_runs(aot_build) -> None:
+    """``gpulb set-search status``: the operator's check of which form runs."""
+    import os
+    import subprocess
+    import sys
+
+    def status(**env: str) -> str:
+        result = subprocess.run([sys.executable, "-m", "coordinator.cli", "set-search", "status"],
+                                env=dict(os.environ, **env), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.strip()
+
+    assert status(GPULB_NO_JIT="1") == "set search: numpy"
+    assert status(GPULB_AOT_DIR=str(aot_build)).startswith("set search: aot (loaded in ")
