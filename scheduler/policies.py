@@ -143,9 +143,10 @@ class Policy(ABC):
         width = view.uniform_width
         if 0 < width <= _MAX_RANK:
             if spec.num_gpus <= setsearch.MAX_K and setsearch.ready():
-                # every node in one compiled loop: cheaper than the bounds
-                # below where scores tie (they prune little there), and as
-                # fast where they do not, up to 5,000 nodes (benchmarks/bench_decision.py)
+                # every node in one compiled loop: 2x cheaper than the numpy
+                # paths below where scores tie (bounds prune little there); where
+                # they prune well (random readings, 5,000 nodes) ~20 % dearer at
+                # p50, alike at p99 (benchmarks/bench_decision.py, README)
                 return self._choose_set_compiled(view, spec, candidates, self.gpu_scores(view, spec), width)
             node_low = None
             if view.gpu_count >= _NODE_BOUNDS_MIN_GPUS:
@@ -676,8 +677,9 @@ class Policy(ABC):
         same order. ``by_position(i)`` (uniform layouts): the usable scores
         (else inf) of the nodes at positions i by GPU position, and their
         node numbers; for pairs it gives each node's best linked pair, which
-        is what option B finds there, so nodes whose best linked pair is not
-        below option A's best are left out too.
+        is what option B finds there, so option B's result is read from them:
+        the first node at the lowest pair, searched in scalars
+        (``_best_linked_pair``), with no greedy growth at all.
         """
         k = spec.num_gpus
         needs = spec.needs_nvlink
