@@ -1073,17 +1073,70 @@ class _UsableGrid:
 
 
 class LoadAware(Policy):
-    """The weighted multi-metric score of ``scheduler.scoring`` (the default)."""
+    """The weighted multi-metric score of ``scheduler.scoring`` (the default).
+
+    Stateful for the ``spread`` term: the number of the placement that last
+    chose each GPU (by uuid, so it survives snapshots), kept as a column per
+    GPU layout (the snapshot's ``gpu_uuid`` object, shared while the nodes do
+    not change) and rebuilt from the uuids when the layout changes.
+    """
 
     NAME = "load_aware"
     DEFAULT_WEIGHTS = LOAD_AWARE_WEIGHTS
     SCORES_SOME_ROWS = True
 
+    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
+        super().__init__(weights)
+        self._placements = 0  # placements committed through this policy
+        self._chosen_at: dict[str, int] = {}  # gpu uuid -> the placement that last chose it
+        self._layout: tuple[object, np.ndarray] | None = None  # (gpu_uuid column, _chosen_at by row)
+        self._spread: tuple[int, int, float, np.ndarray | None] | None = None  # (layout id, placements, w, column)
+
+    def _chosen_column(self, view: PlacementView) -> np.ndarray:
+        uuids = view.snapshot.gpu_uuid
+        if self._layout is None or self._layout[0] is not uuids:
+            column = np.full(view.gpu_count, -np.inf)  # never chosen
+            row_of = view.row_of
+            for gpu_uuid, number in self._chosen_at.items():
+                row = row_of.get(gpu_uuid)
+                if row is not None:
+                    column[row] = number
+            self._layout = (uuids, column)
+            self._spread = None
+        return self._layout[1]
+
+    def _spread_column(self, view: PlacementView) -> np.ndarray | None:
+        """``w_spread * R`` per row (``scheduler.scoring``), None when all 0;
+        computed once per placement count and layout."""
+        w = self.weights["spread"]
+        if not w or not self._placements or not view.gpu_count:
+            return None
+        chosen = self._chosen_column(view)
+        key = (id(self._layout[0]), self._placements, w)
+        if self._spread is None or self._spread[:3] != key:
+            recent = np.subtract(self._placements, chosen)  # placements since; inf if never
+            recent /= view.gpu_count
+            np.subtract(1.0, recent, out=recent)
+            np.maximum(recent, 0.0, out=recent)
+            recent *= w
+            self._spread = (*key, recent)
+        return self._spread[3]
+
+    def commit(self, view: PlacementView, placement: Placement) -> None:
+        self._placements += 1
+        for gpu_uuid in placement.gpu_uuids:
+            self._chosen_at[gpu_uuid] = self._placements
+        # the column, if built for this layout, follows; else it is built when
+        # a spread weight first asks for it
+        if self._layout is not None and self._layout[0] is view.snapshot.gpu_uuid:
+            for row in placement.rows:
+                self._layout[1][row] = self._placements
+
     def gpu_scores(self, view: PlacementView, spec: TaskSpec) -> np.ndarray:
-        return load_aware_scores(view, spec, self.weights)
+        return load_aware_scores(view, spec, self.weights, spread=self._spread_column(view))
 
     def gpu_scores_at(self, view: PlacementView, spec: TaskSpec, rows: np.ndarray) -> np.ndarray:
-        return load_aware_scores(view, spec, self.weights, rows)
+        return load_aware_scores(view, spec, self.weights, rows, spread=self._spread_column(view))
 
     def gpu_bounds(self, view: PlacementView, spec: TaskSpec) -> tuple[np.ndarray, float] | None:
         return load_aware_bounds(view, spec, self.weights)
@@ -1094,7 +1147,7 @@ class LoadAware(Policy):
     def terms(
         self, view: PlacementView, spec: TaskSpec, rows: Sequence[int], scores: np.ndarray
     ) -> dict[str, float]:
-        return load_aware_terms(view, spec, self.weights, rows)
+        return load_aware_terms(view, spec, self.weights, rows, self._spread_column(view))
 
 
 class RoundRobin(Policy):

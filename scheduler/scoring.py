@@ -11,6 +11,7 @@ with like. The load-aware score of GPU g on a fresh node::
          + w_response_time    * RT(response_time_node(g))
          - w_preferred_labels * F(node(g))
          + w_completion       * C(g)             (only with predicted slowdowns)
+         + w_spread           * R(g)             (the policy's placement history)
 
     P(x)  = clip((x - warn) / (reject - warn), 0, 1)   warn 70 %, reject 85 %
     T(t)  = clip((t - 60 °C) / (85 °C - 60 °C), 0, 1)  (NaN -> 1)
@@ -25,6 +26,19 @@ alone; ``slowdown`` is the snapshot's learned column for the task's kind
 finishes the task soonest wins. A snapshot without slowdowns has no such term.
 (It is computed as ``w_completion - (w_completion * fastest / slowdown_g) /
 stretch_g`` with the first product cached per view: equal up to rounding.)
+
+``R(g) = max(0, 1 - (placements since g was last chosen) / GPUs)``: 1 on
+the GPU just chosen, 0 on one not chosen in the last G placements (or ever).
+Without it (the default, ``w_spread = 0``), equally idle GPUs tie and the
+lowest row wins every time, which packs work into the first nodes: on the
+openb replay load_aware ran about half the GPUs of the cluster and left the
+rest idle for the whole trace (time-mean util by row quarter 64 / 19 / 0 / 0 %,
+51 % of GPUs never busy). ``w_spread = 0.05`` (5 % of util) spreads work over
+equals (1 % never busy; time-mean util std across GPUs 0.87-0.98x round-robin's
+instead of 1.17-1.27x) but fragments nodes, and multi-GPU tasks wait longer
+(mean response 0.654-0.717x round-robin's instead of 0.632-0.699x): a choice
+between wear and thermal balance over time and room for big tasks, so it is
+a weight, off by default.
 
 ``util`` is the EWMA forecast (or smoothed util, see config; NaN -> 100 %),
 ``reserved_*`` the effective reservations, ``active`` the tasks on the GPU
@@ -74,6 +88,7 @@ LOAD_AWARE_WEIGHTS: Mapping[str, float] = {
     "completion": 2.0,  # predicted completion time; needs the snapshot's slowdown columns
     "stale": 1.0,
     "nvlink": 0.5,  # bonus for a fully NVLink-connected multi-GPU set (see policies)
+    "spread": 0.0,  # > 0: recently chosen GPUs yield to equally good others (R above; off by default)
 }
 
 
@@ -158,8 +173,12 @@ def load_aware_scores(
     spec: TaskSpec,
     weights: Mapping[str, float],
     rows: np.ndarray | None = None,
+    spread: np.ndarray | None = None,
 ) -> np.ndarray:
     """S_g for every GPU row (module docstring), or for ``rows`` only, in their order.
+
+    ``spread``: ``w_spread * R`` for every row (the policy keeps the history),
+    or None when it is 0 everywhere.
 
     Callers mask out infeasible rows. The task-independent products
     (``w_load * load / 100``, ``w_jitter * active``) are columns the view keeps
@@ -203,6 +222,8 @@ def load_aware_scores(
         np.maximum(stretch, 1.0, out=stretch)
         np.divide(take(speed), stretch, out=stretch)
         score -= stretch
+    if spread is not None:
+        score += take(spread)
     if view.any_stale:
         stale = w["stale"] * (1.0 + view.stale_busy)
         score = np.where(take(view.stale), stale[take(view.node)], score)
@@ -293,7 +314,8 @@ def load_aware_node_bounds(
 
 
 def load_aware_terms(
-    view: PlacementView, spec: TaskSpec, weights: Mapping[str, float], rows: Sequence[int]
+    view: PlacementView, spec: TaskSpec, weights: Mapping[str, float], rows: Sequence[int],
+    spread: np.ndarray | None = None,
 ) -> dict[str, float]:
     """Weighted term contributions at ``rows`` (mean over a multi-GPU set).
 
@@ -311,6 +333,8 @@ def load_aware_terms(
         names.append("preferred_labels")
     if speed is not None:
         names.append("completion")
+    if spread is not None:
+        names.append("spread")
     w_load, w_memory, w_temp, w_jitter, w_rt = (w[n] for n in names[:5])
     share_pct = 100.0 * spec.gpu_share
     totals: list[float] | None = None  # per name, summed over the fresh rows in order
@@ -334,6 +358,8 @@ def load_aware_terms(
             values.append(-w["preferred_labels"] * float(pref[r]))
         if speed is not None:
             values.append(w["completion"] - float(speed[r]) / max(1.0, (load + share_pct) / 100.0))
+        if spread is not None:
+            values.append(float(spread[r]))
         totals = values if totals is None else [t + v for t, v in zip(totals, values)]
     count = len(rows)
     out = {} if totals is None else {name: total / count for name, total in zip(names, totals)}

@@ -122,7 +122,8 @@ from scheduler.advisor import Advisor, AdvisorConfig
 from scheduler.cluster import ClusterNode, convert_openb_nodes, homogeneous, read_cluster, write_cluster
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Scheduler
-from scheduler.policies import POLICIES
+from scheduler.errors import SchedulerError
+from scheduler.policies import POLICIES, make_policy
 from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
 from scheduler.reservations import Reservations, ReservedColumns
 from scheduler.snapshot import ClusterSnapshot, NodeFacts
@@ -132,6 +133,7 @@ from scheduler.traces import TraceTask, convert_openb, read_trace, scale_trace
 __all__ = [
     "REQUESTS_ONLY",
     "parse_policy",
+    "policy_weights",
     "SimConfig",
     "MemoryModel",
     "AskedMemory",
@@ -543,6 +545,7 @@ class Simulation:
     ) -> None:
         cfg = config or SimConfig()
         base_policy, blind = parse_policy(policy)
+        weights = weights or policy_weights(policy) or None
         if blind:
             cfg = replace(cfg, telemetry=False)
         self.cfg = cfg
@@ -1355,11 +1358,30 @@ REQUESTS_ONLY = "@requests"
 
 
 def parse_policy(name: str) -> tuple[str, bool]:
-    """(registered policy, whether it runs blind: ``NAME@requests``)."""
-    base, at, mode = name.partition("@")
+    """(registered policy, whether it runs blind: ``NAME@requests``); weights
+    after a colon (``policy_weights``) are allowed and left out."""
+    base, at, mode = name.partition(":")[0].partition("@")
     if base not in POLICIES or (at and at + mode != REQUESTS_ONLY):
         raise ValueError(f"unknown policy {name!r}; available: {', '.join(POLICIES)} (each also as NAME{REQUESTS_ONLY})")
     return base, bool(at)
+
+
+def policy_weights(name: str) -> dict[str, float]:
+    """The weights a policy label carries: ``load_aware:spread=0.05+jitter=0.2``
+    (a label, so several weightings of one policy run side by side)."""
+    _, colon, text = name.partition(":")
+    if not colon:
+        return {}
+    weights: dict[str, float] = {}
+    for item in text.split("+"):
+        key, eq, value = item.partition("=")
+        try:
+            weights[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"policy {name!r}: expected NAME:weight=value[+weight=value...], got {item!r}") from None
+        if not eq or not key.strip():
+            raise ValueError(f"policy {name!r}: expected NAME:weight=value[+weight=value...], got {item!r}")
+    return weights
 
 
 def _policies(text: str) -> list[str]:
@@ -1368,10 +1390,12 @@ def _policies(text: str) -> list[str]:
         return list(POLICIES)
     for n in names:
         try:
-            parse_policy(n)
-        except ValueError:
+            base, _ = parse_policy(n)
+            make_policy(base, policy_weights(n))  # names and values of the weights, checked now
+        except (ValueError, SchedulerError) as exc:
             raise argparse.ArgumentTypeError(
-                f"unknown policy {n!r}; available: {', '.join(POLICIES)}, all; NAME{REQUESTS_ONLY} runs one without telemetry"
+                f"{exc}; policies: {', '.join(POLICIES)}, all; NAME{REQUESTS_ONLY} runs one without telemetry, "
+                f"NAME:weight=value[+...] with other weights"
             ) from None
     if not names:
         raise argparse.ArgumentTypeError("no policy given")

@@ -627,7 +627,8 @@ def test_every_set_choice_path_matches_the_general_path(seed: int, fleet: str, m
     snap = messy_fleet(rng, int(rng.choice([60, 150, 300])), fleet == "ties", fleet == "identical", fleet == "stale")
     view = PlacementView(snap, res := Reservations())
     policy = make_policy("load_aware", {"nvlink": float(rng.choice([0.0, 0.5, 0.5, 3.0])),
-                                        "jitter": float(rng.choice([0.0, 0.1]))})
+                                        "jitter": float(rng.choice([0.0, 0.1])),
+                                        "spread": float(rng.choice([0.0, 0.05]))})
     leases = []
     for i in range(14):
         k = int(rng.choice([2, 2, 3, 4, 8]))
@@ -655,6 +656,7 @@ def test_every_set_choice_path_matches_the_general_path(seed: int, fleet: str, m
             res.add(f"k{i}", reference.gpu_uuids, task.vram_mib, 100 * task.gpu_share,
                     [float(view.used[r]) for r in reference.rows])
             view.refresh(reference.gpu_uuids)
+            policy.commit(view, reference)  # the spread term's history moves on
             leases.append(f"k{i}")
         if leases and rng.random() < 0.3:
             view.refresh(res.release(leases.pop(0)))
@@ -769,3 +771,40 @@ def test_set_search_status_says_how_the_search_runs(aot_build) -> None:
 
     assert status(GPULB_NO_JIT="1") == "set search: numpy"
     assert status(GPULB_AOT_DIR=str(aot_build)).startswith("set search: aot (loaded in ")
+
+
+def test_load_aware_spread_rotates_equally_idle_gpus_and_is_off_by_default() -> None:
+    """With ``spread`` > 0 a GPU just chosen yields to an equally good one
+    not chosen lately (``scheduler.scoring``, R); at 0 (the default) the
+    lowest row wins every tie, as before. The breakdown shows the term."""
+    snap = ClusterSnapshot.build([NodeFacts(f"n{i}", 2) for i in range(3)], util_pct=[0.0] * 6)
+
+    def rows_chosen(weights: dict, count: int) -> list[int]:
+        view = PlacementView(snap, res := Reservations())
+        policy = make_policy("load_aware", weights)
+        out = []
+        for i in range(count):
+            task = spec(task_id=f"t{i}", vram_mib=1_000.0, gpu_share=0.0)
+            placement = policy.choose(view, task, feasible(view, task))
+            policy.commit(view, placement)
+            out.append(placement.rows[0])
+            if weights.get("spread"):
+                # the sixth goes to the last GPU never chosen (R = 0); the
+                # seventh and eighth to those chosen 5 placements before, of 6
+                # GPUs (R = 1 - 5/6)
+                if i == 5:
+                    assert placement.score.terms["spread"] == 0.0
+                if i in (6, 7):
+                    assert placement.score.terms["spread"] == pytest.approx(0.05 * (1 - 5 / 6))
+                assert placement.score.total == pytest.approx(sum(placement.score.terms.values()))
+            else:
+                assert "spread" not in placement.score.terms
+            # placed and finished at once: the GPUs stay equally idle
+            res.add(f"k{i}", placement.gpu_uuids, task.vram_mib, 0.0, [0.0])
+            view.refresh(res.release(f"k{i}"))
+        return out
+
+    assert rows_chosen({}, 6) == [0, 0, 0, 0, 0, 0]
+    assert rows_chosen({"spread": 0.05}, 6) == [0, 1, 2, 3, 4, 5]
+    # after a full round the least recently chosen comes first again
+    assert rows_chosen({"spread": 0.05}, 8)[6:] == [0, 1]

@@ -29,6 +29,7 @@ from scheduler.simulator import (
     Simulation,
     saturate,
     simulate,
+    policy_weights,
     simulate_main,
     trace_main,
 )
@@ -428,3 +429,20 @@ def test_cluster_convert_and_trace_convert_commands(tmp_path):
     assert trace_main(["trace", "convert", "openb", str(pods), str(trace), "--time-scale", "10"]) == 0
     assert trace.read_text().splitlines()[1] == "p0,0,9,1,6553.6,0.5,P0,inference"
     assert trace_main(["trace", "convert", "openb", str(tmp_path / "missing.csv"), str(trace)]) == 2
+
+
+def test_a_policy_label_carries_weights_and_spread_rotates_idle_gpus():
+    # One task at a time on 4 idle GPUs, each done before the next arrives:
+    # plain load_aware sends every one to the first GPU (ties go to the lowest
+    # row); "load_aware:spread=0.05" takes each GPU in turn.
+    tasks = [task(f"t{i}", 100.0 * i, 50.0, 1_000, share=0.5) for i in range(8)]
+    plain = run(tasks, homogeneous(1, 4), "load_aware")
+    spread = run(tasks, homogeneous(1, 4), "load_aware:spread=0.05")
+    assert spread.policy == "load_aware:spread=0.05" and figures(spread)["policy"] == "load_aware:spread=0.05"
+    assert np.count_nonzero(plain.gpu_mean_util) == 1
+    assert np.count_nonzero(spread.gpu_mean_util) == 4
+    assert [rec(spread, f"t{i}").first_start_s for i in range(8)] == [100.0 * i for i in range(8)]
+    assert figures(spread)["util_std"] < figures(plain)["util_std"]
+    assert policy_weights("load_aware:spread=0.05+jitter=0.2") == {"spread": 0.05, "jitter": 0.2}
+    with pytest.raises(ValueError, match="expected NAME:weight=value"):
+        policy_weights("load_aware:spread")
