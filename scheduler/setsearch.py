@@ -255,11 +255,16 @@ def _get():
     if _kernel is None and failure is None:
         with _lock:
             if _kernel is None and failure is None:
+                aot_error = ""
                 try:
-                    if not _load_aot():
-                        _compile()
+                    if _load_aot():
+                        return _kernel
+                except Exception as exc:  # e.g. built against another numpy: the JIT may still do
+                    aot_error = f"ahead-of-time build: {type(exc).__name__}: {exc}; "
+                try:
+                    _compile()
                 except Exception as exc:  # numba imports llvmlite, which needs W+X pages
-                    failure = f"{type(exc).__name__}: {exc}"
+                    failure = f"{aot_error}{type(exc).__name__}: {exc}"
     return _kernel
 
 

@@ -808,3 +808,24 @@ def test_load_aware_spread_rotates_equally_idle_gpus_and_is_off_by_default() -> 
     assert rows_chosen({"spread": 0.05}, 6) == [0, 1, 2, 3, 4, 5]
     # after a full round the least recently chosen comes first again
     assert rows_chosen({"spread": 0.05}, 8)[6:] == [0, 1]
+
+
+def test_a_broken_ahead_of_time_build_falls_back_to_the_jit(tmp_path) -> None:
+    """An extension that cannot load (say, built against another numpy) is
+    skipped for the JIT, not taken for a reason to give up on compiling."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from scheduler import setsearch
+
+    if not setsearch.available():
+        pytest.skip("numba is not installed")
+    (tmp_path / f"{setsearch.AOT_MODULE}.cpython-311-x86_64-linux-gnu.so").write_bytes(b"not an ELF file")
+    probe = "from scheduler import setsearch; print(setsearch.ready(), setsearch.mode, setsearch.failure)"
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, GPULB_AOT_DIR=str(tmp_path)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "jit", "None"]
