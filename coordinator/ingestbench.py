@@ -93,6 +93,27 @@ def _frame(seq: int, body: bytes) -> bytes:
     return b"\x12" + _varint(len(env)) + env
 
 
+def _register(h: int, gpus: int) -> bytes:
+    """Simulated host ``h``'s Register message (8 x RTX 4090 by default), serialized."""
+    from protos import telemetry_pb2 as pb
+
+    return pb.AgentMessage(
+        register=pb.Register(
+            node_id=f"bench-{h:05d}",
+            backend="sim",
+            gpus=[pb.GpuInfo(index=i, uuid=f"GPU-bench-{h}-{i}", model="NVIDIA GeForce RTX 4090", memory_total_mib=24564)
+                  for i in range(gpus)],
+        )
+    ).SerializeToString()
+
+
+def _heartbeat() -> bytes:
+    """What keeps a stream alive while the others open (after the keyframe, seq 1)."""
+    from protos import telemetry_pb2 as pb
+
+    return pb.AgentMessage(heartbeat=pb.Heartbeat(last_seq=1)).SerializeToString()
+
+
 async def _generate(target: str, hosts: int, gpus: int, interval: float, duration: float, channels: int, seed: int = 1) -> None:
     """The load generator. Phase 1 opens every stream (register, then the
     keyframe) and waits for each stream's RegisterAck, so the coordinator's
@@ -104,8 +125,6 @@ async def _generate(target: str, hosts: int, gpus: int, interval: float, duratio
     import random
 
     import grpc
-
-    from protos import telemetry_pb2 as pb
 
     templates = _templates(gpus, 8)
     chans = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(channels)]
@@ -119,15 +138,8 @@ async def _generate(target: str, hosts: int, gpus: int, interval: float, duratio
         async with opening:
             ch = chans[h % channels]
             call = ch.stream_stream("/gpulb.v1.AgentGateway/Connect", request_serializer=identity, response_deserializer=identity)()
-            reg = pb.AgentMessage(
-                register=pb.Register(
-                    node_id=f"bench-{h:05d}",
-                    backend="sim",
-                    gpus=[pb.GpuInfo(index=i, uuid=f"GPU-bench-{h}-{i}", model="NVIDIA GeForce RTX 4090", memory_total_mib=24564) for i in range(gpus)],
-                )
-            )
             try:
-                await call.write(reg.SerializeToString())
+                await call.write(_register(h, gpus))
                 await call.write(_frame(1, templates[h % len(templates)][0]))  # the keyframe
                 await call.read()  # the RegisterAck: the coordinator's handler runs
                 calls[h] = call
@@ -168,7 +180,7 @@ async def _generate(target: str, hosts: int, gpus: int, interval: float, duratio
             failures.append(f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}")
 
     async def connected() -> None:
-        heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat(last_seq=1)).SerializeToString()
+        heartbeat = _heartbeat()
         last_beat = time.monotonic()
         while sum(c is not None for c in calls) + len(failures) < hosts:
             await asyncio.sleep(0.1)
@@ -373,8 +385,6 @@ async def _generate_h2(target: str, hosts: int, gpus: int, interval: float, dura
     its connection in one write."""
     import random
 
-    from protos import telemetry_pb2 as pb
-
     loop = asyncio.get_running_loop()
     templates = _templates(gpus, 8)
     host_name, _, port = target.rpartition(":")
@@ -390,14 +400,7 @@ async def _generate_h2(target: str, hosts: int, gpus: int, interval: float, dura
     async def connect(h: int) -> None:
         async with opening:
             conn = conns[h % connections]
-            reg = pb.AgentMessage(
-                register=pb.Register(
-                    node_id=f"bench-{h:05d}",
-                    backend="sim",
-                    gpus=[pb.GpuInfo(index=i, uuid=f"GPU-bench-{h}-{i}", model="NVIDIA GeForce RTX 4090", memory_total_mib=24564) for i in range(gpus)],
-                )
-            )
-            sid, answered = conn.open_stream([reg.SerializeToString(), _frame(1, templates[h % len(templates)][0])])
+            sid, answered = conn.open_stream([_register(h, gpus), _frame(1, templates[h % len(templates)][0])])
             conn.flush()
             try:
                 await asyncio.wait_for(answered, 60)  # the RegisterAck: the coordinator's handler runs
@@ -405,7 +408,7 @@ async def _generate_h2(target: str, hosts: int, gpus: int, interval: float, dura
             except Exception as exc:
                 failures.append(f"{type(exc).__name__}: {exc}")
 
-    heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat(last_seq=1)).SerializeToString()
+    heartbeat = _heartbeat()
 
     async def keep_alive() -> None:
         while True:  # streams that wait for the others stay alive

@@ -142,7 +142,7 @@ class Policy(ABC):
             return None
         width = view.uniform_width
         if 0 < width <= _MAX_RANK:
-            if spec.num_gpus <= setsearch.MAX_K and setsearch.ready():
+            if _compiled_set_search(spec):
                 # every node in one compiled loop: 2x cheaper than the numpy
                 # paths below where scores tie (bounds prune little there); where
                 # they prune well (random readings, 5,000 nodes) ~20 % dearer at
@@ -291,7 +291,7 @@ class Policy(ABC):
         """Best k-set on one node (see module docstring)."""
         width = view.uniform_width
         if 0 < width <= _MAX_RANK:
-            if spec.num_gpus <= setsearch.MAX_K and setsearch.ready():
+            if _compiled_set_search(spec):
                 return self._choose_set_compiled(view, spec, candidates, scores, width)
             return self._choose_set_uniform(view, spec, candidates, scores, width)
         return self._choose_set_general(view, spec, candidates, scores)
@@ -852,6 +852,11 @@ def _bits(mask: int) -> list[int]:
         out.append(low.bit_length() - 1)
         mask ^= low
     return out
+
+
+def _compiled_set_search(spec: TaskSpec) -> bool:
+    """Whether ``spec``'s set choice runs in ``scheduler.setsearch`` (loaded, and k it covers)."""
+    return spec.num_gpus <= setsearch.MAX_K and setsearch.ready()
 
 
 def _best_linked_pair(

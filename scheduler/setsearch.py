@@ -102,10 +102,16 @@ def ready() -> bool:
     return available() and _get() is not None
 
 
-# The plain functions below are compiled by ``_get``; the kernel calls the
-# helpers through these module globals, bound to their compiled versions then.
+# The plain functions below are compiled by ``_compile`` or ``build_aot``; the
+# kernel calls the helpers through these module globals, bound by ``_bind_helpers``.
 _popcount_jit = None
 _lowest_rank_jit = None
+
+
+def _bind_helpers(compile_fn) -> None:
+    global _popcount_jit, _lowest_rank_jit
+    _popcount_jit = compile_fn(_popcount)
+    _lowest_rank_jit = compile_fn(_lowest_rank)
 
 
 def _popcount(x):
@@ -284,7 +290,7 @@ def _load_aot() -> bool:
 
 
 def _compile() -> None:
-    global _kernel, _compile_s, _popcount_jit, _lowest_rank_jit, mode
+    global _kernel, _compile_s, mode
     if not _have_numba:
         raise ImportError("numba is not installed and there is no ahead-of-time build")
     import numba
@@ -297,8 +303,7 @@ def _compile() -> None:
         except Exception:  # no writable cache location: compile in memory
             return numba.njit(cache=False, nogil=True)(fn)
 
-    _popcount_jit = jit(_popcount)
-    _lowest_rank_jit = jit(_lowest_rank)
+    _bind_helpers(jit)
     kernel = jit(_kernel_py)
     # compile now, on a one-node fleet, rather than in a decision
     kernel(np.zeros(2), np.ones(2, dtype=np.bool_), np.zeros(2, dtype=np.int64),
@@ -314,7 +319,6 @@ _SIGNATURE = "Tuple((f8, i8[:], f8, i8))(f8[:], b1[:], i8[:], i8[:], b1[:], i8, 
 def build_aot(out_dir: str | os.PathLike[str] | None = None) -> Path:
     """Compile the kernel ahead of time into ``out_dir`` (default ``aot_dir()``)
     as ``AOT_MODULE``; needs numba and a C compiler. Returns the file."""
-    global _popcount_jit, _lowest_rank_jit
     import warnings
 
     import numba
@@ -325,8 +329,7 @@ def build_aot(out_dir: str | os.PathLike[str] | None = None) -> Path:
 
     out = Path(out_dir) if out_dir is not None else aot_dir()
     out.mkdir(parents=True, exist_ok=True)
-    _popcount_jit = numba.njit(_popcount)
-    _lowest_rank_jit = numba.njit(_lowest_rank)
+    _bind_helpers(numba.njit)
     cc = CC(AOT_MODULE)
     cc.output_dir = str(out)
     cc.verbose = False
