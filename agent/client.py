@@ -395,6 +395,7 @@ class Agent:
                         kind=kinds.get(event.kind, pb.TASK_EVENT_KIND_UNSPECIFIED),
                         at_ns=self.wall_ns(),
                         detail=event.detail,
+                        peak_vram_mib=getattr(event, "peak_vram_mib", 0.0),
                     )
                 )
             )

@@ -77,6 +77,9 @@ class SimTaskEvent:
     task_id: str
     kind: TaskEventKind
     detail: str = ""
+    # MiB: finished, the most the task used on one GPU; oom_killed, the use
+    # that killed it; 0 unknown (the coordinator learns memory growth from it)
+    peak_vram_mib: float = 0.0
 
 
 @dataclass(slots=True)
@@ -307,6 +310,7 @@ class SimBackend:
                         task_id,
                         "oom_killed",
                         f"GPU {g}: needs {vram_mib} MiB, {self._total_mib - used} MiB free",
+                        float(vram_mib),
                     )
                 )
                 return
@@ -394,7 +398,10 @@ class SimBackend:
             key=lambda x: (x.ends_s, x.seq),
         ):
             del self._tasks[task.task_id]
-            self._events.append(SimTaskEvent(task.task_id, "finished", f"after {task.ends_s - task.started_s:g} s"))
+            # a simulated task holds its ask from start to end: that is its peak
+            self._events.append(
+                SimTaskEvent(task.task_id, "finished", f"after {task.ends_s - task.started_s:g} s", float(task.vram_mib))
+            )
 
         for g in range(self._n):
             used = self._load_at(g, now).vram_mib
@@ -405,7 +412,10 @@ class SimBackend:
                 newest = max(victims, key=lambda x: x.seq)
                 del self._tasks[newest.task_id]
                 self._events.append(
-                    SimTaskEvent(newest.task_id, "oom_killed", f"GPU {g}: {used} MiB used of {self._total_mib} MiB")
+                    SimTaskEvent(
+                        newest.task_id, "oom_killed", f"GPU {g}: {used} MiB used of {self._total_mib} MiB",
+                        float(newest.vram_mib),
+                    )
                 )
                 used = self._load_at(g, now).vram_mib
 

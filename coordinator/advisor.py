@@ -1,12 +1,16 @@
 """The advisor inside the coordinator: speed prediction from completed tasks,
-the periodic rebalance advisor, its optional command hook, its metrics, and
+memory growth from ended ones, the periodic rebalance advisor, its optional command hook, its metrics, and
 the thin ``gpulb.v1.Advisor`` servicer.
 
-``AdvisorRuntime`` owns a ``SpeedPredictor`` and an ``Advisor`` and reads the
+``AdvisorRuntime`` owns a ``SpeedPredictor``, a ``MemoryGrowth`` and an
+``Advisor`` and reads the
 cluster through three callables (the snapshot, the leased tasks, the live
 reservations), so it runs on the coordinator's event loop without touching
 its internals and tests drive it with fakes. It learns from completions
-through ``on_task_change`` (a scheduler listener), evaluates the advisor every
+through ``on_task_change`` (a scheduler listener): run times for the
+predictor, and peak GPU memory (reported by the agent's task event or the
+client's CompleteTask, ``note_peak_memory``) for memory growth, from tasks
+that completed or failed; ``annotate`` hands both to the scheduler's scores. It evaluates the advisor every
 ``interval_s`` (``start``/``stop``), publishes plans to watchers and, when
 configured, hands each plan to a ``CommandHook``.
 
@@ -24,7 +28,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import grpc
@@ -35,6 +39,7 @@ from protos import advisor_pb2 as apb
 from protos import advisor_pb2_grpc as apb_grpc
 from scheduler.advisor import Advisor, AdvisorConfig, Move, Plan, Trigger
 from scheduler.config import SchedulerConfig
+from scheduler.memgrowth import MemoryGrowth, MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
 from scheduler.reservations import Reservations
 from scheduler.snapshot import ClusterSnapshot
@@ -60,6 +65,8 @@ ADVISOR_METRIC_NAMES = (
     "gpulb_predictor_mape_ratio",
     "gpulb_predictor_completions_total",
     "gpulb_predictor_slowdown_ratio",
+    "gpulb_memory_growth_ratio",
+    "gpulb_memory_growth_samples",
     "gpulb_gpu_utilization_variance",
     "gpulb_rebalance_plans_total",
     "gpulb_rebalance_moves_total",
@@ -141,6 +148,7 @@ class AdvisorRuntime:
         queued: Callable[[], int] | None = None,
         advisor_config: AdvisorConfig | None = None,
         predictor_config: PredictorConfig | None = None,
+        growth_config: MemoryGrowthConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         interval_s: float = 30.0,
         hook: CommandHook | None = None,
@@ -162,6 +170,9 @@ class AdvisorRuntime:
             unix_ns = lambda s: int(s * 1e9) + offset  # noqa: E731
         self.unix_ns = unix_ns
         self.predictor = SpeedPredictor(config=predictor_config)
+        self.growth = MemoryGrowth(growth_config)
+        self._peaks: dict[str, tuple[float, bool]] = {}  # task id -> (peak MiB, killed for memory) reported
+        self._grown: tuple | None = None  # (annotated snapshot, growth tables, snapshot carrying both)
         self.advisor = Advisor(advisor_config, scheduler_config)
         self.interval_s = float(interval_s)
         self.hook = hook
@@ -244,10 +255,23 @@ class AdvisorRuntime:
         last = self._columns_at
         if last is not None and last[0] is snapshot and now - last[1] < self.columns_refresh_s:
             return last[2]
-        annotated = self.predictor.annotate(snapshot)
+        annotated = self._with_growth(self.predictor.annotate(snapshot))
         if last is None or last[0] is not snapshot or annotated is not last[2]:
             self._columns_at = (snapshot, now, annotated)
         return annotated
+
+    def _with_growth(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
+        """``snapshot`` carrying the learned memory growth (the same object for
+        the same snapshot and tables)."""
+        tables = self.growth.tables()
+        if snapshot.memory_growth is tables or (not tables and not snapshot.memory_growth):
+            return snapshot
+        last = self._grown
+        if last is not None and last[0] is snapshot and last[1] is tables:
+            return last[2]
+        grown = replace(snapshot, memory_growth=tables)
+        self._grown = (snapshot, tables, grown)
+        return grown
 
     # ---- learning from completions ------------------------------------------------------------
     def task_started(self, task_id: str) -> None:
@@ -259,13 +283,26 @@ class AdvisorRuntime:
         if isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0:
             self._actual[task_id] = float(actual_s)
 
+    def note_peak_memory(self, task_id: str, peak_mib: float, *, oom_killed: bool = False) -> None:
+        """The agent (task event) or the client (CompleteTask) reported the most
+        GPU memory the task used; learned from when the task ends."""
+        if isinstance(peak_mib, (int, float)) and math.isfinite(peak_mib) and peak_mib > 0:
+            self._peaks[task_id] = (float(peak_mib), bool(oom_killed))
+
     def on_task_change(self, task: Task) -> None:
         """Scheduler listener: learn from every COMPLETED task that says how long
-        it was expected to run (``spec.duration_s``)."""
+        it was expected to run (``spec.duration_s``), and from every ended task
+        whose peak memory was reported."""
         if not task.terminal:
             return
         started = self._started.pop(task.task_id, None)
         actual = self._actual.pop(task.task_id, None)
+        peak = self._peaks.pop(task.task_id, None)
+        if peak is not None and task.state in (TaskState.COMPLETED, TaskState.FAILED):
+            ratio = self.growth.observe(task.spec.kind, task.spec.vram_mib, peak[0], oom_killed=peak[1])
+            if ratio is not None:
+                log.debug("memory_growth_learned", task_id=task.task_id, kind=task.spec.kind,
+                          asked_mib=task.spec.vram_mib, peak_mib=peak[0], ratio=round(ratio, 4), oom_killed=peak[1])
         a = task.assignment
         if task.state != TaskState.COMPLETED or a is None or task.spec.duration_s <= 0:
             return
@@ -404,6 +441,22 @@ class _AdvisorCollector:
         for f in models:
             slowdown.add_metric([f.model, f.kind], f.factor)
         yield slowdown
+        growth = GaugeMetricFamily(
+            "gpulb_memory_growth_ratio",
+            "Peak over asked GPU memory of recently ended tasks, per task kind (empty = every kind) and quantile",
+            labels=["kind", "quantile"],
+        )
+        held = GaugeMetricFamily(
+            "gpulb_memory_growth_samples",
+            "Peak/asked memory ratios held per task kind (empty = every kind); the oom_risk score uses a kind's from min_samples on",
+            labels=["kind"],
+        )
+        for g in r.growth.stats():
+            held.add_metric([g.kind], g.samples)
+            for quantile, value in (("0.5", g.p50), ("0.95", g.p95), ("0.99", g.p99), ("1", g.max)):
+                growth.add_metric([g.kind, quantile], value)
+        yield growth
+        yield held
         variance = GaugeMetricFamily(
             "gpulb_gpu_utilization_variance",
             "Variance of GPU utilisation across GPUs at the last advisor evaluation (ratio squared; 0.04 = 400 %²)",
@@ -504,6 +557,12 @@ class AdvisorService(apb_grpc.AdvisorServicer):
             mape_ratio=p.mape(),
             samples=p.samples,
             error_window=p.config.error_window,
+            memory_growth=[
+                apb.MemoryGrowth(kind=g.kind, samples=g.samples, oom_kills=g.oom_kills, p50=g.p50, p95=g.p95,
+                                 p99=g.p99, max=g.max)
+                for g in self.r.growth.stats()
+                if not request.kind or g.kind in ("", request.kind)
+            ],
         )
 
     async def GetPlan(self, request: apb.GetPlanRequest, context) -> apb.GetPlanResponse:

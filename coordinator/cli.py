@@ -433,6 +433,11 @@ def cmd_advisor(args: argparse.Namespace) -> int:
             if got.nodes:
                 print(render_table(["NODE", "RESIDUAL", "SAMPLES", "MAPE"],
                                    [[n.node_id, f"{n.residual:.3f}", n.samples, _ratio_pct(n.mape_ratio)] for n in got.nodes]))
+            if got.memory_growth:
+                print("GPU memory used at peak / asked (vram_mib), from ended tasks; the oom_risk score reads it")
+                print(render_table(["KIND", "SAMPLES", "OOM KILLS", "P50", "P95", "P99", "MAX"],
+                                   [[g.kind or "(all)", g.samples, g.oom_kills, f"{g.p50:.3f}", f"{g.p95:.3f}",
+                                     f"{g.p99:.3f}", f"{g.max:.3f}"] for g in got.memory_growth]))
             return 0
         if args.action == "watch":
             for plan in stub.WatchPlans(apb.WatchPlansRequest(include_latest=True)):
@@ -571,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch", help="follow a task's state changes until it ends")
     watch.add_argument("task")
 
-    advisor = sub.add_parser("advisor", help="learned GPU speeds and rebalance plans (predictions | plan | watch)")
+    advisor = sub.add_parser("advisor", help="learned GPU speeds and memory growth, rebalance plans (predictions | plan | watch)")
     advisor.add_argument("action", choices=("predictions", "plan", "watch"))
     advisor.add_argument("--now", action="store_true", help="plan: evaluate the cluster now (a dry run that moves nothing)")
     advisor.add_argument("--model", help="predictions: only this GPU model")

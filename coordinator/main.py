@@ -79,6 +79,7 @@ class _Daemon:
         self.coordinator = Coordinator(
             cfg, settings.scheduler, security=security, store=store,
             advisor_config=settings.advisor, predictor_config=settings.predictor,
+            growth_config=settings.memory_growth,
         )
         self.stop_requested = asyncio.Event()
         self._status_task: asyncio.Task | None = None

@@ -15,6 +15,7 @@ gives way to real readings quickly.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -260,6 +261,10 @@ class Dispatcher:
             self.snapshots.facts_changed()
         elif event.kind in (pb.TASK_EVENT_KIND_FINISHED, pb.TASK_EVENT_KIND_FAILED, pb.TASK_EVENT_KIND_OOM_KILLED):
             failed = event.kind != pb.TASK_EVENT_KIND_FINISHED
+            if event.peak_vram_mib and event.kind != pb.TASK_EVENT_KIND_FAILED:
+                self.c.advisor.note_peak_memory(
+                    task.task_id, event.peak_vram_mib, oom_killed=event.kind == pb.TASK_EVENT_KIND_OOM_KILLED
+                )
             self.engine.complete(task.task_id, a.lease_id, failed=failed)
             if event.kind == pb.TASK_EVENT_KIND_OOM_KILLED:
                 self.oom_kills += 1
@@ -480,8 +485,14 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
     async def CompleteTask(self, request: tpb.CompleteTaskRequest, context) -> tpb.CompleteTaskResponse:
         identity = self.c.authorize(context, admin=False)
         await self._owned(identity, request.task_id, context)
+        for name in ("actual_duration_s", "peak_vram_mib"):
+            value = getattr(request, name)
+            if not (math.isfinite(value) and value >= 0):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must be a finite number >= 0 (0 = unknown), got {value!r}")
         if request.actual_duration_s:
             self.c.advisor.note_actual_duration(request.task_id, request.actual_duration_s)
+        if request.peak_vram_mib:
+            self.c.advisor.note_peak_memory(request.task_id, request.peak_vram_mib, oom_killed=False)
         try:
             task = self.d.engine.complete(request.task_id, request.lease_id, failed=request.failed)
         except SchedulerError as exc:

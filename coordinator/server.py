@@ -41,6 +41,7 @@ from protos.codec import DecodeResult
 from scheduler import setsearch
 from scheduler.advisor import AdvisorConfig
 from scheduler.config import SchedulerConfig
+from scheduler.memgrowth import MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig
 from scheduler.task import TaskState
 
@@ -85,9 +86,10 @@ class Coordinator:
         store: TaskStore | None = None,
         advisor_config: AdvisorConfig | None = None,
         predictor_config: PredictorConfig | None = None,
+        growth_config: MemoryGrowthConfig | None = None,
     ) -> None:
-        """``advisor_config`` and ``predictor_config`` are the ``[advisor]`` and
-        ``[predictor]`` tables (defaults when None). ``security`` defaults to insecure mode (tests, embedding; logged);
+        """``advisor_config``, ``predictor_config`` and ``growth_config`` are the
+        ``[advisor]``, ``[predictor]`` and ``[memory_growth]`` tables (defaults when None). ``security`` defaults to insecure mode (tests, embedding; logged);
         the daemon builds it from the configuration. ``store`` (durable task
         state) is optional: without it tasks live in memory only."""
         self.config = cfg = config or CoordinatorConfig()
@@ -115,6 +117,7 @@ class Coordinator:
             scheduler_config=engine.config,
             advisor_config=advisor_config,
             predictor_config=predictor_config,
+            growth_config=growth_config,
             interval_s=cfg.advisor_interval_s,
             hook=CommandHook(shlex.split(cfg.advisor_hook), timeout_s=cfg.advisor_hook_timeout_s) if cfg.advisor_hook else None,
             unix_ns=self.dispatcher.wall.ns,
@@ -126,7 +129,7 @@ class Coordinator:
         if self.security.quota is not None:
             self.dispatcher.engine.add_listener(self.security.quota.changed)
         self.store = store
-        self._learned_version: int | None = None  # predictor version last saved or restored
+        self._learned_versions: dict[str, int] = {}  # learner name -> version last saved or restored
         self.state_writer: GroupCommitter | None = None
         self._background: list[asyncio.Task] = []
         self.agent_port: int | None = None
@@ -257,33 +260,40 @@ class Coordinator:
                 log.warning("restored_node_absent", node_id=node_id, grace_s=grace_s)
                 self.dispatcher.node_removed(node_id)
 
-    # What the predictor learned survives restarts: a coordinator that forgot
+    # What the learners learned survives restarts: a coordinator that forgot
     # every GPU's measured speed would place latency-sensitive work by the
-    # cluster file's priors again until enough tasks completed.
+    # cluster file's priors again until enough tasks completed, and one that
+    # forgot how far tasks outgrow their asks would risk OOM kills it had
+    # learned to avoid.
     _LEARNED_SAVE_S = 10.0
 
+    def _learners(self) -> tuple[tuple[str, object], ...]:
+        """(name in the state store, learner): each has version, samples,
+        to_state and load_state."""
+        return (("predictor", self.advisor.predictor), ("memory_growth", self.advisor.growth))
+
     def _restore_learned(self) -> None:
-        predictor = self.advisor.predictor
-        try:
-            state = self.store.load_learned("predictor")
-            if state is not None:
-                predictor.load_state(state)
-                log.info("predictor_restored", completions=predictor.samples, models=len(predictor.stats()[0]))
-        except (ValueError, StateError) as exc:  # a bad copy costs the learning, not the start
-            log.warning("predictor_state_unreadable", error=str(exc), kept="priors")
-        self._learned_version = predictor.version
+        for name, learner in self._learners():
+            try:
+                state = self.store.load_learned(name)
+                if state is not None:
+                    learner.load_state(state)
+                    log.info(f"{name}_restored", samples=learner.samples)
+            except (ValueError, StateError) as exc:  # a bad copy costs the learning, not the start
+                log.warning(f"{name}_state_unreadable", error=str(exc), kept="priors")
+            self._learned_versions[name] = learner.version
 
     def _save_learned(self) -> None:
-        """Store the predictor's state if it learned since the last save."""
-        predictor = self.advisor.predictor
-        if predictor.version == self._learned_version:
-            return
-        version = predictor.version
-        try:
-            self.store.save_learned("predictor", predictor.to_state())
-            self._learned_version = version
-        except Exception:
-            log.exception("predictor_save_failed")
+        """Store each learner's state if it learned since its last save."""
+        for name, learner in self._learners():
+            version = learner.version
+            if version == self._learned_versions.get(name):
+                continue
+            try:
+                self.store.save_learned(name, learner.to_state())
+                self._learned_versions[name] = version
+            except Exception:
+                log.exception(f"{name}_save_failed")
 
     async def _save_learned_loop(self) -> None:
         # at most _LEARNED_SAVE_S of completions are relearned after a crash

@@ -4,8 +4,9 @@ flags, merged over the dataclass defaults and validated before anything starts.
 Precedence is defaults < file < environment < flags. The file has a
 ``[coordinator]`` table (``coordinator.config.CoordinatorConfig``), a
 ``[scheduler]`` table (``scheduler.config.SchedulerConfig``), an ``[advisor]``
-table (the rebalance advisor's thresholds, ``scheduler.advisor.AdvisorConfig``)
-and a ``[predictor]`` table (``scheduler.predictor.PredictorConfig``); the
+table (the rebalance advisor's thresholds, ``scheduler.advisor.AdvisorConfig``),
+a ``[predictor]`` table (``scheduler.predictor.PredictorConfig``) and a
+``[memory_growth]`` table (``scheduler.memgrowth.MemoryGrowthConfig``); the
 environment uses ``GPULB_<OPTION>`` and ``GPULB_<TABLE>_<OPTION>`` for the
 others; flags exist for the coordinator's options. Everything is derived by walking the dataclasses'
 fields, so a field added there is configurable, documented in
@@ -38,6 +39,7 @@ from scheduler.advisor import AdvisorConfig
 from scheduler.config import SchedulerConfig
 from scheduler.errors import InvalidArgument, InvalidWeight, UnknownPolicy
 from scheduler.policies import POLICIES, make_policy
+from scheduler.memgrowth import MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig
 
 __all__ = [
@@ -102,6 +104,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("scheduler", SchedulerConfig, "GPULB_SCHEDULER_", flags=False),
     Section("advisor", AdvisorConfig, "GPULB_ADVISOR_", flags=False),
     Section("predictor", PredictorConfig, "GPULB_PREDICTOR_", flags=False),
+    Section("memory_growth", MemoryGrowthConfig, "GPULB_MEMORY_GROWTH_", flags=False),
 )
 
 
@@ -386,6 +389,7 @@ class Settings:
     scheduler: SchedulerConfig
     advisor: AdvisorConfig
     predictor: PredictorConfig
+    memory_growth: MemoryGrowthConfig
     #: ``section.option`` -> ``default`` | ``file:/path`` | ``env:GPULB_X`` | ``flag``
     sources: Mapping[str, str]
     config_path: str | None = None
@@ -683,7 +687,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     Flags default to None (not given), so ``flag_overrides(args)`` passes on
     only what was typed and the file and environment keep the rest.
     """
-    parser.add_argument("--config", metavar="FILE", help="TOML configuration file ([coordinator], [scheduler], [advisor], [predictor] tables)")
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration file ([coordinator], [scheduler], [advisor], [predictor], [memory_growth] tables)")
     parser.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
     for section in SECTIONS:
         if not section.flags:

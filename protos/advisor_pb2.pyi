@@ -45,18 +45,38 @@ class NodeFactor(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., residual: _Optional[float] = ..., samples: _Optional[int] = ..., mape_ratio: _Optional[float] = ...) -> None: ...
 
 class GetPredictionsResponse(_message.Message):
-    __slots__ = ("models", "nodes", "mape_ratio", "samples", "error_window")
+    __slots__ = ("models", "nodes", "mape_ratio", "samples", "error_window", "memory_growth")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     MAPE_RATIO_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ERROR_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_GROWTH_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[SpeedFactor]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeFactor]
     mape_ratio: float
     samples: int
     error_window: int
-    def __init__(self, models: _Optional[_Iterable[_Union[SpeedFactor, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeFactor, _Mapping]]] = ..., mape_ratio: _Optional[float] = ..., samples: _Optional[int] = ..., error_window: _Optional[int] = ...) -> None: ...
+    memory_growth: _containers.RepeatedCompositeFieldContainer[MemoryGrowth]
+    def __init__(self, models: _Optional[_Iterable[_Union[SpeedFactor, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeFactor, _Mapping]]] = ..., mape_ratio: _Optional[float] = ..., samples: _Optional[int] = ..., error_window: _Optional[int] = ..., memory_growth: _Optional[_Iterable[_Union[MemoryGrowth, _Mapping]]] = ...) -> None: ...
+
+class MemoryGrowth(_message.Message):
+    __slots__ = ("kind", "samples", "oom_kills", "p50", "p95", "p99", "max")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLS_FIELD_NUMBER: _ClassVar[int]
+    P50_FIELD_NUMBER: _ClassVar[int]
+    P95_FIELD_NUMBER: _ClassVar[int]
+    P99_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    samples: int
+    oom_kills: int
+    p50: float
+    p95: float
+    p99: float
+    max: float
+    def __init__(self, kind: _Optional[str] = ..., samples: _Optional[int] = ..., oom_kills: _Optional[int] = ..., p50: _Optional[float] = ..., p95: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class Migration(_message.Message):
     __slots__ = ("task_id", "lease_id", "kind", "from_node_id", "from_gpu_index", "from_gpu_uuid", "to_node_id", "to_gpu_index", "to_gpu_uuid", "load_pct", "from_util_pct", "to_util_pct", "variance_after")

@@ -224,16 +224,18 @@ class Heartbeat(_message.Message):
     def __init__(self, sent_at_ns: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
 class TaskEvent(_message.Message):
-    __slots__ = ("task_id", "kind", "at_ns", "detail")
+    __slots__ = ("task_id", "kind", "at_ns", "detail", "peak_vram_mib")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     AT_NS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PEAK_VRAM_MIB_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     kind: TaskEventKind
     at_ns: int
     detail: str
-    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskEventKind, str]] = ..., at_ns: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    peak_vram_mib: float
+    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskEventKind, str]] = ..., at_ns: _Optional[int] = ..., detail: _Optional[str] = ..., peak_vram_mib: _Optional[float] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("register", "telemetry", "heartbeat", "task_event")

@@ -12,6 +12,7 @@ with like. The load-aware score of GPU g on a fresh node::
          - w_preferred_labels * F(node(g))
          + w_completion       * C(g)             (only with predicted slowdowns)
          + w_spread           * R(g)             (the policy's placement history)
+         + w_oom_risk         * O(g)             (only with learned memory growth)
 
     P(x)  = clip((x - warn) / (reject - warn), 0, 1)   warn 70 %, reject 85 %
     T(t)  = clip((t - 60 °C) / (85 °C - 60 °C), 0, 1)  (NaN -> 1)
@@ -26,6 +27,14 @@ alone; ``slowdown`` is the snapshot's learned column for the task's kind
 finishes the task soonest wins. A snapshot without slowdowns has no such term.
 (It is computed as ``w_completion - (w_completion * fastest / slowdown_g) /
 stretch_g`` with the first product cached per view: equal up to rounding.)
+
+``O(g)`` (``scheduler.memgrowth.oom_risk``) is the share of the peak-over-ask
+memory ratios learned from ended tasks of the task's kind for which ``vram *
+r`` would exceed the GPU's free memory ``total - committed``: the empirical
+chance that the task outgrows that GPU and is killed. 0 where even the largest
+learned growth fits; a snapshot without learned growth has no such term. On
+the openb replays it is what keeps whole-GPU tasks (13,107 MiB asks) off the
+16 GiB cards while 24 and 80 GiB ones are free (README, "Out-of-memory kills").
 
 ``R(g) = max(0, 1 - (placements since g was last chosen) / GPUs)``: 1 on
 the GPU just chosen, 0 on one not chosen in the last G placements (or ever).
@@ -55,10 +64,12 @@ GPUs win ties (and win outright unless they are loaded beyond ``w_stale``).
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
+from scheduler.memgrowth import oom_risk, table_for
 from scheduler.predictor import ANY_KIND
 from scheduler.task import TaskSpec
 
@@ -89,6 +100,7 @@ LOAD_AWARE_WEIGHTS: Mapping[str, float] = {
     "stale": 1.0,
     "nvlink": 0.5,  # bonus for a fully NVLink-connected multi-GPU set (see policies)
     "spread": 0.0,  # > 0: recently chosen GPUs yield to equally good others (R above; off by default)
+    "oom_risk": 2.0,  # learned chance of outgrowing the GPU's free memory (O above); needs learned growth
 }
 
 
@@ -209,6 +221,11 @@ def load_aware_scores(
     np.maximum(pressure, 0.0, out=pressure)
     np.minimum(pressure, w["memory"], out=pressure)
     score += pressure
+    table = _growth_table(view, spec, w["oom_risk"])
+    if table is not None:
+        risk = oom_risk(take(view.headroom), spec.vram_mib, table)
+        risk *= w["oom_risk"]
+        score += risk
     score += take(_static(view, w))
     if w_jitter:
         jitter = view.derived(("load_aware.jitter", w_jitter), lambda v, r: _weighted_active(v, r, w_jitter))
@@ -228,6 +245,15 @@ def load_aware_scores(
         stale = w["stale"] * (1.0 + view.stale_busy)
         score = np.where(take(view.stale), stale[take(view.node)], score)
     return score
+
+
+def _growth_table(view: PlacementView, spec: TaskSpec, weight: float) -> np.ndarray | None:
+    """The learned growth ratios the ``oom_risk`` term uses for ``spec``, or
+    None when the term is off (no weight, no ask, nothing learned)."""
+    growth = view.snapshot.memory_growth
+    if not growth or not weight or spec.vram_mib <= 0:
+        return None
+    return table_for(growth, spec.kind)
 
 
 def _completion_floor(view: PlacementView, kind: str, weight: float) -> np.ndarray | None:
@@ -335,6 +361,9 @@ def load_aware_terms(
         names.append("completion")
     if spread is not None:
         names.append("spread")
+    table = _growth_table(view, spec, w["oom_risk"])
+    if table is not None:
+        names.append("oom_risk")
     w_load, w_memory, w_temp, w_jitter, w_rt = (w[n] for n in names[:5])
     share_pct = 100.0 * spec.gpu_share
     totals: list[float] | None = None  # per name, summed over the fresh rows in order
@@ -360,6 +389,10 @@ def load_aware_terms(
             values.append(w["completion"] - float(speed[r]) / max(1.0, (load + share_pct) / 100.0))
         if spread is not None:
             values.append(float(spread[r]))
+        if table is not None:
+            n = table.shape[0]
+            fits = bisect.bisect_right(table, float(view.headroom[r]) / spec.vram_mib)
+            values.append(w["oom_risk"] * ((n - fits) / n))
         totals = values if totals is None else [t + v for t, v in zip(totals, values)]
     count = len(rows)
     out = {} if totals is None else {name: total / count for name, total in zip(names, totals)}

@@ -156,6 +156,32 @@ def test_annotate_gives_the_scheduler_slowdown_columns():
     assert fresh is not snap and fresh.gpu_slowdown["training"][4] < 1 / 0.12
 
 
+def test_annotate_carries_learned_memory_growth_once_there_is_enough():
+    from scheduler.memgrowth import MemoryGrowthConfig
+
+    c = Cluster()
+    rt = runtime_for(c, growth_config=MemoryGrowthConfig(min_samples=2))
+    t = c.place("first", "rtx-a")
+    rt.note_peak_memory("first", 3_000.0)  # asked 2,000
+    c.engine.complete(t.task_id, t.assignment.lease_id)
+    assert not rt.annotate(c.snap).memory_growth  # one ratio: not enough
+    # a failed task's peak counts too (the use that killed it); a cancelled one's would not
+    t = c.place("second", "rtx-b")
+    rt.note_peak_memory("second", 5_000.0, oom_killed=True)
+    c.engine.complete(t.task_id, t.assignment.lease_id, failed=True)
+    t = c.place("third", "rtx-b")
+    rt.note_peak_memory("third", 9_000.0)
+    c.engine.cancel(t.task_id, "user")
+    c.now += 1.0
+    snap = rt.annotate(c.snap)
+    assert snap.memory_growth[""].tolist() == [1.5, 2.5]
+    assert snap.memory_growth["training"].tolist() == [1.5, 2.5]
+    assert snap.gpu_slowdown  # the predictor's columns are still there
+    c.now += 1.0
+    assert rt.annotate(c.snap) is snap  # nothing learned since: the same object
+    assert [g.oom_kills for g in rt.growth.stats()] == [1, 1]
+
+
 # ---- plans -------------------------------------------------------------------------------------------
 
 
@@ -357,6 +383,78 @@ async def test_through_a_real_coordinator_completions_teach_the_predictor(capsys
         assert "gpulb_predictor_completions_total 1.0" in text and "gpulb_gpu_utilization_variance" in text
     finally:
         await coord.stop(0)
+
+
+async def test_through_a_real_coordinator_peaks_teach_memory_growth(capsys, tmp_path):
+    """The agent's task events and the client's CompleteTask both report peak
+    memory; a bad report is refused by name and loses nothing; what was
+    learned reaches GetPredictions, the CLI, the metrics, the scheduler's
+    snapshot, and survives a restart."""
+    from agent.fleet import SimFleet
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+    from protos import tasks_pb2 as tpb
+    from protos import tasks_pb2_grpc as tpb_grpc
+    from waiting import until
+
+    from coordinator.state import open_state_dir
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1), store=open_state_dir(tmp_path))
+    port = await coord.start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=2, workload="idle"):
+            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                sched = tpb_grpc.SchedulerStub(ch)
+                advisor = apb_grpc.AdvisorStub(ch)
+                spec = tpb.TaskSpec(task_id="grows", vram_mib=1000, gpu_share=0.3, kind="training",
+                                    priority=tpb.PRIORITY_P1, movable=True)
+                placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
+                lease = placed.assignment.lease_id
+                for bad in (-1.0, math.nan, math.inf):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id=lease, peak_vram_mib=bad))
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "peak_vram_mib" in err.value.details()
+                # refused without effect: the task still holds its lease
+                got = await sched.GetTask(tpb.GetTaskRequest(task_id="grows"))
+                assert got.state == tpb.TASK_STATE_LEASED
+                await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id=lease, peak_vram_mib=1500))
+                # the simulated agent runs this one and reports its peak (its ask) when it finishes
+                short = tpb.TaskSpec(task_id="short", vram_mib=2000, gpu_share=0.2, kind="inference",
+                                     duration_s=0.3, priority=tpb.PRIORITY_P0)
+                await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=short), timeout=10)
+                await until(lambda: coord.advisor.growth.samples == 2, what="the agent's finished event")
+                got = await advisor.GetPredictions(apb.GetPredictionsRequest())
+                by = {g.kind: g for g in got.memory_growth}
+                assert set(by) == {"", "training", "inference"}
+                assert (by["training"].samples, by["training"].max) == (1, pytest.approx(1.5))
+                assert (by["inference"].samples, by["inference"].max) == (1, pytest.approx(1.0))
+                assert by[""].samples == 2 and by[""].oom_kills == 0
+                only = await advisor.GetPredictions(apb.GetPredictionsRequest(kind="training"))
+                assert {g.kind for g in only.memory_growth} == {"", "training"}
+
+                from coordinator.cli import main as gpulb
+
+                capsys.readouterr()
+                addr = ["--coordinator", f"127.0.0.1:{port}"]
+                assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions"]) == 0
+                table = capsys.readouterr().out
+                assert "OOM KILLS" in table and "1.500" in table
+        text = coord.metrics.exposition(per_gpu=False).decode()
+        assert 'gpulb_memory_growth_ratio{kind="training",quantile="1"} 1.5' in text
+        assert 'gpulb_memory_growth_samples{kind=""} 2.0' in text
+        # min_samples (20) not reached: the scheduler's snapshot carries nothing yet
+        assert not coord.advisor.annotate(coord.dispatcher.snapshots.snapshot()).memory_growth
+    finally:
+        await coord.stop(0)
+    again = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"), store=open_state_dir(tmp_path))
+    await again.start()
+    try:
+        assert again.advisor.growth.samples == 2
+        assert {s.kind: s.samples for s in again.advisor.growth.stats()} == {"": 2, "training": 1, "inference": 1}
+    finally:
+        await again.stop(0)
 
 
 async def test_advisor_table_configures_the_coordinator_and_reloads_live(tmp_path):

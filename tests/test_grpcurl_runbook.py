@@ -101,8 +101,10 @@ async def test_runbook_commands_work_through_reflection_alone():
             # watch it: the stream shows LEASED, then COMPLETED once the lease is completed
             watch = asyncio.ensure_future(grpcurl(target, "gpulb.v1.Scheduler/WatchTask", data={"task_id": "runbook-1"}))
             await asyncio.sleep(1.0)
-            completed = _objects(await grpcurl(target, "gpulb.v1.Scheduler/CompleteTask", data={"task_id": "runbook-1", "lease_id": lease}))[0]
+            completed = _objects(await grpcurl(target, "gpulb.v1.Scheduler/CompleteTask",
+                                               data={"task_id": "runbook-1", "lease_id": lease, "peak_vram_mib": 5200}))[0]
             assert completed["task"]["state"] == "TASK_STATE_COMPLETED"
+            assert coord.advisor.growth.samples == 1  # the peak the runbook reports is learned
             states = [m["state"] for m in _objects(await asyncio.wait_for(watch, 20))]
             assert states[0] == "TASK_STATE_LEASED" and states[-1] == "TASK_STATE_COMPLETED"
             # a job array in one call, queued at once; a bad spec is named by its index

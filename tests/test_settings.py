@@ -182,6 +182,7 @@ def test_every_option_has_its_own_variable() -> None:
     assert index["GPULB_SCHEDULER_P0_SLA_S"].key == "scheduler.p0_sla_s"
     assert index["GPULB_ADVISOR_VARIANCE_THRESHOLD"].key == "advisor.variance_threshold"
     assert index["GPULB_PREDICTOR_ALPHA"].key == "predictor.alpha"
+    assert index["GPULB_MEMORY_GROWTH_MIN_SAMPLES"].key == "memory_growth.min_samples"
 
 
 # ---- the file: unknown names, types, syntax -----------------------------------------------------
@@ -191,7 +192,7 @@ def test_every_option_has_its_own_variable() -> None:
     "text, option, fragment",
     [
         ("[schedular]\npolicy = 'binpack'\n", "[schedular]", "unknown table; did you mean 'scheduler'?"),
-        ("[metrics]\nport = 1\n", "[metrics]", "unknown table (tables: coordinator, scheduler, advisor, predictor)"),
+        ("[metrics]\nport = 1\n", "[metrics]", "unknown table (tables: coordinator, scheduler, advisor, predictor, memory_growth)"),
         ("[coordinator]\nheartbeat_interval = 5\n", "coordinator.heartbeat_interval", "did you mean 'heartbeat_interval_s'?"),
         ("[coordinator]\npolicy = 'binpack'\n", "coordinator.policy", "it belongs in [scheduler]"),
         ("[scheduler]\nlisten = ':1'\n", "scheduler.listen", "it belongs in [coordinator]"),
@@ -250,6 +251,8 @@ def test_missing_file_is_an_error(tmp_path: Path) -> None:
         ("[advisor]\nhot_pct = 120\n", "advisor.hot_pct", "must be in [0, 100]"),
         ("[advisor]\nmax_slowdown_ratio = 0.5\n", "advisor.max_slowdown_ratio", ">= 1"),
         ("[predictor]\nalpha = 0\n", "predictor.alpha", "must be in (0, 1]"),
+        ("[memory_growth]\nmin_samples = 600\n", "memory_growth.min_samples", "must be <= window (512)"),
+        ("[scheduler]\nweights = { oom_risk = -1 }\n", "scheduler.weights[oom_risk]", ""),
     ],
 )
 def test_validation_names_the_option_and_the_file(tmp_path: Path, text: str, option: str, fragment: str) -> None:

@@ -1,0 +1,212 @@
+"""Learned memory growth (``scheduler.memgrowth``) and the load-aware
+``oom_risk`` term it feeds: the learner's bookkeeping, the risk worked out by
+hand, the term in the score (same to the bit for all rows and some rows, and
+in the breakdown), and a simulated cluster where learning turns repeated OOM
+kills into one."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from scheduler.cluster import ClusterNode, homogeneous
+from scheduler.config import SchedulerConfig
+from scheduler.memgrowth import ANY_KIND, MemoryGrowth, MemoryGrowthConfig, oom_risk, table_for
+from scheduler.policies import make_policy
+from scheduler.reservations import Reservations
+from scheduler.scoring import LOAD_AWARE_WEIGHTS, load_aware_scores, load_aware_terms
+from scheduler.simulator import RatioMemory, SimConfig, Simulation
+from scheduler.snapshot import ClusterSnapshot, NodeFacts
+from scheduler.task import Priority, TaskSpec
+from scheduler.traces import TraceTask
+from scheduler.view import PlacementView
+
+# ---- the learner -----------------------------------------------------------------------------
+
+
+def test_observe_keeps_ratios_per_kind_and_over_all_kinds():
+    g = MemoryGrowth(MemoryGrowthConfig(window=4, min_samples=2))
+    assert g.observe("training", 10_000, 15_000) == pytest.approx(1.5)
+    assert g.tables() == {}  # one ratio is not enough for anyone
+    g.observe("inference", 2_000, 2_200)
+    tables = g.tables()
+    # two ratios over all kinds; neither kind has two of its own yet
+    assert set(tables) == {ANY_KIND}
+    assert tables[ANY_KIND].tolist() == pytest.approx([1.1, 1.5])
+    g.observe("training", 10_000, 12_000, oom_killed=True)
+    tables = g.tables()
+    assert set(tables) == {ANY_KIND, "training"}
+    assert tables["training"].tolist() == pytest.approx([1.2, 1.5])
+    # a kind with too few ratios of its own falls back to all kinds'
+    assert table_for(tables, "inference") is tables[ANY_KIND]
+    assert table_for({}, "inference") is None
+    stats = {s.kind: s for s in g.stats()}
+    assert stats["training"].samples == 2 and stats["training"].oom_kills == 1
+    assert stats[ANY_KIND].samples == 3 and stats[ANY_KIND].max == pytest.approx(1.5)
+
+
+def test_window_keeps_the_most_recent_ratios():
+    g = MemoryGrowth(MemoryGrowthConfig(window=3, min_samples=1))
+    for peak in (1_000, 2_000, 3_000, 4_000):
+        g.observe("batch", 1_000, peak)
+    assert g.tables()["batch"].tolist() == [2.0, 3.0, 4.0]
+    assert g.samples == 3
+
+
+def test_tables_are_the_same_object_until_something_is_learned():
+    g = MemoryGrowth(MemoryGrowthConfig(min_samples=1))
+    g.observe("batch", 1_000, 1_100)
+    first = g.tables()
+    assert g.tables() is first
+    assert not first[ANY_KIND].flags.writeable  # shared with every view: read-only
+    g.observe("batch", 1_000, 1_300)
+    assert g.tables() is not first
+
+
+@pytest.mark.parametrize(
+    "asked, peak",
+    [(0.0, 1_000.0), (-5.0, 1_000.0), (1_000.0, 0.0), (1_000.0, math.nan), (math.inf, 1_000.0), (1_000.0, -1.0)],
+)
+def test_reports_that_say_nothing_are_ignored(asked, peak):
+    g = MemoryGrowth()
+    assert g.observe("batch", asked, peak) is None
+    assert g.samples == 0 and g.version == 0
+
+
+def test_broken_ratios_are_clipped():
+    g = MemoryGrowth(MemoryGrowthConfig(min_samples=1))
+    assert g.observe("batch", 1_000, 1e9) == 20.0  # 1,000,000x is a broken report, not growth
+    assert g.observe("batch", 1_000, 1) == 0.05
+
+
+def test_state_round_trips_and_bad_copies_are_refused():
+    g = MemoryGrowth(MemoryGrowthConfig(min_samples=1))
+    g.observe("training", 10_000, 14_000)
+    g.observe("inference", 1_000, 1_000, oom_killed=True)
+    restored = MemoryGrowth(MemoryGrowthConfig(min_samples=1))
+    restored.load_state(g.to_state())
+    assert {k: v.tolist() for k, v in restored.tables().items()} == {k: v.tolist() for k, v in g.tables().items()}
+    assert [s.oom_kills for s in restored.stats()] == [s.oom_kills for s in g.stats()]
+    with pytest.raises(ValueError, match="memory growth state"):
+        restored.load_state([1.2, 1.3])
+    # an entry that does not parse is skipped, the others are kept
+    partial = MemoryGrowth(MemoryGrowthConfig(min_samples=1))
+    partial.load_state({"batch": {"ratios": ["x"]}, "training": {"ratios": [1.5], "oom_killed": [False]}})
+    assert set(partial.tables()) == {"training"}
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="window"):
+        MemoryGrowthConfig(window=0).validate()
+    with pytest.raises(ValueError, match="min_samples"):
+        MemoryGrowthConfig(window=10, min_samples=11).validate()
+
+
+# ---- the risk ----------------------------------------------------------------------------------
+
+
+def test_oom_risk_by_hand():
+    table = np.array([1.0, 1.2, 1.5, 2.0])
+    free = np.array([25_000.0, 15_000.0, 12_000.0, 9_000.0, 20_000.0])
+    # free / ask = 2.5, 1.5, 1.2, 0.9, 2.0; share of ratios strictly above each
+    assert oom_risk(free, 10_000.0, table).tolist() == [0.0, 0.25, 0.5, 1.0, 0.0]
+
+
+# ---- the score -----------------------------------------------------------------------------------
+
+
+def _snapshot(growth=None):
+    """Two idle-ish GPUs: a 16 GiB T4-class card, idle, and a 24 GiB card at
+    80 % util with 4,000 MiB used."""
+    snap = ClusterSnapshot.build(
+        [
+            NodeFacts("small", 1, model="Tesla T4", memory_total_mib=16_384.0),
+            NodeFacts("big", 1, model="RTX 4090", memory_total_mib=24_576.0),
+        ],
+        util_pct=[0.0, 80.0],
+        memory_used_mib=[0.0, 4_000.0],
+    )
+    if growth is not None:
+        snap.memory_growth = growth
+    return snap
+
+
+def _view(snap):
+    return PlacementView(snap, Reservations(), SchedulerConfig())
+
+
+WHOLE = TaskSpec(task_id="t", vram_mib=13_107.0, gpu_share=1.0, priority=Priority.P1, kind="training")
+
+
+def test_learned_growth_moves_a_whole_gpu_task_to_the_card_it_cannot_outgrow():
+    policy = make_policy("load_aware")
+    blind = policy.gpu_scores(_view(_snapshot()), WHOLE)
+    # blind: the idle 16 GiB card (memory pressure 0.67) beats the 80 % busy one
+    assert blind[0] < blind[1]
+    # every ended training task grew to 1.3x: 13,107 * 1.3 = 17,039 MiB > 16,384 free
+    # on the small card (risk 1); 20,576 free on the big one (risk 0)
+    growth = {ANY_KIND: np.array([1.3] * 20), "training": np.array([1.3] * 20)}
+    view = _view(_snapshot(growth))
+    learned = policy.gpu_scores(view, WHOLE)
+    assert learned[0] == pytest.approx(blind[0] + LOAD_AWARE_WEIGHTS["oom_risk"])
+    assert learned[1] == pytest.approx(blind[1])
+    assert learned[1] < learned[0]
+    # some rows only: the same numbers to the bit
+    assert policy.gpu_scores_at(view, WHOLE, np.array([1, 0])).tolist() == [learned[1], learned[0]]
+    # the breakdown names the term and agrees with the score
+    terms = load_aware_terms(view, WHOLE, policy.weights, [0])
+    assert terms["oom_risk"] == pytest.approx(LOAD_AWARE_WEIGHTS["oom_risk"])
+    assert sum(terms.values()) == pytest.approx(learned[0])
+    assert "oom_risk" not in load_aware_terms(_view(_snapshot()), WHOLE, policy.weights, [0])
+
+
+def test_the_term_is_off_without_weight_or_ask():
+    growth = {ANY_KIND: np.array([1.3] * 20)}
+    view = _view(_snapshot(growth))
+    weights = dict(LOAD_AWARE_WEIGHTS, oom_risk=0.0)
+    blind = load_aware_scores(_view(_snapshot()), WHOLE, weights)
+    assert load_aware_scores(view, WHOLE, weights).tolist() == blind.tolist()
+    no_ask = TaskSpec(task_id="u", vram_mib=0.0, gpu_share=1.0, priority=Priority.P1, kind="training")
+    assert (
+        load_aware_scores(view, no_ask, LOAD_AWARE_WEIGHTS).tolist()
+        == load_aware_scores(_view(_snapshot()), no_ask, LOAD_AWARE_WEIGHTS).tolist()
+    )
+
+
+# ---- in the simulator ------------------------------------------------------------------------------
+
+# An RTX 4090 that a long task keeps at 70 % and a 16 GiB card, idle. Tasks
+# T1..T4 ask 10,000 MiB at 20 % and really use 1.7x (17,000 MiB) from the
+# start, one after the other. Blind, load_aware puts each on the idle small
+# card (load 0.2 against 0.9 + jitter 0.1), where 17,000 > 16,384 MiB kills
+# it; re-asking 17,000 it no longer passes the small card's 85 % filter and
+# runs on the 4090. Learning from the first kill (ratio 1.7; T1's second run
+# then reports 1.0 against its raised ask), the small card's risk for T2 is
+# half the ratios (+1.0 on 0.2) and the 4090 (about 1.06) wins, as it does
+# for T3 and T4: one kill in all.
+CARDS = [
+    *homogeneous(1, 1, prefix="big"),  # first row: the hog lands here (idle GPUs tie, the lowest row wins)
+    ClusterNode("small", 1, "Tesla T4", 16_384.0, 1.0),
+]
+
+
+@pytest.mark.parametrize("learning, kills", [(False, 4), (True, 1)])
+def test_simulated_cluster_learns_to_stop_killing(learning, kills):
+    hog = TraceTask("hog", 0.0, 10_000.0, 1, 1_000.0, 0.7, Priority.P3, "background")
+    tasks = [hog] + [
+        TraceTask(f"T{i}", 10.0 + 100.0 * i, 50.0, 1, 10_000.0, 0.2, Priority.P2, "batch") for i in range(1, 5)
+    ]
+    memory = RatioMemory({f"T{i}": (1.7,) for i in range(1, 5)})
+    cfg = SimConfig(memory=memory, memory_learning=learning, memory_growth=MemoryGrowthConfig(min_samples=1))
+    sim = Simulation(tasks, CARDS, "load_aware", cfg)
+    result = sim.run()
+    assert result.oom_kills == kills
+    assert all(r.state == "completed" for r in result.records)
+    if learning:
+        # the kill (1.7), T1's second run (1.0 of its raised ask), T2..T4 (1.7), the hog (1.0)
+        assert sim.growth is not None
+        assert sim.growth.tables()[""].tolist() == pytest.approx([1.0, 1.0, 1.7, 1.7, 1.7, 1.7])
+    else:
+        assert sim.growth is None
