@@ -341,10 +341,16 @@ _MDWE_CHECK = textwrap.dedent(
                     break
                 await asyncio.sleep(0.05)
             assert len(reply.gpus) == 2, reply
-            reader, writer = await asyncio.open_connection("127.0.0.1", coord.metrics_port)
-            writer.write(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
-            body = await reader.read()
-            writer.close()
+            # registered GPUs show in ListGpus before their first reading is
+            # applied: scrape until the readings are there
+            for _ in range(100):
+                reader, writer = await asyncio.open_connection("127.0.0.1", coord.metrics_port)
+                writer.write(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+                body = await reader.read()
+                writer.close()
+                if b"gpulb_gpu_utilization_ratio{" in body:
+                    break
+                await asyncio.sleep(0.05)
             assert b"gpulb_gpu_utilization_ratio{" in body, body[:200]
             # numba's JIT needs W+X memory: without an ahead-of-time build
             # the coordinator serves on the numpy set search and says why;
