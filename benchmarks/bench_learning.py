@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         pred_rows = []
         if "prediction" not in skip:
             arms = [
-                ("off", SimConfig()),
+                ("off", SimConfig(prediction=False)),
                 ("on, cluster-file priors", SimConfig(prediction=True)),
                 ("on, learned from scratch", SimConfig(prediction=True, prediction_prior="none")),
             ]

@@ -127,6 +127,8 @@ def figures(r: SimResult) -> dict[str, Any]:
         "plans": r.plans,
         "migrations": r.migrations,
         "prediction_mape": r.prediction_mape,
+        "prediction_samples": r.prediction_samples,
+        "memory_growth_samples": r.memory_growth_samples,
         "oom_kills": r.oom_kills,
         "oom_kills_alone": r.oom_kills_alone,
         "sla_misses": r.sla_misses,

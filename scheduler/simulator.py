@@ -43,6 +43,22 @@ that killed it (a user re-running with a bigger request), from zero progress,
 up to ``max_attempts`` runs in all; after that, or when the raised ask fits
 no GPU (REJECTED), it counts as dropped.
 
+Prediction and rebalancing. Both learners run by default, because the
+coordinator always runs them (its advisor runtime annotates every snapshot
+it places from). ``prediction``: a ``scheduler.predictor.SpeedPredictor``
+learns slowdowns from every completed run (starting from the cluster file's
+speeds, ``prediction_prior``), and snapshots carry its columns for the
+load-aware ``completion`` term. ``memory_learning``: every run that ends
+reports its peak over its ask to a ``scheduler.memgrowth.MemoryGrowth`` (a
+completed run the largest phase use it went through, a killed one the use
+that killed it: what an agent reports in its task event), and snapshots carry
+the learned ratios for the ``oom_risk`` term. The run's ask is what it
+reports against, so a re-run with a raised ask reports a smaller ratio, as it
+would on a real cluster. Turning either off (``--no-prediction``,
+``--no-memory-learning``) shows what it is worth. The rebalance advisor
+(``advisor``) is off unless configured; its plans are carried out with a
+checkpoint-and-restart cost (``migration_cost_s``).
+
 Telemetry. The scheduler sees what the coordinator's view would show, not the
 truth. A change is first sampled ``sample_delay_s`` later (the agent's stable
 sampling interval; the agent then samples every ``fast_sample_s``). A step
@@ -122,6 +138,7 @@ from scheduler.advisor import Advisor, AdvisorConfig
 from scheduler.cluster import ClusterNode, convert_openb_nodes, homogeneous, read_cluster, write_cluster
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Scheduler
+from scheduler.memgrowth import MemoryGrowth, MemoryGrowthConfig
 from scheduler.errors import SchedulerError
 from scheduler.policies import POLICIES, make_policy
 from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
@@ -246,12 +263,19 @@ class SimConfig:
     # stop at this virtual time (None: when every task has ended)
     horizon_s: float | None = None
     # ---- learning (module docstring, "Prediction and rebalancing") ----
-    # learn speeds from completions and score placements with them
-    prediction: bool = False
+    # learn speeds from completions and score placements with them (the
+    # coordinator always does; False shows what it is worth)
+    prediction: bool = True
     # where learned speeds start: "cluster" (the cluster file's speeds),
     # "table" (scheduler.cluster.KNOWN_MODELS only) or "none" (every model 1.0)
     prediction_prior: str = "cluster"
     predictor: PredictorConfig | None = None
+    # learn how far tasks outgrow their asks from the runs that ended (their
+    # peak use, or the use that killed them) and score placements with it
+    # (the load-aware oom_risk term), as the coordinator does from its
+    # agents' task events; False keeps the scheduler blind to growth
+    memory_learning: bool = True
+    memory_growth: MemoryGrowthConfig | None = None
     # the rebalance advisor; None runs without it
     advisor: AdvisorConfig | None = None
     # s between advisor evaluations
@@ -336,6 +360,7 @@ class SimResult:
     migrations: int = 0  # moves of those plans carried out
     prediction_mape: float = math.nan  # predictor's MAPE (ratio) over its last completions
     prediction_samples: int = 0  # completions the predictor learned from
+    memory_growth_samples: int = 0  # peak/ask ratios held by the memory-growth learner (at most its window)
 
 
 @dataclass
@@ -632,6 +657,7 @@ class Simulation:
                 use_known_models=prior != "none",
             )
         self.advisor = Advisor(cfg.advisor, sched_cfg) if cfg.advisor is not None else None
+        self.growth = MemoryGrowth(cfg.memory_growth) if cfg.memory_learning else None
         self._resume: dict[str, tuple[float, float]] = {}  # migrated run id -> (reference work left, util %)
         self._advised: ClusterSnapshot | None = None  # snapshot of the last advisor evaluation
         self.plans = 0
@@ -769,6 +795,7 @@ class Simulation:
             migrations=self.migrations,
             prediction_mape=self.predictor.mape() if self.predictor is not None else math.nan,
             prediction_samples=self.predictor.samples if self.predictor is not None else 0,
+            memory_growth_samples=self.growth.samples if self.growth is not None else 0,
         )
 
     # ---- submissions and dispatch -----------------------------------------------------------------
@@ -859,6 +886,8 @@ class Simulation:
         )
         if self.predictor is not None:
             snap.gpu_slowdown = self.predictor.slowdown_columns(snap)
+        if self.growth is not None:
+            snap.memory_growth = self.growth.tables()
         self._snap = snap
         self._snap_at = now
         self.snapshots += 1
@@ -1122,6 +1151,9 @@ class Simulation:
     def _end(self, run: _Run) -> None:
         self._remove(run)
         self.sched.complete(run.run_id, run.lease_id)
+        if self.growth is not None:
+            # the peak over the phases this run went through (the agent's report)
+            self.growth.observe(self.tasks[run.idx].kind, run.ask, max(run.mem[: run.phase + 1]))
         if self.predictor is not None and not run.migrated:
             row = run.rows[0]
             b = self._base
@@ -1202,6 +1234,9 @@ class Simulation:
         rec.oom_kills += 1
         self._remove(run)
         self.sched.complete(run.run_id, run.lease_id, failed=True)
+        if self.growth is not None:
+            # the use that killed it: a lower bound of the peak it would have reached
+            self.growth.observe(self.tasks[run.idx].kind, run.ask, used, oom_killed=True)
         if self._attempt[run.idx] >= self.cfg.max_attempts:
             rec.state = "dropped"
             rec.reason = f"out of memory {self._attempt[run.idx]} times"
@@ -1434,6 +1469,10 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--memory", choices=("genai", "asked"), default="genai",
                    help="real memory use: measured GenAI ratios (default) or exactly the ask")
     p.add_argument("--max-tasks", type=int, default=0, help="replay only the first N tasks")
+    p.add_argument("--no-prediction", action="store_true",
+                   help="score without learned speeds (the coordinator always learns them; this shows what they are worth)")
+    p.add_argument("--no-memory-learning", action="store_true",
+                   help="score without learned memory growth (no oom_risk term; shows what it is worth)")
     p.add_argument("--saturate", action="store_true",
                    help="also run the FGD saturation measure (tasks never end)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -1450,7 +1489,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     tasks.sort(key=lambda t: t.submit_s)
     if args.max_tasks > 0:
         tasks = tasks[: args.max_tasks]
-    cfg = SimConfig(seed=args.seed, memory=args.memory)
+    cfg = SimConfig(seed=args.seed, memory=args.memory, prediction=not args.no_prediction,
+                    memory_learning=not args.no_memory_learning)
     results = simulate(tasks, nodes, args.policy, cfg, progress=not args.no_progress and sys.stderr.isatty())
     if args.saturate:
         for r in results:

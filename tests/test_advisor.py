@@ -374,8 +374,11 @@ def test_simulator_prediction_switch_learns_from_completions():
     nodes = [NodeFacts("fast", 1), NodeFacts("slow", 1, model="Tesla M40 24GB", speed=0.12)]
     on = Simulation(_sim_tasks(), nodes, "load_aware", SimConfig(memory="asked", prediction=True)).run()
     assert on.prediction_samples == 4 and 0.0 <= on.prediction_mape < 1.0
-    off = Simulation(_sim_tasks(), nodes, "load_aware", SimConfig(memory="asked")).run()
+    off = Simulation(_sim_tasks(), nodes, "load_aware", SimConfig(memory="asked", prediction=False)).run()
     assert off.prediction_samples == 0
+    # on is the default, as in the coordinator
+    default = Simulation(_sim_tasks(), nodes, "load_aware", SimConfig(memory="asked")).run()
+    assert default.prediction_samples == 4
     # with predictions the short tasks are kept off the 8x slower GPU while the fast one has room
     slow_jct = {x.task_id: x.jct_s for x in off.records}
     fast_jct = {x.task_id: x.jct_s for x in on.records}

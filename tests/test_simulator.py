@@ -390,6 +390,12 @@ def test_command_line(tmp_path, capsys):
     assert [p["policy"] for p in doc["policies"]] == ["round_robin", "load_aware", "round_robin@requests"]
     assert doc["policies"][0]["wait_s"]["all"]["mean"] == pytest.approx(92.4 / 2)
     assert "saturation" in doc["policies"][0]
+    # both learners run by default, as in the coordinator; the switches turn them off
+    assert doc["policies"][1]["prediction_samples"] == 2 and doc["policies"][1]["memory_growth_samples"] == 2
+    code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "load_aware", "--memory", "asked",
+                          "--json", "--no-progress", "--no-prediction", "--no-memory-learning"])
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["policies"][0]["prediction_samples"], doc["policies"][0]["memory_growth_samples"]) == (0, 0)
     # time scale halves every time
     code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "load_aware",
                           "--memory", "asked", "--json", "--no-progress", "--time-scale", "2"])
