@@ -139,6 +139,29 @@ def test_slowdown_columns_per_kind_and_node():
     assert p.annotate(annotated) is annotated
 
 
+def test_columns_kept_current_between_completions_equal_columns_built_afresh():
+    """The layout (models, codes, node residuals) is built once and patched
+    for the nodes learned from since: after every completion the columns
+    equal those of a predictor that computes them from scratch."""
+    facts = [NodeFacts(n, 2, model=m, speed=0.12 if m == M40 else 1.0) for n, m in sorted(NODES.items())]
+    facts.append(NodeFacts("idle-0", 2, model=RTX))  # never completes anything
+    snap = ClusterSnapshot.build(facts)
+    p = SpeedPredictor(model_speeds(snap))
+    p.slowdown_columns(snap)
+    for c in synthetic(60, seed=7):
+        p.observe_completion(c)
+        fresh = SpeedPredictor(model_speeds(snap))
+        fresh.load_state(p.to_state())
+        kept, built = p.slowdown_columns(snap), fresh.slowdown_columns(snap)
+        assert set(kept) == set(built)
+        for kind in built:
+            assert kept[kind].tolist() == built[kind].tolist(), kind
+    # a snapshot with another layout (a node joined) is built afresh too
+    bigger = ClusterSnapshot.build([*facts, NodeFacts("new-0", 1, model=K20)])
+    cols = p.slowdown_columns(bigger)
+    assert cols[""].shape == (bigger.gpu_count,) and cols[""][-1] == pytest.approx(p.factor("new-0", K20))
+
+
 @pytest.mark.parametrize(
     "name, slowdown, load, share, fastest, expected",
     [
