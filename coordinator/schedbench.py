@@ -13,7 +13,11 @@ Set-up, per cluster size in ``--nodes`` (8 x RTX 4090 24 GiB per node):
   RNG: idle, serving, training and hot nodes, varied memory use and
   temperature, storage await, NVLink bridges on some nodes. There are no agent
   streams; heartbeat interval and staleness are set very large so the nodes
-  stay HEALTHY and fresh for the whole run;
+  stay HEALTHY and fresh for the whole run. The learners are in the state
+  of a coordinator that has run for a while: speeds from the cluster's
+  (the predictor's priors, always on) and a full window of peak-over-ask
+  memory ratios per task kind (lognormal, median 1.0, p99 about 1.3, like
+  the GenAI series'), so every decision scores the ``oom_risk`` term too;
 - warm-up: a few hundred placements, not counted;
 - latency: one client alone, sequentially ScheduleTask(wait=true) then
   CompleteTask; percentiles of ScheduleTask as the client sees it;
@@ -208,6 +212,12 @@ def populate(coordinator, nodes: int, seed: int = SEED) -> None:
         coordinator.batch_applied(node, result, result.batch, now)
     coordinator.dispatcher.snapshots.liveness_changed()
     coordinator.smooth_now()
+    # a coordinator that has seen tasks end: full memory-growth windows, so
+    # decisions pay for the oom_risk term as they do in production
+    growth = coordinator.advisor.growth
+    for kind in ("inference", "training", "batch"):
+        for ratio in rng.lognormal(0.0, 0.12, growth.config.window):
+            growth.observe(kind, 1_000.0, 1_000.0 * float(ratio))
 
 
 def task_shapes(count: int, seed: int = SEED + 1) -> list[dict]:

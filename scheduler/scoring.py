@@ -64,12 +64,11 @@ GPUs win ties (and win outright unless they are loaded beyond ``w_stale``).
 
 from __future__ import annotations
 
-import bisect
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
-from scheduler.memgrowth import oom_risk, table_for
+from scheduler.memgrowth import GrowthTable, table_for
 from scheduler.predictor import ANY_KIND
 from scheduler.task import TaskSpec
 
@@ -223,9 +222,7 @@ def load_aware_scores(
     score += pressure
     table = _growth_table(view, spec, w["oom_risk"])
     if table is not None:
-        risk = oom_risk(take(view.headroom), spec.vram_mib, table)
-        risk *= w["oom_risk"]
-        score += risk
+        table.add_risk(score, take(view.headroom), spec.vram_mib, w["oom_risk"])
     score += take(_static(view, w))
     if w_jitter:
         jitter = view.derived(("load_aware.jitter", w_jitter), lambda v, r: _weighted_active(v, r, w_jitter))
@@ -247,7 +244,7 @@ def load_aware_scores(
     return score
 
 
-def _growth_table(view: PlacementView, spec: TaskSpec, weight: float) -> np.ndarray | None:
+def _growth_table(view: PlacementView, spec: TaskSpec, weight: float) -> GrowthTable | None:
     """The learned growth ratios the ``oom_risk`` term uses for ``spec``, or
     None when the term is off (no weight, no ask, nothing learned)."""
     growth = view.snapshot.memory_growth
@@ -390,9 +387,7 @@ def load_aware_terms(
         if spread is not None:
             values.append(float(spread[r]))
         if table is not None:
-            n = table.shape[0]
-            fits = bisect.bisect_right(table, float(view.headroom[r]) / spec.vram_mib)
-            values.append(w["oom_risk"] * ((n - fits) / n))
+            values.append(w["oom_risk"] * table.risk_at(float(view.headroom[r]), spec.vram_mib))
         totals = values if totals is None else [t + v for t, v in zip(totals, values)]
     count = len(rows)
     out = {} if totals is None else {name: total / count for name, total in zip(names, totals)}

@@ -31,6 +31,12 @@ Three ways to run it, the first that works:
 
 ``warm()`` loads or compiles up front; the coordinator and simulator call it
 at start so no decision waits.
+
+The same build carries a second, small kernel: ``add_oom_risk``, the
+load-aware ``oom_risk`` term (``scheduler.memgrowth.GrowthTable.add_risk``)
+added to every GPU's score in one pass. In numpy it is a comparison, an index
+and six array operations over the GPUs at risk (~80 µs a decision at 40,000
+GPUs); compiled, one loop with the same float operations.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["available", "ready", "warm", "best_set", "build_aot", "aot_dir", "failure", "mode", "MAX_K"]
+__all__ = ["available", "ready", "warm", "best_set", "risk_kernel", "build_aot", "aot_dir", "failure", "mode", "MAX_K"]
 
 #: sets of at least this many GPUs take the numpy path: numpy's mean of eight
 #: or more values sums them pairwise, which this loop does not reproduce
@@ -52,6 +58,7 @@ MAX_K = 7
 
 _lock = threading.Lock()
 _kernel = None
+_risk_kernel = None
 _compile_s: float | None = None
 #: how the loop runs once loaded: "aot", "jit", or None
 mode: str | None = None
@@ -256,6 +263,22 @@ def _kernel_py(scores, usable, adj_bits, local_bit, has_nvlink, width, k, needs,
 
 
 
+def _risk_kernel_py(score, free, scale, offset, limit, weighted_grid):
+    """``score[i] += weighted_grid[bin]`` where ``free[i] < limit`` (in place):
+    ``GrowthTable.add_risk``'s numpy path, the same float operations."""
+    top = weighted_grid.shape[0] - 1.0
+    for i in range(score.shape[0]):
+        f = free[i]
+        if f < limit:
+            t = f * scale
+            t = t - offset
+            if t < 0.0:
+                t = 0.0
+            elif t > top:
+                t = top
+            score[i] += weighted_grid[int(t)]
+
+
 def _get():
     global failure
     if _kernel is None and failure is None:
@@ -276,7 +299,7 @@ def _get():
 
 def _load_aot() -> bool:
     """Import the ahead-of-time build of this kernel, if there is one."""
-    global _kernel, _compile_s, mode
+    global _kernel, _risk_kernel, _compile_s, mode
     path = _aot_file()
     if path is None:
         return False
@@ -285,12 +308,12 @@ def _load_aot() -> bool:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     _compile_s = time.perf_counter() - t0
-    _kernel, mode = module.best_set, "aot"
+    _kernel, _risk_kernel, mode = module.best_set, module.add_oom_risk, "aot"
     return True
 
 
 def _compile() -> None:
-    global _kernel, _compile_s, mode
+    global _kernel, _risk_kernel, _compile_s, mode
     if not _have_numba:
         raise ImportError("numba is not installed and there is no ahead-of-time build")
     import numba
@@ -308,12 +331,15 @@ def _compile() -> None:
     # compile now, on a one-node fleet, rather than in a decision
     kernel(np.zeros(2), np.ones(2, dtype=np.bool_), np.zeros(2, dtype=np.int64),
            np.arange(2, dtype=np.int64), np.ones(1, dtype=np.bool_), 2, 2, False, 0.5, 32)
+    risk = jit(_risk_kernel_py)
+    risk(np.zeros(2), np.array([1.0, 3.0]), 1.0, 0.0, 2.0, np.array([1.0, 0.5, 0.0]))
     _compile_s = time.perf_counter() - t0
-    _kernel, mode = kernel, "jit"
+    _kernel, _risk_kernel, mode = kernel, risk, "jit"
 
 
 #: the kernel's types, for the ahead-of-time build (what ``best_set`` passes)
 _SIGNATURE = "Tuple((f8, i8[:], f8, i8))(f8[:], b1[:], i8[:], i8[:], b1[:], i8, i8, b1, f8, i8)"
+_RISK_SIGNATURE = "void(f8[:], f8[:], f8, f8, f8, f8[:])"
 
 
 def build_aot(out_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -334,6 +360,7 @@ def build_aot(out_dir: str | os.PathLike[str] | None = None) -> Path:
     cc.output_dir = str(out)
     cc.verbose = False
     cc.export("best_set", _SIGNATURE)(_kernel_py)
+    cc.export("add_oom_risk", _RISK_SIGNATURE)(_risk_kernel_py)
     cc.compile()
     for name in os.listdir(out):
         if name.startswith(AOT_MODULE + "."):
@@ -371,6 +398,12 @@ def best_set(
         np.asarray(has_nvlink, dtype=np.bool_), width, k, needs, bonus, max_hopeful,
     )
     return float(objective), tuple(sorted(int(r) for r in rows)), float(frac), int(groups)
+
+
+def risk_kernel():
+    """The compiled ``add_oom_risk`` loop, or None when the compiled kernels
+    are not in use (the caller takes its numpy path)."""
+    return _risk_kernel if ready() else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,9 +19,12 @@ node membership stays the same. To change a static column, pass a new object.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from scheduler.memgrowth import GrowthTable
 
 __all__ = ["ClusterSnapshot", "NodeFacts"]
 
@@ -78,7 +81,7 @@ class ClusterSnapshot:
     # Sorted peak-over-ask memory ratios of ended tasks, per task kind ("" =
     # any kind), from ``scheduler.memgrowth``; empty when nothing is learned.
     # The load-aware ``oom_risk`` term reads it.
-    memory_growth: Mapping[str, np.ndarray] = field(default_factory=dict)
+    memory_growth: Mapping[str, GrowthTable] = field(default_factory=dict)
     # Results derived from this snapshot alone (``filters.never_fits``), kept
     # for its lifetime; not part of its value (a replace() starts empty).
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -174,8 +174,8 @@ def test_annotate_carries_learned_memory_growth_once_there_is_enough():
     c.engine.cancel(t.task_id, "user")
     c.now += 1.0
     snap = rt.annotate(c.snap)
-    assert snap.memory_growth[""].tolist() == [1.5, 2.5]
-    assert snap.memory_growth["training"].tolist() == [1.5, 2.5]
+    assert snap.memory_growth[""].ratios.tolist() == [1.5, 2.5]
+    assert snap.memory_growth["training"].ratios.tolist() == [1.5, 2.5]
     assert snap.gpu_slowdown  # the predictor's columns are still there
     c.now += 1.0
     assert rt.annotate(c.snap) is snap  # nothing learned since: the same object

@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.cluster import ClusterNode, homogeneous
 from scheduler.config import SchedulerConfig
-from scheduler.memgrowth import ANY_KIND, MemoryGrowth, MemoryGrowthConfig, oom_risk, table_for
+from scheduler.memgrowth import BINS, ANY_KIND, GrowthTable, MemoryGrowth, MemoryGrowthConfig, oom_risk, table_for
 from scheduler.policies import make_policy
 from scheduler.reservations import Reservations
 from scheduler.scoring import LOAD_AWARE_WEIGHTS, load_aware_scores, load_aware_terms
@@ -34,11 +34,11 @@ def test_observe_keeps_ratios_per_kind_and_over_all_kinds():
     tables = g.tables()
     # two ratios over all kinds; neither kind has two of its own yet
     assert set(tables) == {ANY_KIND}
-    assert tables[ANY_KIND].tolist() == pytest.approx([1.1, 1.5])
+    assert tables[ANY_KIND].ratios.tolist() == pytest.approx([1.1, 1.5])
     g.observe("training", 10_000, 12_000, oom_killed=True)
     tables = g.tables()
     assert set(tables) == {ANY_KIND, "training"}
-    assert tables["training"].tolist() == pytest.approx([1.2, 1.5])
+    assert tables["training"].ratios.tolist() == pytest.approx([1.2, 1.5])
     # a kind with too few ratios of its own falls back to all kinds'
     assert table_for(tables, "inference") is tables[ANY_KIND]
     assert table_for({}, "inference") is None
@@ -51,7 +51,7 @@ def test_window_keeps_the_most_recent_ratios():
     g = MemoryGrowth(MemoryGrowthConfig(window=3, min_samples=1))
     for peak in (1_000, 2_000, 3_000, 4_000):
         g.observe("batch", 1_000, peak)
-    assert g.tables()["batch"].tolist() == [2.0, 3.0, 4.0]
+    assert g.tables()["batch"].ratios.tolist() == [2.0, 3.0, 4.0]
     assert g.samples == 3
 
 
@@ -60,7 +60,8 @@ def test_tables_are_the_same_object_until_something_is_learned():
     g.observe("batch", 1_000, 1_100)
     first = g.tables()
     assert g.tables() is first
-    assert not first[ANY_KIND].flags.writeable  # shared with every view: read-only
+    assert not first[ANY_KIND].ratios.flags.writeable  # shared with every view: read-only
+    assert not first[ANY_KIND].grid.flags.writeable
     g.observe("batch", 1_000, 1_300)
     assert g.tables() is not first
 
@@ -87,7 +88,9 @@ def test_state_round_trips_and_bad_copies_are_refused():
     g.observe("inference", 1_000, 1_000, oom_killed=True)
     restored = MemoryGrowth(MemoryGrowthConfig(min_samples=1))
     restored.load_state(g.to_state())
-    assert {k: v.tolist() for k, v in restored.tables().items()} == {k: v.tolist() for k, v in g.tables().items()}
+    assert {k: v.ratios.tolist() for k, v in restored.tables().items()} == {
+        k: v.ratios.tolist() for k, v in g.tables().items()
+    }
     assert [s.oom_kills for s in restored.stats()] == [s.oom_kills for s in g.stats()]
     with pytest.raises(ValueError, match="memory growth state"):
         restored.load_state([1.2, 1.3])
@@ -108,10 +111,53 @@ def test_config_is_validated():
 
 
 def test_oom_risk_by_hand():
-    table = np.array([1.0, 1.2, 1.5, 2.0])
-    free = np.array([25_000.0, 15_000.0, 12_000.0, 9_000.0, 20_000.0])
-    # free / ask = 2.5, 1.5, 1.2, 0.9, 2.0; share of ratios strictly above each
-    assert oom_risk(free, 10_000.0, table).tolist() == [0.0, 0.25, 0.5, 1.0, 0.0]
+    table = GrowthTable.from_ratios(np.array([2.0, 1.0, 1.5, 1.2]))
+    assert table.ratios.tolist() == [1.0, 1.2, 1.5, 2.0]
+    free = np.array([25_000.0, 16_000.0, 13_000.0, 9_000.0, 20_000.0, 10_000.0, np.nan])
+    # free / ask = 2.5, 1.6, 1.3, 0.9, 2.0 (the largest ratio), 1.0 (the smallest), unknown:
+    # the share of ratios strictly above each (none of 1.6 and 1.3's bins holds a ratio:
+    # exact); unknown free memory is left to the memory filters (they refuse it)
+    expected = [0.0, 0.25, 0.5, 1.0, 0.0, 0.75, 0.0]
+    assert oom_risk(free, 10_000.0, table).tolist() == expected
+    assert [table.risk_at(float(f), 10_000.0) for f in free] == expected
+
+
+def test_binned_risk_is_never_below_the_exact_share_and_at_most_a_bin_above():
+    rng = np.random.default_rng(3)
+    ratios = rng.lognormal(0.0, 0.15, 512)
+    table = GrowthTable.from_ratios(ratios)
+    x = rng.uniform(0.4, 2.0, 20_000)
+    binned = table.risk(x * 1_000.0, 1_000.0)
+    exact = (ratios.size - np.searchsorted(np.sort(ratios), x * (1_000.0 / 1_000.0), side="right")) / ratios.size
+    assert np.all(binned >= exact - 1e-12)
+    step = (ratios.max() - ratios.min()) / BINS
+    within = (np.searchsorted(np.sort(ratios), x + step, side="right") - np.searchsorted(np.sort(ratios), x - step, side="left"))
+    assert np.all(binned - exact <= within / ratios.size + 1e-12)
+    # the scalar form is bit-identical
+    assert [table.risk_at(float(v), 1_000.0) for v in x[:500] * 1_000.0] == binned[:500].tolist()
+
+
+def test_compiled_risk_adds_the_same_floats_as_numpy(monkeypatch):
+    """The one-pass compiled form (``setsearch.risk_kernel``) and the numpy
+    form give the same scores to the bit, NaN scores and NaN free memory included."""
+    from scheduler import memgrowth, setsearch
+
+    if not setsearch.ready():
+        pytest.skip(f"compiled kernels not in use here: {setsearch.failure or 'numba missing or disabled'}")
+    rng = np.random.default_rng(11)
+    table = GrowthTable.from_ratios(rng.lognormal(0.0, 0.15, 512))
+    free = rng.uniform(-500.0, 40_000.0, 8_000)
+    free[::53] = np.nan
+    base = rng.uniform(0.0, 3.0, 8_000)
+    base[::71] = np.nan
+    for vram in (512.0, 8_000.0, 24_000.0):
+        compiled, plain = base.copy(), base.copy()
+        table.add_risk(compiled, free, vram, 2.0)
+        monkeypatch.setattr(memgrowth, "_COMPILED_MIN_ROWS", 10**9)
+        table.add_risk(plain, free, vram, 2.0)
+        monkeypatch.undo()
+        assert np.array_equal(compiled, plain, equal_nan=True), vram
+        assert np.nanmax(compiled - base) > 0
 
 
 # ---- the score -----------------------------------------------------------------------------------
@@ -147,7 +193,7 @@ def test_learned_growth_moves_a_whole_gpu_task_to_the_card_it_cannot_outgrow():
     assert blind[0] < blind[1]
     # every ended training task grew to 1.3x: 13,107 * 1.3 = 17,039 MiB > 16,384 free
     # on the small card (risk 1); 20,576 free on the big one (risk 0)
-    growth = {ANY_KIND: np.array([1.3] * 20), "training": np.array([1.3] * 20)}
+    growth = {ANY_KIND: GrowthTable.from_ratios([1.3] * 20), "training": GrowthTable.from_ratios([1.3] * 20)}
     view = _view(_snapshot(growth))
     learned = policy.gpu_scores(view, WHOLE)
     assert learned[0] == pytest.approx(blind[0] + LOAD_AWARE_WEIGHTS["oom_risk"])
@@ -163,7 +209,7 @@ def test_learned_growth_moves_a_whole_gpu_task_to_the_card_it_cannot_outgrow():
 
 
 def test_the_term_is_off_without_weight_or_ask():
-    growth = {ANY_KIND: np.array([1.3] * 20)}
+    growth = {ANY_KIND: GrowthTable.from_ratios([1.3] * 20)}
     view = _view(_snapshot(growth))
     weights = dict(LOAD_AWARE_WEIGHTS, oom_risk=0.0)
     blind = load_aware_scores(_view(_snapshot()), WHOLE, weights)
@@ -207,6 +253,6 @@ def test_simulated_cluster_learns_to_stop_killing(learning, kills):
     if learning:
         # the kill (1.7), T1's second run (1.0 of its raised ask), T2..T4 (1.7), the hog (1.0)
         assert sim.growth is not None
-        assert sim.growth.tables()[""].tolist() == pytest.approx([1.0, 1.0, 1.7, 1.7, 1.7, 1.7])
+        assert sim.growth.tables()[""].ratios.tolist() == pytest.approx([1.0, 1.0, 1.7, 1.7, 1.7, 1.7])
     else:
         assert sim.growth is None

@@ -735,6 +735,16 @@ for seed in range(6):
             res.add(f"k{i}", reference.gpu_uuids, task.vram_mib, 100 * task.gpu_share,
                     [float(view.used[r]) for r in reference.rows])
             view.refresh(reference.gpu_uuids)
+# the second kernel of the build: the oom_risk term, equal to its numpy path
+from scheduler import memgrowth
+table = memgrowth.GrowthTable.from_ratios(np.random.default_rng(1).lognormal(0.0, 0.2, 300))
+free = np.random.default_rng(2).uniform(-100.0, 30_000.0, 5_000)
+free[::97] = np.nan
+compiled, plain = np.zeros(5_000), np.zeros(5_000)
+table.add_risk(compiled, free, 9_000.0, 2.0)
+memgrowth._COMPILED_MIN_ROWS = 10**9
+table.add_risk(plain, free, 9_000.0, 2.0)
+assert compiled.tolist() == plain.tolist() and compiled.max() > 0
 print("AOT_OK", compared, "numba" in sys.modules)
 """
 
