@@ -4,6 +4,7 @@ real grpc.aio server on port 0, a real Scheduler and a snapshot provider."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -336,53 +337,60 @@ async def test_metric_families():
 # ---- through a real coordinator (the lead's wiring) -----------------------------------------------
 
 
-async def test_through_a_real_coordinator_completions_teach_the_predictor(capsys):
+@contextlib.asynccontextmanager
+async def coordinator_with_sim_host(store=None):
+    """A real coordinator on a loopback port with one simulated 2-GPU host
+    streaming to it: yields (coordinator, port, Scheduler stub, Advisor stub)."""
     from agent.fleet import SimFleet
     from coordinator.config import CoordinatorConfig
     from coordinator.server import Coordinator
-    from protos import tasks_pb2 as tpb
     from protos import tasks_pb2_grpc as tpb_grpc
     from waiting import until
 
-    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1))
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1), store=store)
     port = await coord.start()
     try:
         async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=2, workload="idle"):
             await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                sched = tpb_grpc.SchedulerStub(ch)
-                advisor = apb_grpc.AdvisorStub(ch)
-                spec = tpb.TaskSpec(task_id="job-1", vram_mib=1024, gpu_share=0.3, duration_s=10.0, kind="training",
-                                    priority=tpb.PRIORITY_P1, movable=True)
-                placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
-                assert placed.state == tpb.TASK_STATE_LEASED
-                await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="job-1", lease_id=placed.assignment.lease_id,
-                                                                 actual_duration_s=12.0))
-                got = await advisor.GetPredictions(apb.GetPredictionsRequest())
-                assert got.samples == 1
-                (factor,) = [f for f in got.models if f.kind == "training"]
-                assert factor.samples == 1 and factor.slowdown > 1.0  # 12 s for 10 s of work
-                plan = await advisor.GetPlan(apb.GetPlanRequest(evaluate_now=True))
-                assert plan.trigger.gpus == 2 and not plan.trigger.fired
-
-                # the operator's view of the same through `gpulb advisor` (sync gRPC: off the loop)
-                from coordinator.cli import main as gpulb
-
-                addr = ["--coordinator", f"127.0.0.1:{port}"]
-                capsys.readouterr()  # the coordinator's log lines so far
-                assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions", "--json"]) == 0
-                listed = json.loads(capsys.readouterr().out)
-                assert listed["samples"] == "1" and any(m.get("kind") == "training" and m["samples"] == "1" for m in listed["models"])
-                assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions", "--kind", "training"]) == 0
-                table = capsys.readouterr().out
-                assert "learned from 1 completions" in table and "training" in table and "SLOWDOWN" in table
-                assert await asyncio.to_thread(gpulb, addr + ["advisor", "plan", "--now"]) == 0
-                text = capsys.readouterr().out
-                assert "trigger quiet over 2 GPUs" in text and "fires above 400" in text and "no plan would be made now" in text
-        text = coord.metrics.exposition(per_gpu=False).decode()
-        assert "gpulb_predictor_completions_total 1.0" in text and "gpulb_gpu_utilization_variance" in text
+                yield coord, port, tpb_grpc.SchedulerStub(ch), apb_grpc.AdvisorStub(ch)
     finally:
         await coord.stop(0)
+
+
+async def test_through_a_real_coordinator_completions_teach_the_predictor(capsys):
+    from protos import tasks_pb2 as tpb
+
+    async with coordinator_with_sim_host() as (coord, port, sched, advisor):
+        spec = tpb.TaskSpec(task_id="job-1", vram_mib=1024, gpu_share=0.3, duration_s=10.0, kind="training",
+                            priority=tpb.PRIORITY_P1, movable=True)
+        placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
+        assert placed.state == tpb.TASK_STATE_LEASED
+        await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="job-1", lease_id=placed.assignment.lease_id,
+                                                         actual_duration_s=12.0))
+        got = await advisor.GetPredictions(apb.GetPredictionsRequest())
+        assert got.samples == 1
+        (factor,) = [f for f in got.models if f.kind == "training"]
+        assert factor.samples == 1 and factor.slowdown > 1.0  # 12 s for 10 s of work
+        plan = await advisor.GetPlan(apb.GetPlanRequest(evaluate_now=True))
+        assert plan.trigger.gpus == 2 and not plan.trigger.fired
+
+        # the operator's view of the same through `gpulb advisor` (sync gRPC: off the loop)
+        from coordinator.cli import main as gpulb
+
+        addr = ["--coordinator", f"127.0.0.1:{port}"]
+        capsys.readouterr()  # the coordinator's log lines so far
+        assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions", "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert listed["samples"] == "1" and any(m.get("kind") == "training" and m["samples"] == "1" for m in listed["models"])
+        assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions", "--kind", "training"]) == 0
+        table = capsys.readouterr().out
+        assert "learned from 1 completions" in table and "training" in table and "SLOWDOWN" in table
+        assert await asyncio.to_thread(gpulb, addr + ["advisor", "plan", "--now"]) == 0
+        text = capsys.readouterr().out
+        assert "trigger quiet over 2 GPUs" in text and "fires above 400" in text and "no plan would be made now" in text
+        text = coord.metrics.exposition(per_gpu=False).decode()
+        assert "gpulb_predictor_completions_total 1.0" in text and "gpulb_gpu_utilization_variance" in text
 
 
 async def test_through_a_real_coordinator_peaks_teach_memory_growth(capsys, tmp_path):
@@ -390,64 +398,52 @@ async def test_through_a_real_coordinator_peaks_teach_memory_growth(capsys, tmp_
     memory; a bad report is refused by name and loses nothing; what was
     learned reaches GetPredictions, the CLI, the metrics, the scheduler's
     snapshot, and survives a restart."""
-    from agent.fleet import SimFleet
     from coordinator.config import CoordinatorConfig
     from coordinator.server import Coordinator
+    from coordinator.state import open_state_dir
     from protos import tasks_pb2 as tpb
-    from protos import tasks_pb2_grpc as tpb_grpc
     from waiting import until
 
-    from coordinator.state import open_state_dir
+    async with coordinator_with_sim_host(store=open_state_dir(tmp_path)) as (coord, port, sched, advisor):
+        spec = tpb.TaskSpec(task_id="grows", vram_mib=1000, gpu_share=0.3, kind="training",
+                            priority=tpb.PRIORITY_P1, movable=True)
+        placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
+        lease = placed.assignment.lease_id
+        for bad in (-1.0, math.nan, math.inf):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id=lease, peak_vram_mib=bad))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "peak_vram_mib" in err.value.details()
+        # refused without effect: the task still holds its lease
+        got = await sched.GetTask(tpb.GetTaskRequest(task_id="grows"))
+        assert got.state == tpb.TASK_STATE_LEASED
+        await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id=lease, peak_vram_mib=1500))
+        # the simulated agent runs this one and reports its peak (its ask) when it finishes
+        short = tpb.TaskSpec(task_id="short", vram_mib=2000, gpu_share=0.2, kind="inference",
+                             duration_s=0.3, priority=tpb.PRIORITY_P0)
+        await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=short), timeout=10)
+        await until(lambda: coord.advisor.growth.samples == 2, what="the agent's finished event")
+        got = await advisor.GetPredictions(apb.GetPredictionsRequest())
+        by = {g.kind: g for g in got.memory_growth}
+        assert set(by) == {"", "training", "inference"}
+        assert (by["training"].samples, by["training"].max) == (1, pytest.approx(1.5))
+        assert (by["inference"].samples, by["inference"].max) == (1, pytest.approx(1.0))
+        assert by[""].samples == 2 and by[""].oom_kills == 0
+        only = await advisor.GetPredictions(apb.GetPredictionsRequest(kind="training"))
+        assert {g.kind for g in only.memory_growth} == {"", "training"}
 
-    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1), store=open_state_dir(tmp_path))
-    port = await coord.start()
-    try:
-        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=2, workload="idle"):
-            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                sched = tpb_grpc.SchedulerStub(ch)
-                advisor = apb_grpc.AdvisorStub(ch)
-                spec = tpb.TaskSpec(task_id="grows", vram_mib=1000, gpu_share=0.3, kind="training",
-                                    priority=tpb.PRIORITY_P1, movable=True)
-                placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
-                lease = placed.assignment.lease_id
-                for bad in (-1.0, math.nan, math.inf):
-                    with pytest.raises(grpc.aio.AioRpcError) as err:
-                        await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id=lease, peak_vram_mib=bad))
-                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                    assert "peak_vram_mib" in err.value.details()
-                # refused without effect: the task still holds its lease
-                got = await sched.GetTask(tpb.GetTaskRequest(task_id="grows"))
-                assert got.state == tpb.TASK_STATE_LEASED
-                await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id=lease, peak_vram_mib=1500))
-                # the simulated agent runs this one and reports its peak (its ask) when it finishes
-                short = tpb.TaskSpec(task_id="short", vram_mib=2000, gpu_share=0.2, kind="inference",
-                                     duration_s=0.3, priority=tpb.PRIORITY_P0)
-                await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=short), timeout=10)
-                await until(lambda: coord.advisor.growth.samples == 2, what="the agent's finished event")
-                got = await advisor.GetPredictions(apb.GetPredictionsRequest())
-                by = {g.kind: g for g in got.memory_growth}
-                assert set(by) == {"", "training", "inference"}
-                assert (by["training"].samples, by["training"].max) == (1, pytest.approx(1.5))
-                assert (by["inference"].samples, by["inference"].max) == (1, pytest.approx(1.0))
-                assert by[""].samples == 2 and by[""].oom_kills == 0
-                only = await advisor.GetPredictions(apb.GetPredictionsRequest(kind="training"))
-                assert {g.kind for g in only.memory_growth} == {"", "training"}
+        from coordinator.cli import main as gpulb
 
-                from coordinator.cli import main as gpulb
-
-                capsys.readouterr()
-                addr = ["--coordinator", f"127.0.0.1:{port}"]
-                assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions"]) == 0
-                table = capsys.readouterr().out
-                assert "OOM KILLS" in table and "1.500" in table
+        capsys.readouterr()
+        addr = ["--coordinator", f"127.0.0.1:{port}"]
+        assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions"]) == 0
+        table = capsys.readouterr().out
+        assert "OOM KILLS" in table and "1.500" in table
         text = coord.metrics.exposition(per_gpu=False).decode()
         assert 'gpulb_memory_growth_ratio{kind="training",quantile="1"} 1.5' in text
         assert 'gpulb_memory_growth_samples{kind=""} 2.0' in text
         # min_samples (20) not reached: the scheduler's snapshot carries nothing yet
         assert not coord.advisor.annotate(coord.dispatcher.snapshots.snapshot()).memory_growth
-    finally:
-        await coord.stop(0)
     again = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"), store=open_state_dir(tmp_path))
     await again.start()
     try:
