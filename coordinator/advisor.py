@@ -289,6 +289,11 @@ class AdvisorRuntime:
         if isinstance(peak_mib, (int, float)) and math.isfinite(peak_mib) and peak_mib > 0:
             self._peaks[task_id] = (float(peak_mib), bool(oom_killed))
 
+    def forget_reports(self, task_id: str) -> None:
+        """Drop what a refused CompleteTask reported (run time, peak memory)."""
+        self._actual.pop(task_id, None)
+        self._peaks.pop(task_id, None)
+
     def on_task_change(self, task: Task) -> None:
         """Scheduler listener: learn from every COMPLETED task that says how long
         it was expected to run (``spec.duration_s``), and from every ended task

@@ -496,6 +496,8 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         try:
             task = self.d.engine.complete(request.task_id, request.lease_id, failed=request.failed)
         except SchedulerError as exc:
+            # a refused completion (a stale lease, say) reports nothing
+            self.c.advisor.forget_reports(request.task_id)
             await self._fail(context, exc)
         await self._durable(context, self.c.task_changed_durably(task))
         return tpb.CompleteTaskResponse(task=self._proto(task))

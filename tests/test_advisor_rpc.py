@@ -414,6 +414,10 @@ async def test_through_a_real_coordinator_peaks_teach_memory_growth(capsys, tmp_
                 await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id=lease, peak_vram_mib=bad))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "peak_vram_mib" in err.value.details()
+        # a completion with a stale lease is refused and its report forgotten
+        with pytest.raises(grpc.aio.AioRpcError):
+            await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id="stale", peak_vram_mib=9000))
+        assert "grows" not in coord.advisor._peaks
         # refused without effect: the task still holds its lease
         got = await sched.GetTask(tpb.GetTaskRequest(task_id="grows"))
         assert got.state == tpb.TASK_STATE_LEASED
