@@ -173,6 +173,9 @@ def test_dashboard_has_the_panels_operators_need() -> None:
     assert "sum by (priority) (gpulb_queue_depth)" in exprs_of["Queue depth by class"]
     assert "gpulb_envelopes_received_total" in exprs_of["Ingest rate"]
     assert "gpulb_ingest_latency_seconds_bucket" in exprs_of["Ingest latency"]
+    # what the learners learned: memory growth per kind, prediction error
+    assert "gpulb_memory_growth_ratio" in exprs_of["Memory growth: peak over ask, by kind"]
+    assert "gpulb_predictor_mape_ratio" in exprs_of["Run-time prediction"]
     # well-formed: unique ids, a datasource and a query on every panel, within the 24-column grid
     ids = [p["id"] for p in _panels(dash)]
     assert len(ids) == len(set(ids))
