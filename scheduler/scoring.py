@@ -47,10 +47,10 @@ equals (1 % never busy; time-mean util std across GPUs 0.87-0.98x round-robin's
 instead of 1.17-1.27x) but fragments nodes, and multi-GPU tasks wait longer
 (mean response 0.654-0.717x round-robin's instead of 0.632-0.699x), measured
 with the completion term off; with it on (the coordinator's way, and the
-simulator's since), load_aware also favours the fast models and spread takes
-util std from 1.13-1.27x to 1.03-1.20x round-robin's at about the same response. A
-choice between wear and thermal balance over time and room for big tasks, so
-it is a weight, off by default.
+simulator's since), load_aware also favours the fast models and spread
+takes util std from 1.13-1.27x to 1.03-1.20x round-robin's at about the same
+response. A choice between wear and thermal balance over time and room for
+big tasks, so it is a weight, off by default.
 
 ``util`` is the EWMA forecast (or smoothed util, see config; NaN -> 100 %),
 ``reserved_*`` the effective reservations, ``active`` the tasks on the GPU
