@@ -11,6 +11,7 @@ reconnected) and the older one is closed with ABORTED.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -207,6 +208,12 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
             elif body == "task_event":
                 if msg.task_event.kind not in pb.TaskEventKind.values():
                     raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, f"task_event.kind: unknown kind {msg.task_event.kind}")
+                peak = msg.task_event.peak_vram_mib
+                if not (math.isfinite(peak) and peak >= 0):
+                    raise StreamRefused(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"task_event.peak_vram_mib: must be a finite number >= 0 (0 = unknown), got {peak!r}",
+                    )
                 coordinator.task_event(node.node_id, msg.task_event)
             elif body == "register":
                 raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, "register: a stream registers once")
