@@ -1,18 +1,18 @@
 """The advisor inside the coordinator: speed prediction from completed tasks,
-memory growth from ended ones, the periodic rebalance advisor, its optional command hook, its metrics, and
-the thin ``gpulb.v1.Advisor`` servicer.
+memory growth from ended ones, the periodic rebalance advisor, its optional
+command hook, its metrics, and the thin ``gpulb.v1.Advisor`` servicer.
 
 ``AdvisorRuntime`` owns a ``SpeedPredictor``, a ``MemoryGrowth`` and an
-``Advisor`` and reads the
-cluster through three callables (the snapshot, the leased tasks, the live
-reservations), so it runs on the coordinator's event loop without touching
-its internals and tests drive it with fakes. It learns from completions
-through ``on_task_change`` (a scheduler listener): run times for the
-predictor, and peak GPU memory (reported by the agent's task event or the
-client's CompleteTask, ``note_peak_memory``) for memory growth, from tasks
-that completed or failed; ``annotate`` hands both to the scheduler's scores. It evaluates the advisor every
-``interval_s`` (``start``/``stop``), publishes plans to watchers and, when
-configured, hands each plan to a ``CommandHook``.
+``Advisor`` and reads the cluster through three callables (the snapshot, the
+leased tasks, the live reservations), so it runs on the coordinator's event
+loop without touching its internals and tests drive it with fakes. It learns
+through ``on_task_change`` (a scheduler listener): run times of completed
+tasks for the predictor, and the peak GPU memory of completed or failed ones
+(reported by the agent's task event or the client's CompleteTask,
+``note_peak_memory``) for memory growth; ``annotate`` hands both to the
+scheduler's scores. It evaluates the advisor every ``interval_s``
+(``start``/``stop``), publishes plans to watchers and, when configured, hands
+each plan to a ``CommandHook``.
 
 The hook runs an operator-chosen executor: ``argv`` with the plan as JSON on
 stdin (``Plan.to_dict``, one object) and ``GPULB_PLAN_ID`` in its environment,

@@ -89,8 +89,9 @@ class Coordinator:
         growth_config: MemoryGrowthConfig | None = None,
     ) -> None:
         """``advisor_config``, ``predictor_config`` and ``growth_config`` are the
-        ``[advisor]``, ``[predictor]`` and ``[memory_growth]`` tables (defaults when None). ``security`` defaults to insecure mode (tests, embedding; logged);
-        the daemon builds it from the configuration. ``store`` (durable task
+        ``[advisor]``, ``[predictor]`` and ``[memory_growth]`` tables (defaults
+        when None). ``security`` defaults to insecure mode (tests, embedding;
+        logged); the daemon builds it from the configuration. ``store`` (durable task
         state) is optional: without it tasks live in memory only."""
         self.config = cfg = config or CoordinatorConfig()
         self.clock = clock

@@ -59,7 +59,7 @@ import numpy as np
 
 from scheduler import setsearch
 
-__all__ = ["ANY_KIND", "BINS", "MemoryGrowthConfig", "GrowthStats", "GrowthTable", "MemoryGrowth", "oom_risk", "table_for"]
+__all__ = ["ANY_KIND", "BINS", "MemoryGrowthConfig", "GrowthStats", "GrowthTable", "MemoryGrowth", "table_for"]
 
 #: the key of the all-kinds table (the same as ``scheduler.predictor.ANY_KIND``)
 ANY_KIND = ""
@@ -192,6 +192,7 @@ class MemoryGrowth:
         #: bumped on every ratio learned
         self.version = 0
         self._tables: tuple[int, dict[str, GrowthTable]] | None = None
+        self._changed: set[str] = set()  # kinds whose table is out of date
 
     def observe(self, kind: str, asked_mib: float, peak_mib: float, *, oom_killed: bool = False) -> float | None:
         """Learn from one ended run: the ratio learned, or None when the report
@@ -206,6 +207,7 @@ class MemoryGrowth:
                 self._ooms[key] = deque(maxlen=self.config.window)
             ratios.append(ratio)
             self._ooms[key].append(bool(oom_killed))
+            self._changed.add(key)
         self.version += 1
         return ratio
 
@@ -218,14 +220,17 @@ class MemoryGrowth:
     def tables(self) -> Mapping[str, GrowthTable]:
         """Per kind, the table placement reads (``ANY_KIND`` included once it
         has ``min_samples`` ratios; a kind only once it has them): the same
-        dict until the next ratio is learned. Empty while nothing is known."""
+        dict until the next ratio is learned (then a new one, rebuilding only
+        the tables of the kinds that learned). Empty while nothing is known."""
         cached = self._tables
         if cached is not None and cached[0] == self.version:
             return cached[1]
-        out: dict[str, GrowthTable] = {}
-        for kind, ratios in self._ratios.items():
+        out = dict(cached[1]) if cached is not None else {}
+        for kind in self._changed:
+            ratios = self._ratios[kind]
             if len(ratios) >= self.config.min_samples:
                 out[kind] = GrowthTable.from_ratios(np.fromiter(ratios, dtype=np.float64, count=len(ratios)))
+        self._changed.clear()
         self._tables = (self.version, out)
         return out
 
@@ -270,6 +275,8 @@ class MemoryGrowth:
                 continue
             self._ratios[str(kind)] = deque(ratios, maxlen=window)
             self._ooms[str(kind)] = deque(ooms, maxlen=window)
+        self._tables = None  # every table is rebuilt
+        self._changed = set(self._ratios)
         self.version += 1
 
 
@@ -277,9 +284,3 @@ def table_for(tables: Mapping[str, GrowthTable], kind: str) -> GrowthTable | Non
     """The kind's table, else the all-kinds one, else None."""
     table = tables.get(kind)
     return table if table is not None else tables.get(ANY_KIND)
-
-
-def oom_risk(free_mib: np.ndarray, vram_mib: float, table: GrowthTable) -> np.ndarray:
-    """O(g) of the module docstring per GPU (a new array): the share of the
-    table's ratios r with ``vram_mib * r > free_mib``, binned."""
-    return table.risk(free_mib, vram_mib)

@@ -28,13 +28,13 @@ finishes the task soonest wins. A snapshot without slowdowns has no such term.
 (It is computed as ``w_completion - (w_completion * fastest / slowdown_g) /
 stretch_g`` with the first product cached per view: equal up to rounding.)
 
-``O(g)`` (``scheduler.memgrowth.oom_risk``) is the share of the peak-over-ask
+``O(g)`` (``scheduler.memgrowth.GrowthTable``) is the share of the peak-over-ask
 memory ratios learned from ended tasks of the task's kind for which ``vram *
 r`` would exceed the GPU's free memory ``total - committed``: the empirical
 chance that the task outgrows that GPU and is killed. 0 where even the largest
 learned growth fits; a snapshot without learned growth has no such term. On
 the openb replays it is what keeps whole-GPU tasks (13,107 MiB asks) off the
-16 GiB cards while 24 and 80 GiB ones are free (README, "Out-of-memory kills").
+16 GiB cards while 24 and 80 GiB ones are free (README, "OOM kills").
 
 ``R(g) = max(0, 1 - (placements since g was last chosen) / GPUs)``: 1 on
 the GPU just chosen, 0 on one not chosen in the last G placements (or ever).

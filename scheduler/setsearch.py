@@ -35,8 +35,9 @@ at start so no decision waits.
 The same build carries a second, small kernel: ``add_oom_risk``, the
 load-aware ``oom_risk`` term (``scheduler.memgrowth.GrowthTable.add_risk``)
 added to every GPU's score in one pass. In numpy it is a comparison, an index
-and six array operations over the GPUs at risk (~80 µs a decision at 40,000
-GPUs); compiled, one loop with the same float operations.
+and six array operations over the GPUs at risk (~140 µs a decision at 40,000
+GPUs, half of them at risk); compiled, one loop with the same float
+operations (~43 µs).
 """
 
 from __future__ import annotations

@@ -138,8 +138,8 @@ from scheduler.advisor import Advisor, AdvisorConfig
 from scheduler.cluster import ClusterNode, convert_openb_nodes, homogeneous, read_cluster, write_cluster
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Scheduler
-from scheduler.memgrowth import MemoryGrowth, MemoryGrowthConfig
 from scheduler.errors import SchedulerError
+from scheduler.memgrowth import MemoryGrowth, MemoryGrowthConfig
 from scheduler.policies import POLICIES, make_policy
 from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
 from scheduler.reservations import Reservations, ReservedColumns

@@ -78,9 +78,9 @@ class ClusterSnapshot:
     # task kind ("" = any kind), from ``scheduler.predictor``; empty when no
     # predictor runs. The load-aware ``completion`` term reads it.
     gpu_slowdown: Mapping[str, np.ndarray] = field(default_factory=dict)
-    # Sorted peak-over-ask memory ratios of ended tasks, per task kind ("" =
-    # any kind), from ``scheduler.memgrowth``; empty when nothing is learned.
-    # The load-aware ``oom_risk`` term reads it.
+    # Peak-over-ask memory ratios of ended tasks as lookup tables, per task
+    # kind ("" = any kind), from ``scheduler.memgrowth``; empty when nothing
+    # is learned. The load-aware ``oom_risk`` term reads it.
     memory_growth: Mapping[str, GrowthTable] = field(default_factory=dict)
     # Results derived from this snapshot alone (``filters.never_fits``), kept
     # for its lifetime; not part of its value (a replace() starts empty).

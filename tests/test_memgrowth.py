@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.cluster import ClusterNode, homogeneous
 from scheduler.config import SchedulerConfig
-from scheduler.memgrowth import BINS, ANY_KIND, GrowthTable, MemoryGrowth, MemoryGrowthConfig, oom_risk, table_for
+from scheduler.memgrowth import BINS, ANY_KIND, GrowthTable, MemoryGrowth, MemoryGrowthConfig, table_for
 from scheduler.policies import make_policy
 from scheduler.reservations import Reservations
 from scheduler.scoring import LOAD_AWARE_WEIGHTS, load_aware_scores, load_aware_terms
@@ -118,7 +118,7 @@ def test_oom_risk_by_hand():
     # the share of ratios strictly above each (none of 1.6 and 1.3's bins holds a ratio:
     # exact); unknown free memory is left to the memory filters (they refuse it)
     expected = [0.0, 0.25, 0.5, 1.0, 0.0, 0.75, 0.0]
-    assert oom_risk(free, 10_000.0, table).tolist() == expected
+    assert table.risk(free, 10_000.0).tolist() == expected
     assert [table.risk_at(float(f), 10_000.0) for f in free] == expected
 
 
