@@ -1174,13 +1174,19 @@ class Simulation:
         if not self._running:
             return False
         snap = self._snapshot()
-        if snap is self._advised and advisor.state.streak == 0:
-            return False  # the same readings as last time, and nothing pending: the same answer
+        if snap is self._advised and advisor.state.streak == 0 and self._advisor_settled(snap):
+            return False  # the same readings, averaged in already, and nothing pending: the same answer
         self._advised = snap
         tasks: list[Task] = []
         for run_id in self._running:
             task = self.sched.get(run_id)
             if task.state == TaskState.LEASED:
+                labels = task.spec.required_node_labels
+                if NODE_LABEL in labels:
+                    # the pin is how _migrate carried out an earlier move, not a
+                    # constraint of the task: judged with it, a task could move once only
+                    task = replace(task, spec=replace(task.spec, required_node_labels={
+                        k: v for k, v in labels.items() if k != NODE_LABEL}))
                 tasks.append(task)
         plan = advisor.evaluate(snap, tasks, self.now, reservations=self.sched.reservations,
                                 queued=self.sched.queued())
@@ -1194,6 +1200,18 @@ class Simulation:
                 continue
             moved |= self._migrate(run, m.to_node_id)
         return moved
+
+    def _advisor_settled(self, snap: ClusterSnapshot) -> bool:
+        """Whether the advisor's per-GPU averages have reached ``snap``'s readings
+        (within 0.01 %): until then each evaluation moves them, even on the same
+        readings, and may fire the trigger."""
+        state = self.advisor.state  # type: ignore[union-attr]
+        avg = state.smoothed_util
+        if avg is None or state.smoothed_uuids != tuple(snap.gpu_uuid):
+            return False
+        reading = np.asarray(snap.util_pct, dtype=np.float64)
+        known = np.isfinite(reading)
+        return bool(np.all(np.abs(avg[known] - reading[known]) < 0.01))
 
     def _migrate(self, run: _Run, to_node: str) -> bool:
         """Checkpoint ``run`` now, end its lease, and queue the rest of its work

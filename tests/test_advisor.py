@@ -383,3 +383,34 @@ def test_simulator_prediction_switch_learns_from_completions():
     slow_jct = {x.task_id: x.jct_s for x in off.records}
     fast_jct = {x.task_id: x.jct_s for x in on.records}
     assert sum(fast_jct.values()) < sum(slow_jct.values())
+
+
+def test_simulator_lets_a_migrated_task_move_again():
+    """The simulator restarts a moved task pinned to its destination node (how
+    its executor carries the move out); the advisor must still judge it by the
+    task's own constraints, or every task could move once only."""
+    from scheduler.simulator import SimConfig, Simulation
+    from scheduler.traces import TraceTask
+
+    def t(task_id, submit, duration, share, kind="training"):
+        prio = Priority.P0 if kind == "inference" else Priority.P1
+        return TraceTask(task_id, submit, duration, 1, 4_000.0, share, prio, kind)
+
+    # P0 first: C on GPU 0, A on 1, B on 2; D joins C (50 % ties 50 %: lowest row): [90, 60, 50].
+    # B ends at 100 s: [90, 60, 0], D moves to GPU 2 (node n2, where its restart is pinned).
+    # E lands on the coolest GPU, 2 (D's): [50, 60, 90]. C ends at 3,000 s: [0, 60, 90], and the
+    # only useful move is D's again (E is inference, A alone on its GPU): to GPU 0.
+    # Between the ends of C and E the readings do not change: the advisor's averages must still
+    # be allowed to catch up with them.
+    tasks = [
+        t("A", 0.0, 20_000.0, 0.6),
+        t("B", 0.0, 100.0, 0.5),
+        t("C", 0.0, 3_000.0, 0.5, "inference"),
+        t("D", 1.0, 20_000.0, 0.4),
+        t("E", 2_000.0, 20_000.0, 0.5, "inference"),
+    ]
+    nodes = [NodeFacts(f"n{i}", 1) for i in range(3)]
+    r = Simulation(tasks, nodes, "load_aware", SimConfig(memory="asked", advisor=AdvisorConfig())).run()
+    by_id = {x.task_id: x for x in r.records}
+    assert by_id["D"].migrations == 2 and by_id["D"].state == "completed"
+    assert r.migrations == 2 and all(by_id[k].migrations == 0 for k in "ABCE")
