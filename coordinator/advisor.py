@@ -524,9 +524,10 @@ def _trigger_to_proto(t: Trigger | None, config: AdvisorConfig) -> apb.TriggerSt
         hot_pct=config.hot_pct,
         rising_pct_per_min=config.rising_pct_per_min,
         rising_gpus=config.rising_gpus,
+        release_variance=min(config.release_variance, config.variance_threshold),
     )
     if t is not None:
-        out.fired, out.reason, out.variance = t.fired, t.reason, t.variance
+        out.fired, out.reason, out.variance, out.held = t.fired, t.reason, t.variance, t.held
         out.hottest_pct = t.hottest_pct if math.isfinite(t.hottest_pct) else 0.0
         out.rising, out.gpus = t.rising, t.gpus
     return out

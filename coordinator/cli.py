@@ -451,8 +451,9 @@ def cmd_advisor(args: argparse.Namespace) -> int:
         print(json.dumps(MessageToDict(got, preserving_proto_field_name=True), indent=2))
         return 0
     t = got.trigger
-    state = "FIRED (" + t.reason + ")" if t.fired else "quiet"
-    print(f"trigger {state} over {t.gpus} GPUs: variance {t.variance:.0f} %² (fires above {t.variance_threshold:g}); "
+    state = "FIRED (" + t.reason + (", held" if t.held else "") + ")" if t.fired else "quiet"
+    print(f"trigger {state} over {t.gpus} GPUs: variance {t.variance:.0f} %² (fires above {t.variance_threshold:g}, "
+          f"then holds down to {t.release_variance:g}); "
           f"hottest {t.hottest_pct:.1f} % (hot above {t.hot_pct:g}) with {t.rising} rising "
           f"(> {t.rising_pct_per_min:g} %/min; {t.rising_gpus} needed)")
     if got.HasField("plan"):

@@ -137,7 +137,7 @@ class GetPlanRequest(_message.Message):
     def __init__(self, evaluate_now: _Optional[bool] = ...) -> None: ...
 
 class TriggerState(_message.Message):
-    __slots__ = ("fired", "reason", "variance", "hottest_pct", "rising", "gpus", "variance_threshold", "hot_pct", "rising_pct_per_min", "rising_gpus")
+    __slots__ = ("fired", "reason", "variance", "hottest_pct", "rising", "gpus", "variance_threshold", "hot_pct", "rising_pct_per_min", "rising_gpus", "release_variance", "held")
     FIRED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VARIANCE_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,8 @@ class TriggerState(_message.Message):
     HOT_PCT_FIELD_NUMBER: _ClassVar[int]
     RISING_PCT_PER_MIN_FIELD_NUMBER: _ClassVar[int]
     RISING_GPUS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_VARIANCE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     fired: bool
     reason: str
     variance: float
@@ -158,7 +160,9 @@ class TriggerState(_message.Message):
     hot_pct: float
     rising_pct_per_min: float
     rising_gpus: int
-    def __init__(self, fired: _Optional[bool] = ..., reason: _Optional[str] = ..., variance: _Optional[float] = ..., hottest_pct: _Optional[float] = ..., rising: _Optional[int] = ..., gpus: _Optional[int] = ..., variance_threshold: _Optional[float] = ..., hot_pct: _Optional[float] = ..., rising_pct_per_min: _Optional[float] = ..., rising_gpus: _Optional[int] = ...) -> None: ...
+    release_variance: float
+    held: bool
+    def __init__(self, fired: _Optional[bool] = ..., reason: _Optional[str] = ..., variance: _Optional[float] = ..., hottest_pct: _Optional[float] = ..., rising: _Optional[int] = ..., gpus: _Optional[int] = ..., variance_threshold: _Optional[float] = ..., hot_pct: _Optional[float] = ..., rising_pct_per_min: _Optional[float] = ..., rising_gpus: _Optional[int] = ..., release_variance: _Optional[float] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
     __slots__ = ("plan", "trigger", "evaluated_at_ns")

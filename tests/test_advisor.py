@@ -12,7 +12,6 @@ import pytest
 from scheduler.advisor import (
     Advisor,
     AdvisorConfig,
-    AdvisorState,
     advise,
     check_trigger,
     plan_moves,
@@ -175,6 +174,65 @@ def test_task_loads_split_measured_util_by_declared_share():
              leased("c", snap, 1, share=0.0), leased("d", snap, 1, share=0.0)]
     loads = {k: v[1] for k, v in task_loads(snap, tasks).items()}
     assert loads == pytest.approx({"a": 60.0, "b": 30.0, "c": 20.0, "d": 20.0})
+
+
+@pytest.mark.parametrize(
+    "util, armed, fired, held",
+    [
+        ([40.0, 61.0], False, False, False),  # var 110.25: under 400, nothing armed
+        ([40.0, 61.0], True, True, True),  # armed: holds above the 100 %² release
+        ([40.0, 60.0], True, False, False),  # var exactly 100: released (strict, like the threshold)
+        ([30.0, 70.01], False, True, False),  # above 400 it fires whether armed or not, not held
+    ],
+)
+def test_variance_rule_holds_down_to_the_release_level(util, armed, fired, held):
+    t = check_trigger(snapshot(util), AdvisorConfig(), armed=armed)
+    assert (t.fired, t.held) == (fired, held)
+    assert t.reason == ("variance" if fired else "")
+
+
+def test_release_level_is_never_above_the_threshold():
+    # a threshold set under the default release: holding adds nothing (no error either)
+    cfg = AdvisorConfig(variance_threshold=50.0)
+    assert not check_trigger(snapshot([45.0, 55.0]), cfg, armed=True).fired  # var 25
+    assert check_trigger(snapshot([40.0, 60.0]), cfg, armed=False).fired  # var 100 > 50
+    off = AdvisorConfig(release_variance=400.0)
+    assert not check_trigger(snapshot([40.0, 61.0]), off, armed=True).fired
+
+
+def test_a_plan_arms_the_hold_and_the_advisor_finishes_the_job():
+    cfg = AdvisorConfig(persist=1, smoothing_alpha=1.0, cooldown_s=0.0, min_age_s=0.0, max_moves=1)
+    # [100, 60, 0] (var 1,689): a plan under the variance rule arms the hold
+    hot = snapshot([100.0, 60.0, 0.0])
+    tasks = [leased("a", hot, 0, share=0.5), leased("b", hot, 0, share=0.5), leased("c", hot, 1, share=0.6)]
+    plan, state = advise(hot, tasks, NOW, None, cfg)
+    assert plan is not None and state.armed
+    # later [80, 50, 40] (var 288.9, under 400): GPU 0's 23 % task (b) can narrow it to ~28
+    mid = snapshot([80.0, 50.0, 40.0])
+    tasks2 = [leased("a", mid, 0, share=0.5), leased("b", mid, 0, share=0.2), leased("c", mid, 1, share=0.5),
+              leased("d", mid, 2, share=0.4)]
+    held, state_held = advise(mid, tasks2, NOW + 120.0, state, cfg)
+    assert held is not None and state_held.last_trigger.held and state_held.armed
+    assert [m.task_id for m in held.moves] == ["b"] and held.variance_after < 100.0
+    # without the hold (release = threshold) the same readings bring no plan
+    no_hold = replace(cfg, release_variance=cfg.variance_threshold)
+    assert advise(mid, tasks2, NOW + 120.0, state, no_hold)[0] is None
+    # at the release level the hold ends; only a new plan under the rule arms it again
+    even = snapshot([55.0, 50.0, 45.0])  # var 16.7
+    plan, state = advise(even, tasks2, NOW + 240.0, state_held, cfg)
+    assert plan is None and not state.armed
+    assert advise(mid, tasks2, NOW + 360.0, state, cfg)[0] is None
+
+
+def test_noise_that_fires_without_a_plan_arms_nothing():
+    cfg = AdvisorConfig(persist=2, smoothing_alpha=1.0)
+    a = snapshot([100.0, 0.0, 100.0, 0.0])
+    b = snapshot([0.0, 100.0, 100.0, 0.0])
+    tasks = [leased(f"x{r}{k}", a, r, share=0.5) for r in range(4) for k in range(2)]
+    state = None
+    for k, snap in enumerate((a, b, a, b)):  # fires every time, the source never persists
+        plan, state = advise(snap, tasks, NOW + 10 * k, state, cfg)
+        assert plan is None and state.last_trigger.fired and not state.armed
 
 
 def test_at_most_max_moves_per_window_and_cooldown():
