@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -57,7 +58,17 @@ from coordinator.tables import fmt, render_table  # noqa: E402
 from scheduler.cluster import convert_openb_nodes, homogeneous  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.policies import POLICIES  # noqa: E402
-from scheduler.simreport import RATIO_KEYS, SEED_CLAIMS, figures, json_safe, plot, ratios, render  # noqa: E402
+from scheduler.simreport import (  # noqa: E402
+    RATIO_KEYS,
+    SEED_CLAIMS,
+    figures,
+    hottest_node_floor,
+    json_safe,
+    plot,
+    ratios,
+    render,
+    util_std_floor,
+)
 from scheduler.simulator import REQUESTS_ONLY, SimConfig, saturate, simulate  # noqa: E402
 from scheduler.traces import convert_openb, scale_trace  # noqa: E402
 
@@ -141,6 +152,26 @@ def main(argv: list[str] | None = None) -> int:
             rat = ratios(figs)
             if rat:
                 summary_rows.append([title, *[fmt(rat[k]["ratio"], 3) for k in RATIO_KEYS]])
+                # what no placement can beat (scheduler.simreport), as a ratio to round-robin's figure
+                base = next(r for r in results if r.policy == "round_robin")
+                start, window = base.meta["window_start_s"], base.window_s
+                node_floor = hottest_node_floor(tasks, nodes, start, window)
+                std_floor = util_std_floor(tasks, nodes, start, window)
+                base_figs = figures(base)
+                floors = {"hottest_node_util": node_floor.pct, "util_std": std_floor}
+                doc["scenarios"][-1]["floors"] = {
+                    "hottest_node": {**node_floor.__dict__, "round_robin": base_figs["hottest_node_util"]},
+                    "util_std": {"pct": std_floor, "round_robin": base_figs["util_std"]},
+                }
+                if node_floor.task_id:
+                    print(f"floors, for any placement that starts tasks when submitted: hottest node "
+                          f"{node_floor.pct:.1f} % ({node_floor.task_id}, {node_floor.num_gpus} GPUs on a node of "
+                          f"{node_floor.node_gpus} for {100 * node_floor.coverage:.0f} % of the window; round_robin "
+                          f"{base_figs['hottest_node_util']:.1f} %); util std across GPUs {std_floor:.2f} % without "
+                          f"two whole-GPU tasks on one GPU (round_robin {base_figs['util_std']:.2f} %)\n")
+                summary_rows.append(["  floor: no placement goes below",
+                                     *[fmt(floors[k] / base_figs[k] if base_figs[k] else math.nan, 3)
+                                       if k in floors else "-" for k in RATIO_KEYS]])
             blind = ratios(figs, base="round_robin" + REQUESTS_ONLY)
             if blind:
                 doc["scenarios"][-1]["ratios_vs_requests_only"] = blind

@@ -32,20 +32,33 @@ Definitions (every figure is computed from ``SimResult`` alone):
   makespan), **makespan** (last completion).
 * **saturation** (when run): share of GPU capacity left unallocated when the
   first task does not fit, and when the arrived demand equals the GPU count.
+* **floors** (``hottest_node_floor``, ``util_std_floor``; from the trace, the
+  cluster and the window, not from a run): the least hottest-node load and
+  util std across GPUs that any placement starting tasks when submitted can
+  reach (the second also without two whole-GPU tasks on one GPU): how far a
+  policy is from the best the work allows, and which targets no policy can
+  meet.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from coordinator.tables import fmt, render_table
 from scheduler.simulator import SimResult
 
-__all__ = ["figures", "to_json", "json_safe", "render", "ratios", "plot", "RATIO_KEYS", "SEED_CLAIMS"]
+if TYPE_CHECKING:
+    from scheduler.cluster import ClusterNode
+    from scheduler.traces import TraceTask
+
+__all__ = ["figures", "to_json", "json_safe", "render", "ratios", "plot", "hottest_node_floor", "NodeFloor",
+           "util_std_floor",
+           "RATIO_KEYS", "SEED_CLAIMS"]
 
 _CLASSES = ("P0", "P1", "P2", "P3")
 
@@ -182,6 +195,106 @@ def ratios(
                 entry["beats_seed"] = ratio < seed if lower_better else ratio > seed
         out[key] = entry
     return out
+
+
+@dataclass(frozen=True)
+class NodeFloor:
+    """The least window-mean utilisation the hottest node can have (``hottest_node_floor``)."""
+
+    pct: float  # % of the node's GPU capacity over the window
+    task_id: str  # the task that sets it ("" when none does)
+    num_gpus: int
+    node_gpus: int  # GPUs of the node shape that gives the least
+    coverage: float  # share of the window the task runs there, started at its submission
+
+
+def hottest_node_floor(
+    tasks: Sequence["TraceTask"], nodes: Sequence["ClusterNode"], window_start_s: float, window_s: float
+) -> NodeFloor:
+    """A floor under ``hottest_node_util`` that no placement can beat, when
+    it starts each task as it is submitted (a free node exists: any policy
+    that starts work once it fits, on a cluster not full).
+
+    A task on ``n`` GPUs runs on one node of ``G >= n`` GPUs, each of its GPUs
+    at ``min(100, util)`` % or more (a co-tenant only adds) for its run,
+    ``duration / speed``: so that node's window mean is at least ``n / G *
+    min(100, util) * coverage``, coverage being the share of the window the run
+    overlaps. Each task is given the node shape (GPUs, speed) that makes this
+    least, every other constraint (memory, ``gpu_spec``, other tasks) ignored,
+    which only lowers the result; the floor is the largest of these over the
+    tasks. On the openb traces it is set by whole-node 8-GPU tasks that run
+    through the window: a node at 100 % under any policy (README)."""
+    end = window_start_s + window_s
+    shapes = sorted({(n.gpus, n.speed) for n in nodes if n.gpus > 0 and n.speed > 0})
+    best = NodeFloor(0.0, "", 0, 0, 0.0)
+    if window_s <= 0 or not shapes:
+        return best
+    for t in tasks:
+        util = min(100.0, t.util_pct)
+        least: tuple[float, int, float] | None = None
+        for gpus, speed in shapes:
+            if gpus < t.num_gpus:
+                continue
+            coverage = _coverage(t, speed, window_start_s, end)
+            pct = t.num_gpus / gpus * util * coverage
+            if least is None or pct < least[0]:
+                least = (pct, gpus, coverage)
+        if least is not None and least[0] > best.pct:
+            best = NodeFloor(least[0], t.task_id, t.num_gpus, least[1], least[2])
+    return best
+
+
+def _coverage(t: "TraceTask", speed: float, start: float, end: float) -> float:
+    """Share of [start, end] a run of ``t`` started at its submission overlaps, at ``speed``."""
+    run_end = t.submit_s + t.duration_s / speed
+    return max(0.0, min(run_end, end) - max(t.submit_s, start)) / (end - start)
+
+
+def util_std_floor(
+    tasks: Sequence["TraceTask"], nodes: Sequence["ClusterNode"], window_start_s: float, window_s: float
+) -> float:
+    """A floor (%) under ``util_std`` (the standard deviation across GPUs of
+    their window-mean utilisation) for any placement that starts each task as
+    it is submitted and never runs two whole-GPU tasks on one GPU at once
+    (none of gpulb's policies does while a GPU is free; stacking would slow
+    both).
+
+    Each GPU of a whole-GPU task (``gpu_share`` 1) carries a lump of ``min(100,
+    util) * coverage`` on a GPU of its own, coverage taken at the fastest
+    speed (the smallest lump); all other work (shared tasks, at the slowest
+    speed: the most of it, and lumps beyond one per GPU) is treated as
+    divisible and poured where it evens the GPUs most (water-filling). Both
+    relaxations only lower the spread, so the result is a floor: the least
+    standard deviation of per-GPU means any such placement can reach. On the
+    openb traces whole-GPU tasks that run through the window keep it at
+    0.64-0.71x round-robin's (README)."""
+    gpus = sum(n.gpus for n in nodes)
+    speeds = [n.speed for n in nodes if n.gpus > 0 and n.speed > 0]
+    if window_s <= 0 or gpus == 0 or not speeds:
+        return math.nan
+    start, end = window_start_s, window_start_s + window_s
+    fastest, slowest = max(speeds), min(speeds)
+    lumps: list[float] = []
+    poured = 0.0
+    for t in tasks:
+        util = min(100.0, t.util_pct)
+        if t.gpu_share >= 1.0:
+            lumps.extend([util * _coverage(t, fastest, start, end)] * t.num_gpus)
+        else:
+            poured += util * _coverage(t, slowest, start, end) * t.num_gpus
+    lumps.sort(reverse=True)
+    poured += sum(lumps[gpus:])
+    floors = np.zeros(gpus)
+    floors[: min(len(lumps), gpus)] = lumps[:gpus]
+    # water-filling: the level lam with sum(max(0, lam - floor)) = poured
+    f = np.sort(floors)
+    cum = np.cumsum(f)
+    level = f[-1]
+    for k in range(1, gpus + 1):
+        level = (poured + cum[k - 1]) / k
+        if k == gpus or level <= f[k]:
+            break
+    return float(np.std(np.maximum(floors, level)))
 
 
 def to_json(results: Sequence[SimResult], meta: dict | None = None) -> dict[str, Any]:

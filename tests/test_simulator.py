@@ -452,3 +452,52 @@ def test_a_policy_label_carries_weights_and_spread_rotates_idle_gpus():
     assert policy_weights("load_aware:spread=0.05+jitter=0.2") == {"spread": 0.05, "jitter": 0.2}
     with pytest.raises(ValueError, match="expected NAME:weight=value"):
         policy_weights("load_aware:spread")
+
+
+def test_hottest_node_floor_by_hand():
+    from scheduler.simreport import hottest_node_floor
+
+    def t(task_id, submit, duration, gpus, share=1.0):
+        return TraceTask(task_id, submit, duration, gpus, 1_000.0, share, Priority.P1, "training")
+
+    nodes = [ClusterNode("big", 8, "RTX 4090", 24_564.0, 1.0), ClusterNode("small", 2, "RTX 4090", 24_564.0, 2.0)]
+    window = (100.0, 1_000.0)  # [100, 1,100]
+    # a 2-GPU task running through the window: on the 8-GPU node it loads 2/8 of it (25 %),
+    # on the fast 2-GPU node it runs 5,000 s, still the whole window (100 %): floor 25 %
+    floor = hottest_node_floor([t("pair", 0.0, 10_000.0, 2)], nodes, *window)
+    assert floor.pct == pytest.approx(25.0) and (floor.node_gpus, floor.coverage) == (8, 1.0)
+    # an 8-GPU task only fits the big node: from 600 s for 300 s is 30 % of the window
+    floor = hottest_node_floor([t("pair", 0.0, 10_000.0, 2), t("whole", 600.0, 300.0, 8)], nodes, *window)
+    assert (floor.task_id, floor.pct) == ("whole", pytest.approx(30.0))
+    # a half-share single-GPU task from 200 s for 800 s: on the small node twice as fast
+    # (400 s, 40 % of the window), half of its 2 GPUs at 50 %: 10 %; on the big one 1/8 * 50 * 0.8 = 5 %
+    floor = hottest_node_floor([t("half", 200.0, 800.0, 1, share=0.5)], nodes, *window)
+    assert floor.pct == pytest.approx(5.0) and floor.node_gpus == 8
+    # what no placement can beat, it does not: round-robin's and load_aware's hottest node are above it
+    tasks = [t("whole", 100.0, 2_000.0, 8), t("a", 150.0, 300.0, 1), t("b", 160.0, 300.0, 2)]
+    for r in simulate(tasks, [n.facts() for n in nodes], ["round_robin", "load_aware"], SimConfig(memory="asked")):
+        got = figures(r)["hottest_node_util"]
+        assert got >= hottest_node_floor(tasks, nodes, r.meta["window_start_s"], r.window_s).pct - 1e-9
+
+
+def test_util_std_floor_by_hand():
+    from scheduler.simreport import util_std_floor
+
+    def t(task_id, submit, duration, gpus=1, share=1.0):
+        return TraceTask(task_id, submit, duration, gpus, 1_000.0, share, Priority.P1, "training")
+
+    nodes = [n for n in homogeneous(2, 2)]  # 4 GPUs, speed 1.0
+    # a whole-GPU task through the window pins one GPU at 100 %; a half-share one (50 % of
+    # a GPU over the window) is poured over the other three: [100, 16.7, 16.7, 16.7], std 36.08
+    tasks = [t("whole", 0.0, 1_000.0), t("half", 0.0, 1_000.0, share=0.5)]
+    floor = util_std_floor(tasks, nodes, 0.0, 100.0)
+    assert floor == pytest.approx(math.sqrt(np.var([100.0, 50 / 3, 50 / 3, 50 / 3])))
+    # more whole-GPU lumps than GPUs: the extra ones are poured too (3 x 33 % on 2 GPUs: level 50, std 0)
+    three = [t(f"w{i}", 100.0 * i, 100.0) for i in range(3)]
+    assert util_std_floor(three, homogeneous(1, 2), 0.0, 300.0) == pytest.approx(0.0)
+    # no placement of these tasks beats it
+    tasks = [t("whole", 0.0, 5_000.0), t("a", 10.0, 600.0, share=0.5), t("b", 20.0, 900.0, share=0.3),
+             t("pair", 30.0, 400.0, gpus=2)]
+    for r in simulate(tasks, [n.facts() for n in nodes], ["round_robin", "load_aware", "binpack"],
+                      SimConfig(memory="asked")):
+        assert figures(r)["util_std"] >= util_std_floor(tasks, nodes, r.meta["window_start_s"], r.window_s) - 1e-9
