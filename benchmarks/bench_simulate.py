@@ -61,13 +61,13 @@ from scheduler.policies import POLICIES  # noqa: E402
 from scheduler.simreport import (  # noqa: E402
     RATIO_KEYS,
     SEED_CLAIMS,
+    attach_floors,
     figures,
     hottest_node_floor,
     json_safe,
     plot,
     ratios,
     render,
-    util_std_floor,
 )
 from scheduler.simulator import REQUESTS_ONLY, SimConfig, saturate, simulate  # noqa: E402
 from scheduler.traces import convert_openb, scale_trace  # noqa: E402
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             tasks = scale_trace(trace_tasks[name], 1.0, arrival)
             print(f"## {title}")
             results = simulate(tasks, nodes, policies, config, progress=sys.stderr.isatty())
+            attach_floors(results, tasks, nodes)
             meta = {"trace": name, "gpus": sum(n.gpus for n in nodes), "arrival_scale": arrival, "seed": args.seed}
             print(render(results, meta))
             print()
@@ -154,15 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                 summary_rows.append([title, *[fmt(rat[k]["ratio"], 3) for k in RATIO_KEYS]])
                 # what no placement can beat (scheduler.simreport), as a ratio to round-robin's figure
                 base = next(r for r in results if r.policy == "round_robin")
-                start, window = base.meta["window_start_s"], base.window_s
-                node_floor = hottest_node_floor(tasks, nodes, start, window)
-                std_floor = util_std_floor(tasks, nodes, start, window)
+                node_floor = hottest_node_floor(tasks, nodes, base.meta["window_start_s"], base.window_s)
                 base_figs = figures(base)
-                floors = {"hottest_node_util": node_floor.pct, "util_std": std_floor}
-                doc["scenarios"][-1]["floors"] = {
-                    "hottest_node": {**node_floor.__dict__, "round_robin": base_figs["hottest_node_util"]},
-                    "util_std": {"pct": std_floor, "round_robin": base_figs["util_std"]},
-                }
+                floors = base_figs["floors"]
+                std_floor = floors["util_std"]
                 if node_floor.task_id:
                     print(f"floors, for any placement that starts tasks when submitted: hottest node "
                           f"{node_floor.pct:.1f} % ({node_floor.task_id}, {node_floor.num_gpus} GPUs on a node of "

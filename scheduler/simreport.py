@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from scheduler.traces import TraceTask
 
 __all__ = ["figures", "to_json", "json_safe", "render", "ratios", "plot", "hottest_node_floor", "NodeFloor",
-           "util_std_floor",
+           "util_std_floor", "attach_floors",
            "RATIO_KEYS", "SEED_CLAIMS"]
 
 _CLASSES = ("P0", "P1", "P2", "P3")
@@ -155,6 +155,9 @@ def figures(r: SimResult) -> dict[str, Any]:
             "snapshots": r.snapshots,
         },
     }
+    floors = r.meta.get("floors")
+    if floors is not None:
+        out["floors"] = dict(floors)
     if r.saturation is not None:
         s = r.saturation
         out["saturation"] = {
@@ -297,6 +300,19 @@ def util_std_floor(
     return float(np.std(np.maximum(floors, level)))
 
 
+def attach_floors(results: Sequence[SimResult], tasks: Sequence["TraceTask"], nodes: Sequence["ClusterNode"]) -> None:
+    """Put each run's floors (``hottest_node_floor``, ``util_std_floor`` over
+    its own window) in its ``meta``, where ``figures`` and ``render`` find them."""
+    for r in results:
+        start = float(r.meta.get("window_start_s", 0.0))
+        node = hottest_node_floor(tasks, nodes, start, r.window_s)
+        r.meta["floors"] = {
+            "hottest_node_util": node.pct,
+            "hottest_node_task": node.task_id,
+            "util_std": util_std_floor(tasks, nodes, start, r.window_s),
+        }
+
+
 def to_json(results: Sequence[SimResult], meta: dict | None = None) -> dict[str, Any]:
     """The figures of every run, plus ratios and run metadata; JSON-safe (NaN -> None)."""
     figs = [figures(r) for r in results]
@@ -353,9 +369,15 @@ def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
     row("GPU util mean %", [fmt(f["util_mean"], 2) for f in figs])
     row("GPU util var across GPUs", [fmt(f["util_var"], 1) for f in figs])
     row("GPU util std across GPUs %", [fmt(f["util_std"], 2) for f in figs])
+    floored = any("floors" in f for f in figs)
+    if floored:
+        row("  floor: no placement below", [fmt(f["floors"]["util_std"], 2) if "floors" in f else "-" for f in figs])
     row("GPU util std, instantaneous %", [fmt(f["util_std_inst"], 2) for f in figs])
     row("hottest GPU mean util %", [fmt(f["hottest_gpu_util"], 1) for f in figs])
     row("hottest node mean util %", [fmt(f["hottest_node_util"], 1) for f in figs])
+    if floored:
+        row("  floor: no placement below",
+            [fmt(f["floors"]["hottest_node_util"], 1) if "floors" in f else "-" for f in figs])
     row("hottest GPU time >= 90 %", [fmt(100 * f["hottest_gpu_time_above_90"], 1, "%") for f in figs])
     row("OOM kills", [fmt(f["oom_kills"]) for f in figs])
     row("  of which alone on the GPU", [fmt(f["oom_kills_alone"]) for f in figs])

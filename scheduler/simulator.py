@@ -1510,6 +1510,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     cfg = SimConfig(seed=args.seed, memory=args.memory, prediction=not args.no_prediction,
                     memory_learning=not args.no_memory_learning)
     results = simulate(tasks, nodes, args.policy, cfg, progress=not args.no_progress and sys.stderr.isatty())
+    simreport.attach_floors(results, tasks, nodes)  # how far each policy is from the best the work allows
     if args.saturate:
         for r in results:
             r.saturation = saturate(tasks, nodes, r.policy, config=cfg)

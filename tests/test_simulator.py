@@ -390,6 +390,9 @@ def test_command_line(tmp_path, capsys):
     assert [p["policy"] for p in doc["policies"]] == ["round_robin", "load_aware", "round_robin@requests"]
     assert doc["policies"][0]["wait_s"]["all"]["mean"] == pytest.approx(92.4 / 2)
     assert "saturation" in doc["policies"][0]
+    # the floors: A holds the one GPU through the whole window [0, 10 s]
+    floors = doc["policies"][0]["floors"]
+    assert (floors["hottest_node_util"], floors["hottest_node_task"], floors["util_std"]) == (100.0, "A", 0.0)
     # both learners run by default, as in the coordinator; the switches turn them off
     assert doc["policies"][1]["prediction_samples"] == 2 and doc["policies"][1]["memory_growth_samples"] == 2
     code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "load_aware", "--memory", "asked",
@@ -401,6 +404,9 @@ def test_command_line(tmp_path, capsys):
                           "--memory", "asked", "--json", "--no-progress", "--time-scale", "2"])
     doc = json.loads(capsys.readouterr().out)
     assert doc["policies"][0]["makespan_s"] == pytest.approx(50 + VISIBLE + 25)
+    code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "load_aware",
+                          "--memory", "asked", "--no-progress"])
+    assert "  floor: no placement below" in capsys.readouterr().out
     # bad input: a precise message, exit 2
     bad = tmp_path / "bad.csv"
     bad.write_text("task_id,submit_s\n")
