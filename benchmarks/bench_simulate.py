@@ -63,7 +63,6 @@ from scheduler.simreport import (  # noqa: E402
     SEED_CLAIMS,
     attach_floors,
     figures,
-    hottest_node_floor,
     json_safe,
     plot,
     ratios,
@@ -153,20 +152,17 @@ def main(argv: list[str] | None = None) -> int:
             rat = ratios(figs)
             if rat:
                 summary_rows.append([title, *[fmt(rat[k]["ratio"], 3) for k in RATIO_KEYS]])
-                # what no placement can beat (scheduler.simreport), as a ratio to round-robin's figure
-                base = next(r for r in results if r.policy == "round_robin")
-                node_floor = hottest_node_floor(tasks, nodes, base.meta["window_start_s"], base.window_s)
-                base_figs = figures(base)
-                floors = base_figs["floors"]
-                std_floor = floors["util_std"]
-                if node_floor.task_id:
-                    print(f"floors, for any placement that starts tasks when submitted: hottest node "
-                          f"{node_floor.pct:.1f} % ({node_floor.task_id}, {node_floor.num_gpus} GPUs on a node of "
-                          f"{node_floor.node_gpus} for {100 * node_floor.coverage:.0f} % of the window; round_robin "
-                          f"{base_figs['hottest_node_util']:.1f} %); util std across GPUs {std_floor:.2f} % without "
-                          f"two whole-GPU tasks on one GPU (round_robin {base_figs['util_std']:.2f} %)\n")
+                # what no placement of load_aware's tasks, started when it started them, can beat
+                # (scheduler.simreport), as a ratio to round-robin's figure
+                base = next(f for f in figs if f["policy"] == "round_robin")
+                ours = next(f for f in figs if f["policy"] == "load_aware")
+                floors = ours["floors"]
+                print(f"floors for load_aware's timeline: hottest node {floors['hottest_node_util']:.1f} % "
+                      f"({floors['hottest_node_task']}; round_robin {base['hottest_node_util']:.1f} %), util std "
+                      f"across GPUs {floors['util_std']:.2f} % without two whole-GPU tasks on one GPU "
+                      f"(round_robin {base['util_std']:.2f} %)\n")
                 summary_rows.append(["  floor: no placement goes below",
-                                     *[fmt(floors[k] / base_figs[k] if base_figs[k] else math.nan, 3)
+                                     *[fmt(floors[k] / base[k] if base[k] else math.nan, 3)
                                        if k in floors else "-" for k in RATIO_KEYS]])
             blind = ratios(figs, base="round_robin" + REQUESTS_ONLY)
             if blind:

@@ -32,12 +32,11 @@ Definitions (every figure is computed from ``SimResult`` alone):
   makespan), **makespan** (last completion).
 * **saturation** (when run): share of GPU capacity left unallocated when the
   first task does not fit, and when the arrived demand equals the GPU count.
-* **floors** (``hottest_node_floor``, ``util_std_floor``; from the trace, the
-  cluster and the window, not from a run): the least hottest-node load and
-  util std across GPUs that any placement starting tasks when submitted can
-  reach (the second also without two whole-GPU tasks on one GPU): how far a
-  policy is from the best the work allows, and which targets no policy can
-  meet.
+* **floors** (``hottest_node_floor``, ``util_std_floor``, ``attach_floors``):
+  the least hottest-node load and util std across GPUs that any placement of
+  the run's tasks, started when that run started them, can reach (the
+  second also without two whole-GPU tasks on one GPU): how far a policy is
+  from the best its work allows, and which targets no policy can meet.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -208,20 +207,46 @@ class NodeFloor:
     task_id: str  # the task that sets it ("" when none does)
     num_gpus: int
     node_gpus: int  # GPUs of the node shape that gives the least
-    coverage: float  # share of the window the task runs there, started at its submission
+    coverage: float  # share of the window the task runs there at the least
+
+
+# task id -> (when it started, whether it ran once only): a run's own timeline
+Starts = Mapping[str, "tuple[float, bool]"]
+
+
+def _timeline(tasks: Sequence["TraceTask"], starts: Starts | None) -> Iterator[tuple["TraceTask", float, bool]]:
+    """(task, start, ran once) for the tasks that ran: at submission without ``starts``."""
+    for t in tasks:
+        if starts is None:
+            yield t, t.submit_s, True
+            continue
+        got = starts.get(t.task_id)
+        if got is not None and math.isfinite(got[0]):
+            yield t, got[0], got[1]
+
+
+def _overlap(start: float, run_s: float, window_start: float, window_end: float) -> float:
+    """Share of the window that [start, start + run_s] overlaps."""
+    return max(0.0, min(start + run_s, window_end) - max(start, window_start)) / (window_end - window_start)
 
 
 def hottest_node_floor(
-    tasks: Sequence["TraceTask"], nodes: Sequence["ClusterNode"], window_start_s: float, window_s: float
+    tasks: Sequence["TraceTask"],
+    nodes: Sequence["ClusterNode"],
+    window_start_s: float,
+    window_s: float,
+    starts: Starts | None = None,
 ) -> NodeFloor:
     """A floor under ``hottest_node_util`` that no placement can beat, when
-    it starts each task as it is submitted (a free node exists: any policy
-    that starts work once it fits, on a cluster not full).
+    each task starts at its submission (any policy that starts work once it
+    fits, on a cluster that is not full), or, with ``starts``, when a run
+    started it (that run's own timeline; tasks that ran more than once are
+    left out, which only lowers the result).
 
     A task on ``n`` GPUs runs on one node of ``G >= n`` GPUs, each of its GPUs
-    at ``min(100, util)`` % or more (a co-tenant only adds) for its run,
+    at ``min(100, util)`` % or more (a co-tenant only adds) for at least
     ``duration / speed``: so that node's window mean is at least ``n / G *
-    min(100, util) * coverage``, coverage being the share of the window the run
+    min(100, util) * coverage``, coverage being the share of the window that
     overlaps. Each task is given the node shape (GPUs, speed) that makes this
     least, every other constraint (memory, ``gpu_spec``, other tasks) ignored,
     which only lowers the result; the floor is the largest of these over the
@@ -232,13 +257,15 @@ def hottest_node_floor(
     best = NodeFloor(0.0, "", 0, 0, 0.0)
     if window_s <= 0 or not shapes:
         return best
-    for t in tasks:
+    for t, start, once in _timeline(tasks, starts):
+        if not once:
+            continue
         util = min(100.0, t.util_pct)
         least: tuple[float, int, float] | None = None
         for gpus, speed in shapes:
             if gpus < t.num_gpus:
                 continue
-            coverage = _coverage(t, speed, window_start_s, end)
+            coverage = _overlap(start, t.duration_s / speed, window_start_s, end)
             pct = t.num_gpus / gpus * util * coverage
             if least is None or pct < least[0]:
                 least = (pct, gpus, coverage)
@@ -247,44 +274,44 @@ def hottest_node_floor(
     return best
 
 
-def _coverage(t: "TraceTask", speed: float, start: float, end: float) -> float:
-    """Share of [start, end] a run of ``t`` started at its submission overlaps, at ``speed``."""
-    run_end = t.submit_s + t.duration_s / speed
-    return max(0.0, min(run_end, end) - max(t.submit_s, start)) / (end - start)
-
-
 def util_std_floor(
-    tasks: Sequence["TraceTask"], nodes: Sequence["ClusterNode"], window_start_s: float, window_s: float
+    tasks: Sequence["TraceTask"],
+    nodes: Sequence["ClusterNode"],
+    window_start_s: float,
+    window_s: float,
+    starts: Starts | None = None,
 ) -> float:
     """A floor (%) under ``util_std`` (the standard deviation across GPUs of
-    their window-mean utilisation) for any placement that starts each task as
-    it is submitted and never runs two whole-GPU tasks on one GPU at once
-    (none of gpulb's policies does while a GPU is free; stacking would slow
-    both).
+    their window-mean utilisation) for any placement that never runs two
+    whole-GPU tasks on one GPU at once (none of gpulb's policies does while a
+    GPU is free; stacking would slow both), each task started at its
+    submission or, with ``starts``, when a run started it.
 
-    Each GPU of a whole-GPU task (``gpu_share`` 1) carries a lump of ``min(100,
-    util) * coverage`` on a GPU of its own, coverage taken at the fastest
-    speed (the smallest lump); all other work (shared tasks, at the slowest
-    speed: the most of it, and lumps beyond one per GPU) is treated as
-    divisible and poured where it evens the GPUs most (water-filling). Both
-    relaxations only lower the spread, so the result is a floor: the least
-    standard deviation of per-GPU means any such placement can reach. On the
-    openb traces whole-GPU tasks that run through the window keep it at
+    Each GPU of a whole-GPU task (``gpu_share`` 1) that ran once carries a
+    lump of ``min(100, util) * coverage`` on a GPU of its own, coverage taken
+    at the fastest speed (the smallest lump). All other work is treated as
+    divisible and poured where it evens the GPUs most (water-filling), at
+    the most it can put in the window: ``util * min(duration / slowest speed,
+    time left in the window)`` (a task's util-seconds are ``util * duration /
+    speed`` whatever it shares), as are the lumps beyond one per GPU. Each
+    relaxation only lowers the spread, so the result is a floor. On the openb
+    traces whole-GPU tasks that run through the window keep it at
     0.64-0.71x round-robin's (README)."""
     gpus = sum(n.gpus for n in nodes)
     speeds = [n.speed for n in nodes if n.gpus > 0 and n.speed > 0]
     if window_s <= 0 or gpus == 0 or not speeds:
         return math.nan
-    start, end = window_start_s, window_start_s + window_s
+    begin, end = window_start_s, window_start_s + window_s
     fastest, slowest = max(speeds), min(speeds)
     lumps: list[float] = []
     poured = 0.0
-    for t in tasks:
+    for t, start, once in _timeline(tasks, starts):
         util = min(100.0, t.util_pct)
-        if t.gpu_share >= 1.0:
-            lumps.extend([util * _coverage(t, fastest, start, end)] * t.num_gpus)
+        if once and t.gpu_share >= 1.0:
+            lumps.extend([util * _overlap(start, t.duration_s / fastest, begin, end)] * t.num_gpus)
         else:
-            poured += util * _coverage(t, slowest, start, end) * t.num_gpus
+            in_window = max(0.0, min(t.duration_s / slowest, end - max(start, begin)))
+            poured += util * in_window / window_s * t.num_gpus
     lumps.sort(reverse=True)
     poured += sum(lumps[gpus:])
     floors = np.zeros(gpus)
@@ -301,15 +328,17 @@ def util_std_floor(
 
 
 def attach_floors(results: Sequence[SimResult], tasks: Sequence["TraceTask"], nodes: Sequence["ClusterNode"]) -> None:
-    """Put each run's floors (``hottest_node_floor``, ``util_std_floor`` over
-    its own window) in its ``meta``, where ``figures`` and ``render`` find them."""
+    """Put each run's floors (``hottest_node_floor``, ``util_std_floor`` for
+    its own window and timeline: when it started each task) in its ``meta``,
+    where ``figures`` and ``render`` find them."""
     for r in results:
         start = float(r.meta.get("window_start_s", 0.0))
-        node = hottest_node_floor(tasks, nodes, start, r.window_s)
+        starts = {x.task_id: (x.first_start_s, x.runs == 1) for x in r.records if x.runs > 0}
+        node = hottest_node_floor(tasks, nodes, start, r.window_s, starts)
         r.meta["floors"] = {
             "hottest_node_util": node.pct,
             "hottest_node_task": node.task_id,
-            "util_std": util_std_floor(tasks, nodes, start, r.window_s),
+            "util_std": util_std_floor(tasks, nodes, start, r.window_s, starts),
         }
 
 

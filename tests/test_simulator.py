@@ -479,6 +479,11 @@ def test_hottest_node_floor_by_hand():
     # (400 s, 40 % of the window), half of its 2 GPUs at 50 %: 10 %; on the big one 1/8 * 50 * 0.8 = 5 %
     floor = hottest_node_floor([t("half", 200.0, 800.0, 1, share=0.5)], nodes, *window)
     assert floor.pct == pytest.approx(5.0) and floor.node_gpus == 8
+    # a run's own timeline: started at 600 s instead, the pair covers half the window (12.5 %);
+    # a task that ran twice (killed, moved) is left out
+    floor = hottest_node_floor([t("pair", 0.0, 10_000.0, 2)], nodes, *window, starts={"pair": (600.0, True)})
+    assert floor.pct == pytest.approx(12.5)
+    assert hottest_node_floor([t("pair", 0.0, 10_000.0, 2)], nodes, *window, starts={"pair": (0.0, False)}).pct == 0.0
     # what no placement can beat, it does not: round-robin's and load_aware's hottest node are above it
     tasks = [t("whole", 100.0, 2_000.0, 8), t("a", 150.0, 300.0, 1), t("b", 160.0, 300.0, 2)]
     for r in simulate(tasks, [n.facts() for n in nodes], ["round_robin", "load_aware"], SimConfig(memory="asked")):
@@ -487,7 +492,7 @@ def test_hottest_node_floor_by_hand():
 
 
 def test_util_std_floor_by_hand():
-    from scheduler.simreport import util_std_floor
+    from scheduler.simreport import attach_floors, util_std_floor
 
     def t(task_id, submit, duration, gpus=1, share=1.0):
         return TraceTask(task_id, submit, duration, gpus, 1_000.0, share, Priority.P1, "training")
@@ -501,9 +506,23 @@ def test_util_std_floor_by_hand():
     # more whole-GPU lumps than GPUs: the extra ones are poured too (3 x 33 % on 2 GPUs: level 50, std 0)
     three = [t(f"w{i}", 100.0 * i, 100.0) for i in range(3)]
     assert util_std_floor(three, homogeneous(1, 2), 0.0, 300.0) == pytest.approx(0.0)
-    # no placement of these tasks beats it
+    # a run's own timeline: "whole" started at 50 s covers half the window [0, 100]; a task
+    # that ran twice is poured: [50, 16.7, 16.7, 16.7] -> level of the rest rises
+    late = util_std_floor(tasks[:2], nodes, 0.0, 100.0, starts={"whole": (50.0, True), "half": (0.0, True)})
+    assert late == pytest.approx(math.sqrt(np.var([50.0, 50 / 3, 50 / 3, 50 / 3])))
+    twice = util_std_floor(tasks[:2], nodes, 0.0, 100.0, starts={"whole": (0.0, False), "half": (0.0, True)})
+    assert twice == pytest.approx(0.0)  # 150 % of a GPU poured evenly over 4
+    # no placement of these tasks beats it, started at submission or when each run started them,
+    # on a cluster with room and on one where tasks wait (one GPU for six tasks)
     tasks = [t("whole", 0.0, 5_000.0), t("a", 10.0, 600.0, share=0.5), t("b", 20.0, 900.0, share=0.3),
-             t("pair", 30.0, 400.0, gpus=2)]
-    for r in simulate(tasks, [n.facts() for n in nodes], ["round_robin", "load_aware", "binpack"],
-                      SimConfig(memory="asked")):
-        assert figures(r)["util_std"] >= util_std_floor(tasks, nodes, r.meta["window_start_s"], r.window_s) - 1e-9
+             t("pair", 30.0, 400.0, gpus=2), t("c", 40.0, 700.0), t("d", 50.0, 300.0, share=0.6)]
+    for cluster in (nodes, homogeneous(1, 2)):
+        results = simulate(tasks, [n.facts() for n in cluster], ["round_robin", "load_aware", "binpack"],
+                           SimConfig(memory="asked"))
+        attach_floors(results, tasks, cluster)
+        for r in results:
+            f = figures(r)
+            assert f["util_std"] >= f["floors"]["util_std"] - 1e-9
+            assert f["hottest_node_util"] >= f["floors"]["hottest_node_util"] - 1e-9
+            if cluster is nodes:
+                assert f["util_std"] >= util_std_floor(tasks, nodes, r.meta["window_start_s"], r.window_s) - 1e-9
