@@ -27,9 +27,13 @@ Definitions (every figure is computed from ``SimResult`` alone):
   before it was learned from, over its last completions).
 * **oom_kills** (``oom_kills_alone``: of those, tasks alone on their GPUs,
   which outgrew the card by themselves: no placement among the cards they
-  fit on avoids those, only a bigger card), **sla_misses** (P0 tasks queued past the SLA, from the
-  scheduler's own counter), **throughput** (completed tasks per hour of
-  makespan), **makespan** (last completion).
+  fit on avoids those, only a bigger card; ``oom_kills_idle_room``: runs
+  that outgrew their own GPU while, when they were placed, some idle GPU
+  had the memory they went on to reach: the kills a placement knowing each
+  task's peak could have avoided without sharing a GPU), **sla_misses** (P0
+  tasks queued past the SLA, from the scheduler's own counter),
+  **throughput** (completed tasks per hour of makespan), **makespan** (last
+  completion).
 * **saturation** (when run): share of GPU capacity left unallocated when the
   first task does not fit, and when the arrived demand equals the GPU count.
 * **floors** (``hottest_node_floor``, ``util_std_floor``, ``attach_floors``):
@@ -143,6 +147,7 @@ def figures(r: SimResult) -> dict[str, Any]:
         "memory_growth_samples": r.memory_growth_samples,
         "oom_kills": r.oom_kills,
         "oom_kills_alone": r.oom_kills_alone,
+        "oom_kills_idle_room": r.oom_kills_idle_room,
         "sla_misses": r.sla_misses,
         "throughput_per_h": len(done) / (makespan / 3600.0) if makespan > 0 else math.nan,
         "makespan_s": makespan,
@@ -410,6 +415,7 @@ def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
     row("hottest GPU time >= 90 %", [fmt(100 * f["hottest_gpu_time_above_90"], 1, "%") for f in figs])
     row("OOM kills", [fmt(f["oom_kills"]) for f in figs])
     row("  of which alone on the GPU", [fmt(f["oom_kills_alone"]) for f in figs])
+    row("  an idle GPU had room when placed", [fmt(f["oom_kills_idle_room"]) for f in figs])
     row("P0 SLA misses", [fmt(f["sla_misses"]) for f in figs])
     row("throughput tasks/h", [fmt(f["throughput_per_h"], 1) for f in figs])
     row("makespan", [_dur(f["makespan_s"]) for f in figs])

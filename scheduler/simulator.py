@@ -361,6 +361,9 @@ class SimResult:
     prediction_mape: float = math.nan  # predictor's MAPE (ratio) over its last completions
     prediction_samples: int = 0  # completions the predictor learned from
     memory_growth_samples: int = 0  # peak/ask ratios held by the memory-growth learner (at most its window)
+    # OOM kills of runs for which, when placed, an idle GPU had the memory they reached: a
+    # placement that knew their peak could have saved them without sharing a GPU
+    oom_kills_idle_room: int = 0
 
 
 @dataclass
@@ -492,6 +495,7 @@ class _Run:
         "start",
         "migrated",
         "utils",
+        "idle_with_room",
     )
 
     def __init__(self, idx: int, run_id: str, lease_id: str, rows: tuple[int, ...], speed: float,
@@ -513,6 +517,9 @@ class _Run:
         self.start = now
         self.migrated = False  # a restart after a migration (its run time is not a clean sample)
         self.utils: tuple[float, ...] = ()  # % per phase when the load drifts (else util throughout)
+        # GPUs idle when it was placed whose memory holds its peak; counted only for
+        # a run whose peak outgrows its own GPU (-1: not counted)
+        self.idle_with_room = -1
 
     def next_milestone(self) -> float:
         """Work at which the next phase starts (or the run ends)."""
@@ -673,6 +680,7 @@ class Simulation:
         self._remaining = len(self.tasks)
         self.oom_kills = 0
         self.oom_kills_alone = 0
+        self.oom_kills_idle_room = 0
         self.dispatches = 0
         self.snapshots = 0
         self.events = 0
@@ -780,6 +788,7 @@ class Simulation:
             heatmap=np.asarray(self._heat) if self._heat else np.zeros((0, self.G)),
             oom_kills=self.oom_kills,
             oom_kills_alone=self.oom_kills_alone,
+            oom_kills_idle_room=self.oom_kills_idle_room,
             sla_misses=self.sched.queue_summary().sla_misses,
             dispatches=self.dispatches,
             snapshots=self.snapshots,
@@ -1086,6 +1095,9 @@ class Simulation:
         if resumed is None and self._drift is not None:
             run.utils = run_utils
         self._running[run_id] = run
+        peak = max(run.mem)
+        if peak > min(self._cap[r] for r in rows):  # it will die: could a placement knowing its peak have saved it?
+            run.idle_with_room = sum(1 for g in range(self.G) if not self._runs_on[g] and self._cap[g] >= peak)
         first = run.mem[0]
         for r in rows:
             self._runs_on[r].add(run)
@@ -1248,6 +1260,8 @@ class Simulation:
         if all(len(self._runs_on[r]) == 1 for r in run.rows):
             # alone on its GPUs: it outgrew the card itself, no co-tenant to blame
             self.oom_kills_alone += 1
+        if run.idle_with_room > 0:
+            self.oom_kills_idle_room += 1
         rec = self.records[run.idx]
         rec.oom_kills += 1
         self._remove(run)

@@ -178,6 +178,19 @@ def test_oom_at_start_raises_the_ask_until_it_cannot_fit():
     assert (r.oom_kills, a.oom_kills, a.state) == (1, 1, "dropped")
     assert r.oom_kills_alone == 1 and figures(r)["oom_kills_alone"] == 1  # it outgrew the card alone
     assert "vram_mib" in a.reason
+    assert r.oom_kills_idle_room == 0  # no GPU anywhere had 25,000 MiB
+
+
+def test_oom_kills_that_an_idle_bigger_gpu_could_have_held_are_told_apart():
+    # round-robin puts A (really 25,000 MiB) on the 24 GiB card while the 80 GiB one idles
+    nodes = [NodeFacts("small", 1), NodeFacts("big", 1, model="NVIDIA A100-SXM4-80GB", memory_total_mib=81_920.0)]
+    r = run([task("A", 0, 100, 20_000)], nodes, "round_robin", RatioMemory({"A": (1.25,)}))
+    assert (r.oom_kills, r.oom_kills_alone, r.oom_kills_idle_room) == (1, 1, 1)
+    assert figures(r)["oom_kills_idle_room"] == 1 and rec(r, "A").state == "completed"  # the retry fits the big one
+    # the big card busy with B when A is placed: A's kill was not avoidable without sharing
+    busy = run([task("B", 0, 1_000, 30_000), task("A", 1, 100, 20_000)], nodes, "round_robin",
+               RatioMemory({"A": (1.25,), "B": (1.0,)}))
+    assert (busy.oom_kills, busy.oom_kills_idle_room) == (1, 0)
 
 
 def test_oom_kills_stop_at_max_attempts():
