@@ -68,6 +68,7 @@ ADVISOR_METRIC_NAMES = (
     "gpulb_memory_growth_ratio",
     "gpulb_memory_growth_samples",
     "gpulb_gpu_utilization_variance",
+    "gpulb_rebalance_holding",
     "gpulb_rebalance_plans_total",
     "gpulb_rebalance_moves_total",
     "gpulb_rebalance_hook_runs_total",
@@ -470,6 +471,11 @@ class _AdvisorCollector:
         if trigger is not None:
             variance.add_metric([], trigger.variance / 10_000.0)
         yield variance
+        yield GaugeMetricFamily(
+            "gpulb_rebalance_holding",
+            "1 while the variance rule holds after a plan came of it (until the variance falls to release_variance)",
+            value=1.0 if r.advisor.state.armed else 0.0,
+        )
         plans = CounterMetricFamily("gpulb_rebalance_plans", "Rebalance plans proposed, by trigger", labels=["trigger"])
         for name in ("variance", "hot_rising"):
             plans.add_metric([name], r.plans_by_trigger.get(name, 0))

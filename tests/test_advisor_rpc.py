@@ -330,6 +330,8 @@ async def test_metric_families():
     assert "gpulb_predictor_completions_total 1.0" in text
     variance = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("gpulb_gpu_utilization_variance ")))
     assert variance == pytest.approx(rt.last_trigger.variance / 10_000)
+    holding = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("gpulb_rebalance_holding ")))
+    assert holding == (1.0 if rt.advisor.state.armed else 0.0)
     assert f'gpulb_predictor_slowdown_ratio{{kind="training",model="{M40}"}}' in text
     assert not math.isnan(rt.predictor.mape())
 
