@@ -331,7 +331,7 @@ async def test_metric_families():
     variance = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("gpulb_gpu_utilization_variance ")))
     assert variance == pytest.approx(rt.last_trigger.variance / 10_000)
     holding = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("gpulb_rebalance_holding ")))
-    assert holding == (1.0 if rt.advisor.state.armed else 0.0)
+    assert holding == (1.0 if rt.advisor.state.armed else 0.0) == 1.0  # the plan above armed the hold
     assert f'gpulb_predictor_slowdown_ratio{{kind="training",model="{M40}"}}' in text
     assert not math.isnan(rt.predictor.mape())
 
