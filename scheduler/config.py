@@ -32,6 +32,13 @@ class SchedulerConfig:
     # dispatches up to ~10 times a second, so 100 skips is about the 10 s bound.
     backfill_max_head_wait_s: float = 10.0
     backfill_max_skips: int = 100
+    # EASY backfill with runtime estimates: a fenced task with a duration_s
+    # estimate may still take the held node when this many times its estimate
+    # (at the node's speed) ends before every lease already there is expected
+    # to; a lease there without an estimate closes the node to all of them.
+    # Above 1 it allows for runs stretched by GPU sharing and for estimates
+    # that are short; 0: the held node takes no fenced task.
+    backfill_estimate_factor: float = 2.0
 
     # ---- filters (hard) -----------------------------------------------------
     # % of GPU memory that memory used + reservations + the task must stay under.
@@ -98,6 +105,8 @@ class SchedulerConfig:
         positive("backfill_max_head_wait_s", self.backfill_max_head_wait_s)
         if self.backfill_max_skips < 1:
             raise InvalidArgument("backfill_max_skips", "must be >= 1")
+        if not (math.isfinite(self.backfill_estimate_factor) and self.backfill_estimate_factor >= 0):
+            raise InvalidArgument("backfill_estimate_factor", "must be a finite number >= 0")
         for name in ("memory_reject_pct", "memory_warn_pct"):
             value = getattr(self, name)
             if not (math.isfinite(value) and 0 < value <= 100):

@@ -298,13 +298,17 @@ class Scheduler:
             del self._held_nodes[task_id]
         held: dict[str, int | None] = {}  # barrier -> held node index, once per dispatch
         fences: dict[frozenset, np.ndarray] = {}  # held node set -> GPUs fenced tasks may use
-        placed = self._queue.drain(lambda t, fenced: self._try_place(t, view, now, failed, fenced, held, fences), now)
+        drains: dict[int, float] = {}  # held node index -> when its leases are expected to end
+        placed = self._queue.drain(
+            lambda t, fenced: self._try_place(t, view, now, failed, fenced, held, fences, drains), now
+        )
         self._flush()
         return [copy.copy(t) for t in placed]
 
     def _held_node(self, task_id: str, view: PlacementView) -> int | None:
-        """The node held for a barrier task: fenced tasks may not take it, so
-        its leases drain and the barrier fits there (EASY-style backfill).
+        """The node held for a barrier task: fenced tasks may not take it (but
+        those expected to end before its leases do, ``_drain_time``), so its
+        leases drain and the barrier fits there (EASY-style backfill).
 
         Chosen once and kept while the node can still take the task when
         empty; among such nodes, the one with the most GPUs that fit the task
@@ -342,6 +346,24 @@ class Scheduler:
         self._held_nodes[task_id] = s.node_ids[index]
         return index
 
+    def _drain_time(self, index: int, view: PlacementView, now: float) -> float:
+        """When the leases on node ``index`` are expected to have ended: the
+        latest ``placed_at + duration_s / node speed`` among them (``now`` with
+        none); -inf when one has no estimate, as nothing can be known to end
+        before it."""
+        s = view.snapshot
+        speed = float(s.node_speed[index])
+        speed = speed if math.isfinite(speed) and speed > 0 else 1.0
+        end = now
+        for task_id in self._by_node.get(s.node_ids[index], ()):
+            task = self._tasks.get(task_id)
+            if task is None or task.assignment is None:
+                continue
+            if task.spec.duration_s <= 0:
+                return -math.inf
+            end = max(end, task.assignment.placed_at + task.spec.duration_s / speed)
+        return end
+
     def _try_place(
         self,
         task: Task,
@@ -351,6 +373,7 @@ class Scheduler:
         fenced: frozenset[str] = frozenset(),
         held_cache: dict[str, int | None] | None = None,
         fences: dict[frozenset, np.ndarray] | None = None,
+        drains: dict[int, float] | None = None,
     ) -> Outcome:
         spec = task.spec
         held_cache = {} if held_cache is None else held_cache
@@ -369,6 +392,8 @@ class Scheduler:
             spec.io_heavy,
             frozenset(spec.required_node_labels.items()),
             held,
+            # with estimates, whether a held node is open to it depends on how long it runs
+            spec.duration_s if held and self.config.backfill_estimate_factor > 0 else 0.0,
         )
         reason = failed.get(shape)
         if reason is None:
@@ -378,6 +403,18 @@ class Scheduler:
                 allowed = fences.get(held)
                 if allowed is None:
                     allowed = fences[held] = ~np.isin(view.node, list(held))
+                factor = self.config.backfill_estimate_factor
+                if spec.duration_s > 0 and factor > 0:
+                    # EASY backfill: a held node stays open to a task expected to end
+                    # before its leases do, so the barrier starts no later for it
+                    drains = {} if drains is None else drains
+                    for index in held:
+                        if index not in drains:
+                            drains[index] = self._drain_time(index, view, now)
+                        speed = float(view.snapshot.node_speed[index])
+                        speed = speed if math.isfinite(speed) and speed > 0 else 1.0
+                        if now + factor * spec.duration_s / speed <= drains[index]:
+                            allowed = allowed | (view.node == index)
                 mask = mask & allowed
             placement = self._policy.choose(view, spec, mask)
             if placement is not None:

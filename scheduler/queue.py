@@ -35,7 +35,9 @@ Backfill rule (no starvation)
     receives the id of the most urgent barrier met so far and must keep them
     off the resources it holds for it (the engine holds one node the barrier
     fits when empty: EASY-style backfill, where only the head has a
-    reservation). More urgent classes are not fenced. The blocked state
+    reservation; a fenced task whose duration estimate ends before that
+    node's leases are expected to may still use it, see the engine's
+    ``backfill_estimate_factor``). More urgent classes are not fenced. The blocked state
     survives promotion, so a barrier stays one, and when the head is placed
     the next barrier becomes the head.
 

@@ -71,3 +71,69 @@ def test_head_below_the_bound_lets_everything_pass():
     sched.submit(small(3), snapshot)
     placed = [t.task_id for t in sched.dispatch(snapshot)]
     assert placed == ["s2", "s3"] and sched._held_nodes == {}
+
+
+def _held_node_setup(factor: float = 2.0, first_duration: float = 1_000.0):
+    """3 nodes x 4 GPUs, one 1,000 s task on each, a 4-GPU head past the bound:
+    it holds one node (n_held)."""
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=10.0, backfill_max_skips=10_000,
+                                      backfill_estimate_factor=factor, lease_s=100_000.0), clock=clock)
+    snapshot = nodes(3, 4)
+    for i in range(3):
+        spec = TaskSpec(task_id=f"s{i}", priority=Priority.P2, kind="batch", vram_mib=18432, gpu_share=0.2,
+                        duration_s=first_duration, required_node_labels={"host": f"n{i}"})
+        sched.submit(spec, snapshot)
+    sched.dispatch(snapshot)
+    sched.submit(TaskSpec(task_id="big", priority=Priority.P2, kind="training", num_gpus=4, vram_mib=8192,
+                          gpu_share=1.0, duration_s=5_000.0), snapshot)
+    assert sched.dispatch(snapshot) == []
+    clock.now = 11.0  # "big" is a barrier now, holding one node
+    sched.submit(TaskSpec(task_id="probe", priority=Priority.P2, vram_mib=1024, duration_s=1.0), snapshot)
+    sched.dispatch(snapshot)
+    return clock, sched, snapshot, sched._held_nodes["big"]
+
+
+def short(task_id: str, node: str, duration_s: float) -> TaskSpec:
+    return TaskSpec(task_id=task_id, priority=Priority.P2, kind="batch", vram_mib=1024, gpu_share=0.2,
+                    duration_s=duration_s, required_node_labels={"host": node})
+
+
+def test_a_task_that_ends_before_the_held_node_drains_may_backfill_onto_it():
+    clock, sched, snapshot, held = _held_node_setup()
+    # the held node's lease ends at 1,000 s; at 11 s a task of 400 s (x2 = 800 s) ends before it
+    sched.submit(short("fits", held, 400.0), snapshot)
+    sched.submit(short("too-long", held, 600.0), snapshot)  # x2 = 1,200 s: would delay the head
+    sched.submit(short("unknown", held, 0.0), snapshot)  # no estimate: nothing can be known
+    placed = [t.task_id for t in sched.dispatch(snapshot)]
+    assert placed == ["fits"]
+    assert sched.get("fits").assignment.node_id == held
+    # the head still starts when the node drains: the long lease ends, then the backfilled one
+    clock.now = 500.0
+    sched.complete("fits", sched.get("fits").assignment.lease_id)
+    on_held = next(f"s{i}" for i in range(3) if f"n{i}" == held)
+    clock.now = 1_000.0
+    sched.complete(on_held, sched.get(on_held).assignment.lease_id)
+    placed = [t.task_id for t in sched.dispatch(snapshot)]
+    assert "big" in placed and sched.get("big").assignment.node_id == held
+
+
+def test_no_estimate_on_the_held_node_or_factor_zero_keeps_it_closed():
+    _, sched, snapshot, held = _held_node_setup(first_duration=0.0)  # its lease has no estimate
+    sched.submit(short("fits", held, 1.0), snapshot)
+    assert sched.dispatch(snapshot) == []
+    _, sched, snapshot, held = _held_node_setup(factor=0.0)
+    sched.submit(short("fits", held, 1.0), snapshot)
+    assert sched.dispatch(snapshot) == []
+    assert "waiting" in sched.get("fits").reason
+
+
+def test_backfill_estimate_factor_is_validated():
+    import pytest
+
+    from scheduler.errors import InvalidArgument
+
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument) as info:
+            SchedulerConfig(backfill_estimate_factor=bad).validate()
+        assert info.value.field == "backfill_estimate_factor"
