@@ -36,9 +36,11 @@ class SchedulerConfig:
     # estimate may still take the held node when this many times its estimate
     # (at the node's speed) ends before every lease already there is expected
     # to; a lease there without an estimate closes the node to all of them.
-    # Above 1 it allows for runs stretched by GPU sharing and for estimates
-    # that are short; 0: the held node takes no fenced task.
-    backfill_estimate_factor: float = 2.0
+    # 2 allows for runs stretched by GPU sharing and for short estimates. 0
+    # (the default): the held node takes no fenced task. Off by default: on a
+    # mixed-speed cluster it lets urgent work backfill onto a slow held node
+    # rather than wait for a fast GPU (README, "Scheduling quality").
+    backfill_estimate_factor: float = 0.0
 
     # ---- filters (hard) -----------------------------------------------------
     # % of GPU memory that memory used + reservations + the task must stay under.
