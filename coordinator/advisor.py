@@ -530,7 +530,7 @@ def _trigger_to_proto(t: Trigger | None, config: AdvisorConfig) -> apb.TriggerSt
         hot_pct=config.hot_pct,
         rising_pct_per_min=config.rising_pct_per_min,
         rising_gpus=config.rising_gpus,
-        release_variance=min(config.release_variance, config.variance_threshold),
+        release_variance=config.release_level,
     )
     if t is not None:
         out.fired, out.reason, out.variance, out.held = t.fired, t.reason, t.variance, t.held

@@ -29,7 +29,8 @@ off. It arms on a plan, not on the rule firing, so noise that crosses the
 threshold without a persistent source (see below) arms nothing. Without it
 the advisor stops at ~399 %² and the cluster spends its time just under the
 threshold (bench_learning's training cluster, 3 seeds: util std −7 % with
-the advisor on; with the hold, −15 %). ``release_variance = variance_threshold`` turns it off.
+the advisor on; with the hold, −15 %). ``release_variance =
+variance_threshold`` turns it off.
 
 Against noise (``advise``). Migrating is expensive, so the advisor acts on
 imbalance that lasts: it judges each GPU by its own EWMA of the readings over
@@ -120,7 +121,8 @@ class AdvisorConfig:
 
     # %²: variance of utilisation across GPUs above which a plan is wanted.
     variance_threshold: float = 400.0
-    # %²: once fired, the variance rule holds until the variance falls to this (at most variance_threshold).
+    # %²: once a plan came of the variance rule, it holds until the variance
+    # falls to this (at most variance_threshold).
     release_variance: float = 100.0
     # %: a GPU above this is hot.
     hot_pct: float = 85.0
@@ -150,6 +152,12 @@ class AdvisorConfig:
     pinned_kinds: frozenset[str] = frozenset({"inference"})
     # Propose nothing while tasks wait in the scheduler's queue.
     pause_when_queued: bool = True
+
+    @property
+    def release_level(self) -> float:
+        """%²: where the variance rule's hold ends (``release_variance``, never
+        above ``variance_threshold``)."""
+        return min(self.release_variance, self.variance_threshold)
 
     def validate(self) -> "AdvisorConfig":
         def non_negative(name: str) -> None:
@@ -285,7 +293,7 @@ def check_trigger(snapshot: ClusterSnapshot, config: AdvisorConfig | None = None
     rising = int(np.count_nonzero(np.nan_to_num(trend, nan=0.0) > cfg.rising_pct_per_min))
     if variance > cfg.variance_threshold:
         return Trigger(True, TRIGGER_VARIANCE, variance, hottest, rising, n)
-    if armed and variance > min(cfg.release_variance, cfg.variance_threshold):
+    if armed and variance > cfg.release_level:
         return Trigger(True, TRIGGER_VARIANCE, variance, hottest, rising, n, held=True)
     if hottest > cfg.hot_pct and rising >= cfg.rising_gpus:
         return Trigger(True, TRIGGER_HOT_RISING, variance, hottest, rising, n)

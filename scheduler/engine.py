@@ -298,7 +298,7 @@ class Scheduler:
             del self._held_nodes[task_id]
         held: dict[str, int | None] = {}  # barrier -> held node index, once per dispatch
         fences: dict[frozenset, np.ndarray] = {}  # held node set -> GPUs fenced tasks may use
-        drains: dict[int, float] = {}  # held node index -> when its leases are expected to end
+        drains: dict[int, tuple[float, float]] = {}  # held node index -> (when its leases end, its speed)
         placed = self._queue.drain(
             lambda t, fenced: self._try_place(t, view, now, failed, fenced, held, fences, drains), now
         )
@@ -346,11 +346,11 @@ class Scheduler:
         self._held_nodes[task_id] = s.node_ids[index]
         return index
 
-    def _drain_time(self, index: int, view: PlacementView, now: float) -> float:
-        """When the leases on node ``index`` are expected to have ended: the
-        latest ``placed_at + duration_s / node speed`` among them (``now`` with
-        none); -inf when one has no estimate, as nothing can be known to end
-        before it."""
+    def _drain_time(self, index: int, view: PlacementView, now: float) -> tuple[float, float]:
+        """``(when, speed)``: when the leases on node ``index`` are expected to
+        have ended, the latest ``placed_at + duration_s / speed`` among them
+        (``now`` with none; -inf when one has no estimate, as nothing can be
+        known to end before it), and the node's speed (1.0 when unknown)."""
         s = view.snapshot
         speed = float(s.node_speed[index])
         speed = speed if math.isfinite(speed) and speed > 0 else 1.0
@@ -360,9 +360,9 @@ class Scheduler:
             if task is None or task.assignment is None:
                 continue
             if task.spec.duration_s <= 0:
-                return -math.inf
+                return -math.inf, speed
             end = max(end, task.assignment.placed_at + task.spec.duration_s / speed)
-        return end
+        return end, speed
 
     def _try_place(
         self,
@@ -373,7 +373,7 @@ class Scheduler:
         fenced: frozenset[str] = frozenset(),
         held_cache: dict[str, int | None] | None = None,
         fences: dict[frozenset, np.ndarray] | None = None,
-        drains: dict[int, float] | None = None,
+        drains: dict[int, tuple[float, float]] | None = None,
     ) -> Outcome:
         spec = task.spec
         held_cache = {} if held_cache is None else held_cache
@@ -409,11 +409,11 @@ class Scheduler:
                     # before its leases do, so the barrier starts no later for it
                     drains = {} if drains is None else drains
                     for index in held:
-                        if index not in drains:
-                            drains[index] = self._drain_time(index, view, now)
-                        speed = float(view.snapshot.node_speed[index])
-                        speed = speed if math.isfinite(speed) and speed > 0 else 1.0
-                        if now + factor * spec.duration_s / speed <= drains[index]:
+                        drain = drains.get(index)
+                        if drain is None:
+                            drain = drains[index] = self._drain_time(index, view, now)
+                        end, speed = drain
+                        if now + factor * spec.duration_s / speed <= end:
                             allowed = allowed | (view.node == index)
                 mask = mask & allowed
             placement = self._policy.choose(view, spec, mask)
