@@ -198,6 +198,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             n.model.removeprefix("NVIDIA ").removeprefix("GeForce "),
             n.backend,
             fmt(n.reading_age_s, 1) if n.reading_age_s >= 0 else "-",
+            fmt(n.sample_interval_ms / 1000, 1) if n.sample_interval_ms else "-",
             "yes" if n.stale else "no",
             n.envelopes,
             n.resyncs,
@@ -205,7 +206,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         ]
         for n in nodes
     ]
-    print(render_table(["NODE", "STATE", "GPUS", "MODEL", "BACKEND", "AGE s", "STALE", "ENVELOPES", "RESYNCS", "LABELS"], rows))
+    print(render_table(["NODE", "STATE", "GPUS", "MODEL", "BACKEND", "AGE s", "PERIOD s", "STALE", "ENVELOPES", "RESYNCS", "LABELS"], rows))
     return 0
 
 

@@ -140,6 +140,7 @@ def node_message(view: ClusterView, node: NodeRecord, *, now_s: float, staleness
         envelopes=node.envelopes,
         resyncs=node.resyncs,
         topology=node.topology,
+        sample_interval_ms=node.sample_interval_ms,
     )
     if node.disk_await_ms is not None:
         msg.disk_await_ms = node.disk_await_ms

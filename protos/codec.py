@@ -123,6 +123,10 @@ class TelemetryEncoder:
         gpus = len(self.gpu_indices)
         self._last = np.zeros((gpus, FIELD_COUNT), dtype=np.int64)
         self._known = np.zeros((gpus, FIELD_COUNT), dtype=bool)
+        # The period last told to the coordinator: a change goes out even in
+        # an otherwise empty delta, or a host that calmed down would be shown
+        # (and re-read by the view) at 200 ms until the next keyframe.
+        self._sent_interval_ms = 0
         self._seq = 0
         self._last_keyframe_s: float | None = None
         self._keyframe_requested = True
@@ -216,8 +220,16 @@ class TelemetryEncoder:
         if host_io is not None:
             batch.host_io.CopyFrom(host_io)
         batch.processes.extend(processes)
-        if skip_empty and not keyframe and not batch.columns and not batch.processes and host_io is None:
+        if (
+            skip_empty
+            and not keyframe
+            and not batch.columns
+            and not batch.processes
+            and host_io is None
+            and sample_interval_ms == self._sent_interval_ms
+        ):
             return None, batch
+        self._sent_interval_ms = sample_interval_ms
         raw = batch.SerializeToString()
         self._seq += 1
         packed = snappy.compress(raw) if self.compress else raw

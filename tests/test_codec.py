@@ -122,6 +122,23 @@ def test_unchanged_readings_send_nothing_but_the_envelope():
     assert len(env2.SerializeToString()) <= 12
 
 
+def test_an_empty_delta_is_skipped_unless_the_sampling_period_changed():
+    """The agent skips envelopes that carry nothing, but not one that tells
+    the coordinator its period changed: a host that calmed down must not be
+    shown at 200 ms until the next keyframe."""
+    values = np.tile(np.maximum(LOWER, 1), (len(GPU_INDICES), 1))
+    present = np.ones(values.shape, bool)
+    enc = TelemetryEncoder(GPU_INDICES)
+    env, _ = enc.encode(values, present, now_s=0.0, sampled_at_ns=0, sample_interval_ms=200, skip_empty=True)
+    assert env is not None  # the keyframe
+    sent = []
+    for t, period in ((0.2, 200), (0.4, 300), (0.7, 300), (1.0, 450), (1.5, 450)):
+        env, batch = enc.encode(values, present, now_s=t, sampled_at_ns=0, sample_interval_ms=period, skip_empty=True)
+        sent.append(None if env is None else batch.sample_interval_ms)
+        assert len(batch.columns) == 0
+    assert sent == [None, 300, None, 450, None]
+
+
 def test_keyframe_at_least_every_interval():
     enc = TelemetryEncoder(GPU_INDICES, keyframe_interval_s=30.0)
     v = np.tile(np.maximum(LOWER, 1), (len(GPU_INDICES), 1))

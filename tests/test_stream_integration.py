@@ -102,6 +102,34 @@ async def test_two_agents_view_matches_samples_and_survives_restart():
         await coord.stop(grace_s=0.1)
 
 
+async def test_node_shows_the_agents_sampling_period_as_it_calms_down():
+    """An idle host backs off to its slowest period and ListNodes says so,
+    though its readings stopped moving and it sends no values."""
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"))
+    port = await coord.start()
+    cfg = AgentConfig(node_id="calm", coordinator=f"127.0.0.1:{port}", interval_min_s=0.05, interval_max_s=0.2)
+    agent = Agent(cfg, SimBackend(gpus=2, seed=3, workload="idle"), seed=3)
+    task = asyncio.create_task(agent.run())
+
+    async def period_ms():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            nodes = (await cpb_grpc.ClusterOperatorStub(ch).ListNodes(cpb.ListNodesRequest())).nodes
+        return nodes[0].sample_interval_ms if nodes else None
+
+    try:
+        assert await _eventually(lambda: _expect(period_ms(), 200), what="node at its slowest period, 200 ms") == 200
+        assert agent.sampler.current_s == pytest.approx(0.2)
+    finally:
+        await agent.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await coord.stop(grace_s=0.1)
+
+
+async def _expect(value, wanted):
+    got = await value
+    return got if got == wanted else None
+
+
 async def _ready(port: int, count: int):
     try:
         gpus = await _list_gpus(port)
