@@ -49,6 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--key-file", help="PEM private key of --cert-file")
     p.add_argument("--token-file", help="file holding a bearer token with the agent role")
     p.add_argument("--outage-buffer", type=int, help="sampling rounds kept while the coordinator is away (default 300)")
+    p.add_argument(
+        "--check", action="store_true",
+        help="read this host's GPUs a few times and print what the agent would report (and how long a round takes), then exit: "
+        "0 all GPUs OK and a round fits the fastest period, 1 not, 2 the backend cannot start",
+    )
+    p.add_argument("--check-rounds", type=int, default=10, help="rounds --check reads (default 10)")
+    p.add_argument("--json", action="store_true", help="--check prints JSON")
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--log-format", choices=("auto", "json", "console"))
     return p.parse_args(argv)
@@ -187,10 +194,30 @@ def _status(agent: Agent, backend: str, gpus: int) -> str:
 _READY_BOUND_S = 10.0
 
 
+def _check(settings: dict[str, Any], rounds: int, as_json: bool) -> int:
+    from agent.check import run_and_render
+
+    seed = settings["sim_seed"] if settings["sim_seed"] is not None else 0
+    try:
+        backend = build_backend(settings["backend"], gpus=settings["sim_gpus"], seed=seed, workload=settings["sim_workload"])
+    except BackendUnavailable as exc:
+        print(f"check: FAIL: the {settings['backend']} backend cannot start: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run_and_render(backend, rounds=rounds, interval_min_s=settings["interval_min"], as_json=as_json)
+    finally:
+        backend.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = _settings(args)
     configure_logging(settings["log_level"], settings["log_format"])
+    if args.check:
+        if args.check_rounds < 1:
+            print(f"--check-rounds must be >= 1, got {args.check_rounds}", file=sys.stderr)
+            return 2
+        return _check(settings, args.check_rounds, args.json)
     return asyncio.run(_run(settings))
 
 

@@ -1,0 +1,271 @@
+"""``gpulb-agent --check``: what this host's agent would report, before it is
+enabled as a service.
+
+It opens the backend the service would open (NVML, or the simulator where
+asked), reads every GPU for a few rounds at the fastest sampling period, and
+prints: each GPU as gpulb will know it (and whether the scheduler's model
+table knows the model, since an unknown one starts with a neutral speed
+prior), the last reading field by field (a field the GPU does not report is
+said to be missing, not shown as 0), how long a round and each NVML read took
+against the fastest period, and the health of every GPU. Exit status: 0 when
+every GPU read OK and a round fits the fastest period, 1 otherwise, 2 when the
+backend cannot start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agent.backend import GpuBackend, GpuInfo, GpuSample
+from coordinator.tables import render_table
+from protos import telemetry_pb2 as pb
+from scheduler.cluster import lookup_model
+
+__all__ = ["CheckReport", "GpuCheck", "run_check", "render_check", "run_and_render", "SAMPLE_FIELDS"]
+
+#: GpuSample fields shown, in order, with their display unit
+SAMPLE_FIELDS: tuple[tuple[str, str], ...] = (
+    ("util_gpu_pct", "%"),
+    ("util_memory_pct", "%"),
+    ("memory_used_mib", "MiB"),
+    ("memory_total_mib", "MiB"),
+    ("temperature_c", "°C"),
+    ("power_mw", "mW"),
+    ("power_limit_mw", "mW"),
+    ("sm_clock_mhz", "MHz"),
+    ("pcie_rx_kbps", "KB/s"),
+    ("pcie_tx_kbps", "KB/s"),
+    ("ecc_corrected", ""),
+    ("ecc_uncorrected", ""),
+    ("process_count", ""),
+)
+
+#: a round may use at most this share of the fastest period: the rest is the
+#: agent's encoding and sending, and slack for a slow read
+ROUND_BUDGET_SHARE = 0.5
+
+
+@dataclass
+class GpuCheck:
+    index: int
+    uuid: str
+    model: str
+    memory_total_mib: int
+    pci_bus_id: str
+    known_model: str  # the scheduler's key for the model, "" when unknown
+    speed_prior: float | None  # relative to an RTX 4090, None when unknown
+    health: str
+    values: dict[str, int | None]
+    errors: dict[str, str]
+    processes: list[tuple[int, int]]  # (pid, MiB)
+    read_ms: dict[str, float] = field(default_factory=dict)  # mean over rounds
+
+
+@dataclass
+class CheckReport:
+    backend: str
+    parallel: bool
+    rounds: int
+    interval_min_s: float
+    round_ms: list[float]
+    gpus: list[GpuCheck]
+    topology: list[dict[str, Any]]
+
+    @property
+    def round_ms_max(self) -> float:
+        return max(self.round_ms) if self.round_ms else math.nan
+
+    @property
+    def round_ms_median(self) -> float:
+        if not self.round_ms:
+            return math.nan
+        ordered = sorted(self.round_ms)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+    @property
+    def round_fits(self) -> bool:
+        return self.round_ms_median <= ROUND_BUDGET_SHARE * self.interval_min_s * 1000
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.gpus) and all(g.health == "OK" for g in self.gpus)
+
+    @property
+    def ok(self) -> bool:
+        return self.healthy and self.round_fits
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.update(
+            round_ms_median=self.round_ms_median,
+            round_ms_max=self.round_ms_max,
+            round_fits=self.round_fits,
+            healthy=self.healthy,
+            ok=self.ok,
+        )
+        return json.dumps(data, indent=2, sort_keys=True)
+
+
+def _health_name(health: int) -> str:
+    return pb.GpuHealth.Name(health).removeprefix("GPU_HEALTH_")
+
+
+def _gpu_check(info: GpuInfo, sample: GpuSample, read_ms: dict[str, float]) -> GpuCheck:
+    known = lookup_model(info.model)
+    return GpuCheck(
+        index=info.index,
+        uuid=info.uuid,
+        model=info.model,
+        memory_total_mib=info.memory_total_mib,
+        pci_bus_id=info.pci_bus_id,
+        known_model=known.key if known else "",
+        speed_prior=known.speed if known else None,
+        health=_health_name(sample.health),
+        values={name: getattr(sample, name) for name, _ in SAMPLE_FIELDS},
+        errors=dict(sample.errors),
+        processes=[(p.pid, p.used_memory_mib) for p in (sample.processes or ())],
+        read_ms=read_ms,
+    )
+
+
+def run_check(
+    backend: GpuBackend,
+    *,
+    rounds: int = 10,
+    interval_min_s: float = 0.2,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CheckReport:
+    """Read ``backend`` ``rounds`` times, ``interval_min_s`` apart (start to
+    start), and report the last reading of each GPU and the rounds' timing."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    inventory = {info.index: info for info in backend.inventory()}
+    read_seconds = getattr(backend, "read_seconds", None)
+    round_ms: list[float] = []
+    read_sums: dict[int, dict[str, float]] = {}
+    read_counts: dict[int, dict[str, int]] = {}
+    samples: list[GpuSample] = []
+    for n in range(rounds):
+        started = clock()
+        samples = backend.sample()
+        took = clock() - started
+        round_ms.append(took * 1000)
+        if read_seconds is not None:
+            for index, reads in read_seconds().items():
+                sums = read_sums.setdefault(index, {})
+                counts = read_counts.setdefault(index, {})
+                for name, seconds in reads.items():
+                    sums[name] = sums.get(name, 0.0) + seconds * 1000
+                    counts[name] = counts.get(name, 0) + 1
+        if n + 1 < rounds:
+            sleep(max(0.0, interval_min_s - took))
+    gpus = []
+    for sample in samples:
+        info = inventory.get(sample.index) or GpuInfo(index=sample.index, uuid="", model="unknown", memory_total_mib=0)
+        sums, counts = read_sums.get(sample.index, {}), read_counts.get(sample.index, {})
+        gpus.append(_gpu_check(info, sample, {name: sums[name] / counts[name] for name in sums}))
+    return CheckReport(
+        backend=backend.name,
+        parallel=bool(getattr(backend, "parallel", False)),
+        rounds=rounds,
+        interval_min_s=interval_min_s,
+        round_ms=round_ms,
+        gpus=gpus,
+        topology=[
+            {"gpu_a": link.gpu_a, "gpu_b": link.gpu_b, "kind": pb.LinkKind.Name(link.kind).removeprefix("LINK_KIND_").lower(), "nvlink_count": link.nvlink_count}
+            for link in backend.topology()
+        ],
+    )
+
+
+def _value(value: int | None, unit: str, error: str | None) -> str:
+    if value is None:
+        return f"error: {error}" if error else "not reported"
+    return f"{value} {unit}".rstrip()
+
+
+def render_check(report: CheckReport) -> str:
+    """The report as tables a person reads at a terminal."""
+    out: list[str] = []
+    out.append(
+        f"backend {report.backend}: {len(report.gpus)} GPU(s), {report.rounds} rounds "
+        f"{report.interval_min_s * 1000:.0f} ms apart{', GPUs read in parallel' if report.parallel else ''}"
+    )
+    out.append("")
+    out.append(
+        render_table(
+            ["GPU", "MODEL", "UUID", "MEMORY MiB", "PCI", "SCHEDULER MODEL", "SPEED PRIOR", "HEALTH"],
+            [
+                [
+                    g.index,
+                    g.model,
+                    g.uuid,
+                    g.memory_total_mib,
+                    g.pci_bus_id or "-",
+                    g.known_model or "unknown: neutral prior, learned from completions",
+                    f"{g.speed_prior:g}" if g.speed_prior is not None else "1 (default)",
+                    g.health,
+                ]
+                for g in report.gpus
+            ],
+        )
+    )
+    out.append("")
+    out.append("last reading")
+    out.append(
+        render_table(
+            ["FIELD", *[f"GPU {g.index}" for g in report.gpus]],
+            [
+                [name, *[_value(g.values.get(name), unit, g.errors.get(name)) for g in report.gpus]]
+                for name, unit in SAMPLE_FIELDS
+            ],
+        )
+    )
+    procs = [(g.index, pid, mib) for g in report.gpus for pid, mib in g.processes]
+    if procs:
+        out.append("")
+        out.append(render_table(["GPU", "PID", "USED MiB"], [list(p) for p in procs]))
+    reads = sorted({name for g in report.gpus for name in g.read_ms})
+    if reads:
+        out.append("")
+        out.append("NVML read time, ms (mean over the rounds)")
+        out.append(
+            render_table(
+                ["READ", *[f"GPU {g.index}" for g in report.gpus]],
+                [[name, *[f"{g.read_ms[name]:.2f}" if name in g.read_ms else "-" for g in report.gpus]] for name in reads],
+            )
+        )
+    if report.topology:
+        out.append("")
+        out.append(
+            render_table(
+                ["GPU A", "GPU B", "LINK", "NVLINKS"],
+                [[t["gpu_a"], t["gpu_b"], t["kind"], t["nvlink_count"]] for t in report.topology],
+            )
+        )
+    budget = ROUND_BUDGET_SHARE * report.interval_min_s * 1000
+    out.append("")
+    out.append(
+        f"round: median {report.round_ms_median:.1f} ms, max {report.round_ms_max:.1f} ms "
+        f"(budget {budget:.0f} ms, {ROUND_BUDGET_SHARE:.0%} of the fastest period): "
+        + ("fits" if report.round_fits else "TOO SLOW: raise --interval-min or check the driver")
+    )
+    bad = [g for g in report.gpus if g.health != "OK"]
+    out.append(
+        "health: every GPU OK" if not bad else "health: " + ", ".join(f"GPU {g.index} {g.health}" for g in bad)
+    )
+    out.append("check: " + ("PASS" if report.ok else "FAIL"))
+    return "\n".join(out)
+
+
+def run_and_render(backend: GpuBackend, *, rounds: int, interval_min_s: float, as_json: bool, print_fn: Callable[[str], None] = print) -> int:
+    report = run_check(backend, rounds=rounds, interval_min_s=interval_min_s)
+    print_fn(report.to_json() if as_json else render_check(report))
+    return 0 if report.ok else 1

@@ -1,0 +1,111 @@
+"""``gpulb-agent --check``: the pre-flight an operator runs on a GPU host
+before enabling the service, against the shipped fake NVML and the simulator;
+and the NVML backend's parallel rounds that keep a many-GPU host inside the
+fastest sampling period."""
+
+from __future__ import annotations
+
+import json
+
+import pynvml
+import pytest
+
+from agent import main as agent_main
+from agent.backend import BackendError
+from agent.check import render_check, run_check
+from agent.fake_nvml import MIB, FakeNvml, FakeProcess
+from agent.nvml import NvmlBackend
+
+
+def _gpus() -> FakeNvml:
+    nv = FakeNvml.with_gpus(2)
+    a, b = nv.gpus
+    a.util_gpu, a.memory_used = 91, 20_000 * MIB
+    a.processes = [FakeProcess(4242, 19_000 * MIB)]
+    # a consumer card: no ECC
+    a.errors["nvmlDeviceGetTotalEccErrors"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    b.name = "NVIDIA H200"
+    b.memory_total = 143_771 * MIB
+    b.errors["nvmlDeviceGetTemperature"] = pynvml.NVML_ERROR_UNKNOWN
+    return nv
+
+
+class SteppedClock:
+    """perf_counter stand-in: each backend.sample() takes ``round_s``."""
+
+    def __init__(self, round_s: float) -> None:
+        self.now, self.round_s, self.calls = 0.0, round_s, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 0:  # the second read of a pair closes a round
+            self.now += self.round_s
+        return self.now
+
+
+def test_check_reports_each_field_as_read_missing_or_failing() -> None:
+    backend = NvmlBackend(nvml=_gpus())
+    slept: list[float] = []
+    report = run_check(backend, rounds=3, interval_min_s=0.2, sleep=slept.append, clock=SteppedClock(0.004))
+    a, b = report.gpus
+    assert (a.model, a.known_model, a.speed_prior) == ("NVIDIA GeForce RTX 4090", "RTX 4090", 1.0)
+    assert a.values["util_gpu_pct"] == 91 and a.values["memory_used_mib"] == 20_000
+    assert a.values["ecc_corrected"] is None and "ecc_corrected" not in a.errors  # not reported, no error
+    assert a.processes == [(4242, 19_000)]
+    assert b.memory_total_mib == 143_771
+    assert b.values["temperature_c"] is None and "Unknown" in b.errors["temperature_c"]
+    assert a.health == b.health == "OK"  # one failing read is not a failing GPU
+    # the fake is instant, and the clock says each round took 4 ms
+    assert report.round_ms == pytest.approx([4.0, 4.0, 4.0])
+    assert slept == pytest.approx([0.196, 0.196])  # start to start, 200 ms
+    assert report.ok
+    # reads timed per GPU; an unsupported read is never timed
+    assert "utilization" in a.read_ms and "ecc_corrected" not in a.read_ms
+    assert "temperature" in b.read_ms  # failed, but it was a call that took time
+    text = render_check(report)
+    assert "not reported" in text and "error: Unknown" in text and "check: PASS" in text
+    data = json.loads(report.to_json())
+    assert data["ok"] is True and data["gpus"][1]["model"] == "NVIDIA H200"
+
+
+def test_check_fails_a_lost_gpu_and_a_round_too_slow_for_the_fastest_period() -> None:
+    nv = _gpus()
+    nv.gpus[1].lost = True
+    report = run_check(NvmlBackend(nvml=nv), rounds=2, interval_min_s=0.2, sleep=lambda s: None, clock=SteppedClock(0.001))
+    assert [g.health for g in report.gpus] == ["OK", "LOST"]
+    assert report.round_fits and not report.ok
+    assert "GPU 1 LOST" in render_check(report)
+
+    slow = run_check(NvmlBackend(nvml=_gpus()), rounds=2, interval_min_s=0.2, sleep=lambda s: None, clock=SteppedClock(0.120))
+    assert slow.healthy and not slow.round_fits and not slow.ok  # 120 ms > half of 200 ms
+    assert "TOO SLOW" in render_check(slow)
+    # the same round is fine for an agent that samples at most every 500 ms
+    assert run_check(NvmlBackend(nvml=_gpus()), rounds=2, interval_min_s=0.5, sleep=lambda s: None, clock=SteppedClock(0.120)).ok
+
+
+def test_parallel_rounds_read_the_same_values_as_serial_ones() -> None:
+    serial = NvmlBackend(nvml=_gpus(), parallel=False)
+    parallel = NvmlBackend(nvml=_gpus(), parallel=True)
+    assert parallel.parallel and not serial.parallel
+    for _ in range(3):
+        assert parallel.sample() == serial.sample()
+    # the real pynvml default: only a host of several GPUs gets threads
+    assert not NvmlBackend(nvml=FakeNvml.with_gpus(1), parallel=True).parallel
+    parallel.close()
+    with pytest.raises(BackendError, match="closed"):
+        parallel.sample()
+
+
+def test_command_line_check_on_the_simulator_and_without_a_driver(capsys) -> None:
+    assert agent_main.main(["--check", "--backend", "sim", "--sim-gpus", "3", "--check-rounds", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["backend"] == "sim" and len(data["gpus"]) == 3 and data["ok"] is True
+    assert agent_main.main(["--check", "--backend", "sim", "--check-rounds", "0"]) == 2
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        assert agent_main.main(["--check", "--backend", "nvml"]) == 2
+        assert "cannot start" in capsys.readouterr().err
+        return
+    pynvml.nvmlShutdown()
+    pytest.skip("this host has a working NVML driver")
