@@ -158,9 +158,15 @@ class FrozenDetector:
     A sample is suspect when the GPU runs compute processes and either its
     memory reads 0 MiB (a context alone holds memory, so this is impossible
     while processes run), or util is above 0 and (util.gpu, util.memory,
-    memory used) is exactly the previous sample's (a busy GPU's util always
-    jitters). ``threshold`` suspect samples of one unchanged reading in a row
-    make it frozen, until a reading moves.
+    memory used, power) is exactly the previous sample's. ``threshold``
+    suspect samples of one unchanged reading in a row make it frozen, until a
+    reading moves.
+
+    Power is in the key because util alone does not jitter enough: on an
+    H200 under a steady bf16 matrix-product load, nvidia-smi read the same
+    util and memory 14 times in a row at 200 ms (one short of the default
+    threshold) while the power draw (mW) never held for more than two
+    readings. A driver that serves stale counters freezes power with them.
 
     Identical readings at util 0 are not suspect: that is an inference
     server waiting for requests, holding its memory, and it is idle.
@@ -182,6 +188,7 @@ class FrozenDetector:
         util_memory_pct: int | None,
         memory_used_mib: int | None,
         process_count: int | None,
+        power_mw: int | None = None,
     ) -> bool:
         """Feed one sample; True while the GPU counts as frozen."""
         if (
@@ -194,7 +201,7 @@ class FrozenDetector:
             self.reset()
             return False
         # All zero-memory readings are one key: the counters are gone.
-        key = (-1,) if memory_used_mib == 0 else (util_gpu_pct, util_memory_pct, memory_used_mib)
+        key = (-1,) if memory_used_mib == 0 else (util_gpu_pct, util_memory_pct, memory_used_mib, power_mw)
         if key == self._key:
             self._run += 1
         else:
@@ -231,6 +238,9 @@ _READS: tuple[_Read, ...] = (
         lambda nv, h: nv.nvmlDeviceGetUtilizationRates(h),
         parse_utilization,
     ),
+    # v1 on purpose: its "used" includes the driver's reservation (615 MiB
+    # on an H200, driver 580), which nvidia-smi leaves out but no task can
+    # allocate, so total - used is what a placement can really have.
     _Read(
         "memory",
         ("memory_used_mib", "memory_total_mib"),
@@ -460,6 +470,7 @@ class NvmlBackend:
             memory_total_mib=get(lambda: bytes_to_mib(nv.nvmlDeviceGetMemoryInfo(h).total), 0),
             power_limit_mw=get(lambda: int(nv.nvmlDeviceGetEnforcedPowerLimit(h)), None),
             pci_bus_id=get(lambda: _text(nv.nvmlDeviceGetPciInfo(h).busId).rstrip("\x00"), ""),
+            memory_reserved_mib=get(lambda: bytes_to_mib(nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2).reserved), None),
         )
         return gpu, info
 
@@ -560,7 +571,7 @@ class NvmlBackend:
             sample.health = Health.READ_FAILED
             gpu.frozen.reset()
         elif gpu.frozen.update(
-            sample.util_gpu_pct, sample.util_memory_pct, sample.memory_used_mib, sample.process_count
+            sample.util_gpu_pct, sample.util_memory_pct, sample.memory_used_mib, sample.process_count, sample.power_mw
         ):
             sample.health = Health.FROZEN
         return sample

@@ -121,6 +121,11 @@ def test_build_topology_counts_links_from_the_better_end() -> None:
         ([(50, 20, 4000, 1)] * 3 + [(60, 20, 4000, 1)], [False, False, True, False]),
         # a break in the run starts the count again
         ([(50, 20, 4000, 1)] * 2 + [(50, 20, 4000, 0)] + [(50, 20, 4000, 1)] * 2, [False] * 5),
+        # a steady job pinned at 100 %: util and memory repeat, power moves
+        # (as read on an H200 under bf16 matrix products): never frozen
+        ([(100, 60, 67_379, 1, p) for p in (690_480, 691_210, 691_210, 692_700, 692_240)], [False] * 5),
+        # stale counters freeze power too
+        ([(100, 60, 67_379, 1, 691_210)] * 3, [False, False, True]),
     ],
 )
 def test_frozen_detector(readings: list[tuple], frozen: list[bool]) -> None:
