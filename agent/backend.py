@@ -44,6 +44,9 @@ class GpuInfo:
     memory_total_mib: int
     power_limit_mw: int | None = None
     pci_bus_id: str = ""
+    #: MiB the driver holds back (NVML memory info v2); counted in
+    #: ``memory_used_mib``, never allocatable. None: the driver cannot say
+    memory_reserved_mib: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

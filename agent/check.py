@@ -56,6 +56,7 @@ class GpuCheck:
     uuid: str
     model: str
     memory_total_mib: int
+    memory_reserved_mib: int | None  # held by the driver, counted as used
     pci_bus_id: str
     known_model: str  # the scheduler's key for the model, "" when unknown
     speed_prior: float | None  # relative to an RTX 4090, None when unknown
@@ -123,6 +124,7 @@ def _gpu_check(info: GpuInfo, sample: GpuSample, read_ms: dict[str, float]) -> G
         uuid=info.uuid,
         model=info.model,
         memory_total_mib=info.memory_total_mib,
+        memory_reserved_mib=info.memory_reserved_mib,
         pci_bus_id=info.pci_bus_id,
         known_model=known.key if known else "",
         speed_prior=known.speed if known else None,
@@ -201,13 +203,14 @@ def render_check(report: CheckReport) -> str:
     out.append("")
     out.append(
         render_table(
-            ["GPU", "MODEL", "UUID", "MEMORY MiB", "PCI", "SCHEDULER MODEL", "SPEED PRIOR", "HEALTH"],
+            ["GPU", "MODEL", "UUID", "MEMORY MiB", "RESERVED MiB", "PCI", "SCHEDULER MODEL", "SPEED PRIOR", "HEALTH"],
             [
                 [
                     g.index,
                     g.model,
                     g.uuid,
                     g.memory_total_mib,
+                    g.memory_reserved_mib if g.memory_reserved_mib is not None else "-",
                     g.pci_bus_id or "-",
                     g.known_model or "unknown: neutral prior, learned from completions",
                     f"{g.speed_prior:g}" if g.speed_prior is not None else "1 (default)",
@@ -228,6 +231,12 @@ def render_check(report: CheckReport) -> str:
             ],
         )
     )
+    reserved = [g for g in report.gpus if g.memory_reserved_mib]
+    if reserved:
+        out.append(
+            "memory_used_mib counts the driver's reservation (RESERVED MiB above), which nvidia-smi leaves out "
+            "of its 'used': no task can allocate it, so gpulb counts it as used"
+        )
     procs = [(g.index, pid, mib) for g in report.gpus for pid, mib in g.processes]
     if procs:
         out.append("")

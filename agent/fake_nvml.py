@@ -40,7 +40,10 @@ class FakeGpu:
     bus_id: str  # "00000000:01:00.0"
     name: str = "NVIDIA GeForce RTX 4090"
     memory_total: int = 24564 * MIB  # bytes
-    memory_used: int = 300 * MIB  # bytes
+    memory_used: int = 300 * MIB  # bytes, as nvmlDeviceGetMemoryInfo (v1) counts it: reserved included
+    #: bytes the driver reserves (nvmlDeviceGetMemoryInfo_v2); None: a driver
+    #: without the v2 call
+    memory_reserved: int | None = None
     util_gpu: int = 0
     util_memory: int = 0
     temperature: int = 35
@@ -85,6 +88,15 @@ class _Memory:
         self.free = total - used
 
 
+class _MemoryV2:
+    def __init__(self, total: int, reserved: int, used: int) -> None:
+        self.version = pynvml.nvmlMemory_v2
+        self.total = total
+        self.reserved = reserved
+        self.used = used
+        self.free = total - reserved - used
+
+
 class _PciInfo:
     def __init__(self, bus_id: str) -> None:
         # pynvml hands back the ctypes char array: bytes, not str
@@ -110,6 +122,7 @@ class FakeNvml:
     every function called, by name."""
 
     NVMLError = pynvml.NVMLError
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
     def __init__(
         self,
@@ -211,9 +224,14 @@ class FakeNvml:
         gpu = self._gpu("nvmlDeviceGetUtilizationRates", handle)
         return _Utilization(gpu.util_gpu, gpu.util_memory)
 
-    def nvmlDeviceGetMemoryInfo(self, handle: _Handle) -> _Memory:
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> _Memory:
         gpu = self._gpu("nvmlDeviceGetMemoryInfo", handle)
-        return _Memory(gpu.memory_total, gpu.memory_used)
+        if not version:
+            return _Memory(gpu.memory_total, gpu.memory_used)
+        if gpu.memory_reserved is None:
+            self._raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        # v2 leaves the driver's reservation out of "used", as nvidia-smi does
+        return _MemoryV2(gpu.memory_total, gpu.memory_reserved, gpu.memory_used - gpu.memory_reserved)
 
     def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
         gpu = self._gpu("nvmlDeviceGetTemperature", handle)

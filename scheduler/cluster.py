@@ -100,6 +100,10 @@ KNOWN_MODELS: dict[str, GpuModel] = {
     for m in (
         GpuModel("RTX 4090", "NVIDIA GeForce RTX 4090", 24_564.0, 1.0, ("4090", "GeForce RTX 4090")),
         GpuModel("H100", "NVIDIA H100 80GB HBM3", 81_559.0, 2.2, ("H100 80GB", "H100M80")),
+        # name and memory as NVML reported them on an H200 (driver 580.159);
+        # the H100's compute with 1.4x its memory bandwidth, so a little
+        # faster on the memory-bound half of the work: a prior, learned on
+        GpuModel("H200", "NVIDIA H200", 143_771.0, 2.4, ("H200 141GB",)),
         GpuModel("A100 80GB", "NVIDIA A100-SXM4-80GB", 81_920.0, 1.3, ("A100", "A100M80")),
         GpuModel("A10", "NVIDIA A10", 23_028.0, 0.45, ()),
         GpuModel("V100M32", "Tesla V100-SXM2-32GB", 32_768.0, 0.55, ("V100 32GB",)),

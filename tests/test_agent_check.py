@@ -26,6 +26,8 @@ def _gpus() -> FakeNvml:
     a.errors["nvmlDeviceGetTotalEccErrors"] = pynvml.NVML_ERROR_NOT_SUPPORTED
     b.name = "NVIDIA H200"
     b.memory_total = 143_771 * MIB
+    b.memory_reserved = 615 * MIB  # as read on one (driver 580)
+    b.memory_used = 615 * MIB
     b.errors["nvmlDeviceGetTemperature"] = pynvml.NVML_ERROR_UNKNOWN
     return nv
 
@@ -52,7 +54,9 @@ def test_check_reports_each_field_as_read_missing_or_failing() -> None:
     assert a.values["util_gpu_pct"] == 91 and a.values["memory_used_mib"] == 20_000
     assert a.values["ecc_corrected"] is None and "ecc_corrected" not in a.errors  # not reported, no error
     assert a.processes == [(4242, 19_000)]
-    assert b.memory_total_mib == 143_771
+    assert (b.memory_total_mib, b.memory_reserved_mib, b.known_model) == (143_771, 615, "H200")
+    assert b.values["memory_used_mib"] == 615  # v1: the reservation counts as used
+    assert a.memory_reserved_mib is None  # a driver without the v2 call
     assert b.values["temperature_c"] is None and "Unknown" in b.errors["temperature_c"]
     assert a.health == b.health == "OK"  # one failing read is not a failing GPU
     # the fake is instant, and the clock says each round took 4 ms
@@ -64,6 +68,7 @@ def test_check_reports_each_field_as_read_missing_or_failing() -> None:
     assert "temperature" in b.read_ms  # failed, but it was a call that took time
     text = render_check(report)
     assert "not reported" in text and "error: Unknown" in text and "check: PASS" in text
+    assert "counts the driver's reservation" in text
     data = json.loads(report.to_json())
     assert data["ok"] is True and data["gpus"][1]["model"] == "NVIDIA H200"
 

@@ -248,7 +248,9 @@ def test_known_models_and_lookup():
     assert lookup_model("NVIDIA A100-SXM4-80GB") is KNOWN_MODELS["A100 80GB"]
     assert lookup_model("v100m16").memory_mib == 16_160.0
     assert lookup_model("nope") is None
-    for key in ("RTX 4090", "A100 80GB", "H100", "V100M16", "V100M32", "T4", "P100", "A10", "G1", "G2", "G3", "K20c", "M40"):
+    # what NVML calls an H200 (read on one, driver 580.159)
+    assert lookup_model("NVIDIA H200") is KNOWN_MODELS["H200"] and KNOWN_MODELS["H200"].memory_mib == 143_771
+    for key in ("RTX 4090", "A100 80GB", "H100", "H200", "V100M16", "V100M32", "T4", "P100", "A10", "G1", "G2", "G3", "K20c", "M40"):
         m = KNOWN_MODELS[key]
         assert m.memory_mib > 0 and m.speed > 0
     assert KNOWN_MODELS["RTX 4090"].speed == 1.0
