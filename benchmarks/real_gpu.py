@@ -1,0 +1,519 @@
+"""The agent and coordinator against this host's real GPU(s): what NVML
+reports, how fast the agent reacts, and whether placement follows real memory.
+
+Run from the repository root on a host with an NVIDIA driver and PyTorch
+(or CuPy) for the load::
+
+    python benchmarks/real_gpu.py [--out DIR] [--load-s 15] [--load-gib 64]
+
+Steps, on loopback:
+
+1. ``gpulb-agent --check`` in-process (``agent.check.run_check`` on the real
+   ``NvmlBackend``, 20 rounds): every field, its NVML read time, the round
+   time against the 200 ms fast period;
+2. whether NVML's PCIe throughput reads (each counts bytes over 20 ms)
+   overlap when issued from two threads (the reason the backend reads the
+   GPUs of a round in parallel);
+3. a coordinator and an agent (``--backend nvml``) as real processes, a
+   poller reading the coordinator's raw view (ListGpus, ListNodes) every
+   100 ms and ``nvidia-smi -lms 200`` beside it, through three phases:
+   calm, a load (a process allocating ``--load-gib`` GiB and running bf16
+   matrix products on GPU 0), calm again. During the load two tasks are
+   submitted: one whose VRAM fits beside the load, one that fits only once
+   the load has freed its memory.
+
+Figures: the agent's sampling period per phase (ListNodes), how long after
+nvidia-smi the coordinator saw the load come and go, how far the
+coordinator's readings were from nvidia-smi's, the agent's CPU and the
+telemetry bytes per second per phase, and when each task was placed.
+Writes ``real_gpu.json``, ``timeline.csv`` and the services' logs to
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from coordinator.demo import ProcessGroup, free_port  # noqa: E402
+from coordinator.tables import render_table  # noqa: E402
+from protos import cluster_pb2 as cpb  # noqa: E402
+from protos import cluster_pb2_grpc as cpb_grpc  # noqa: E402
+from protos import tasks_pb2 as tpb  # noqa: E402
+from protos import tasks_pb2_grpc as tpb_grpc  # noqa: E402
+
+_LOADER = r"""
+import json, sys, time
+def say(event, **kw):
+    print(json.dumps({"event": event, "t": time.time(), **kw}), flush=True)
+gib, seconds = float(sys.argv[1]), float(sys.argv[2])
+if len(sys.argv) > 3:  # --rehearse: no GPU, the same events
+    say("ready", lib="none")
+    sys.stdin.readline()
+    say("allocated", gib=gib)
+    time.sleep(seconds)
+    say("done", products=0, tflops=0.0)
+    say("exiting")
+    sys.exit(0)
+try:
+    import torch
+    dev = torch.device("cuda:0")
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    lib = "torch"
+except Exception as exc:
+    say("no_loader", error=repr(exc)); sys.exit(3)
+say("ready", lib=lib)
+sys.stdin.readline()
+hold = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=dev)
+hold.fill_(1)
+torch.cuda.synchronize()
+say("allocated", gib=gib)
+end = time.time() + seconds
+products = 0
+while time.time() < end:
+    for _ in range(20):
+        c = a @ b
+    torch.cuda.synchronize()
+    products += 20
+say("done", products=products, tflops=products * 2 * 8192**3 / seconds / 1e12)
+del hold, c
+torch.cuda.synchronize()
+say("exiting")
+"""
+
+
+@dataclass
+class Row:
+    t: float
+    phase: str
+    util: float | None = None
+    mem: float | None = None
+    power: float | None = None
+    age: float | None = None
+    period_ms: int = 0
+    envelopes: int = 0
+    processes: float | None = None
+
+
+@dataclass
+class SmiRow:
+    t: float
+    util: float
+    mem: float
+    power: float
+
+
+@dataclass
+class Run:
+    rows: list[Row] = field(default_factory=list)
+    smi: list[SmiRow] = field(default_factory=list)
+    events: dict[str, float] = field(default_factory=dict)
+    tasks: dict[str, dict] = field(default_factory=dict)
+    phase: str = "start"
+
+
+def _pcie_overlap(rounds: int = 10) -> dict[str, float]:
+    """ms for an rx and a tx PCIe throughput read, one after the other and
+    from two threads at once, on GPU 0."""
+    import pynvml as nv
+
+    nv.nvmlInit()
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        try:
+            nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES)
+        except nv.NVMLError as exc:
+            return {"error": str(exc)}
+
+        def rx():
+            nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES)
+
+        def tx():
+            nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)
+
+        def serial():
+            rx()
+            tx()
+
+        def threads():
+            ts = [threading.Thread(target=f) for f in (rx, tx)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+
+        out = {}
+        for name, fn in (("one_read", rx), ("two_serial", serial), ("two_threads", threads)):
+            times = []
+            for _ in range(rounds):
+                s = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - s) * 1000)
+            out[name + "_ms"] = statistics.median(times)
+        return out
+    finally:
+        nv.nvmlShutdown()
+
+
+def _nvml_runs(stop: threading.Event, out: dict) -> None:
+    """GPU 0 read straight from NVML every 200 ms (the agent's fast period)
+    while the load runs: the longest run of identical (util.gpu, util.memory,
+    memory used) readings, with and without the power draw, which is what
+    the FROZEN detector keys on (15 in a row make a GPU frozen)."""
+    import pynvml as nv
+
+    nv.nvmlInit()
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        keys = []
+        while not stop.is_set():
+            u = nv.nvmlDeviceGetUtilizationRates(h)
+            m = nv.nvmlDeviceGetMemoryInfo(h)
+            keys.append((u.gpu, u.memory, m.used // 2**20, nv.nvmlDeviceGetPowerUsage(h)))
+            stop.wait(0.2)
+    finally:
+        nv.nvmlShutdown()
+
+    def longest(seq) -> int:
+        best = run = 0
+        prev = None
+        for k in seq:
+            run = run + 1 if k == prev else 1
+            prev = k
+            best = max(best, run)
+        return best
+
+    busy = [k for k in keys if k[0] > 0]
+    out.update(readings=len(keys), busy_readings=len(busy),
+               longest_same_util_memory=longest(k[:3] for k in busy),
+               longest_same_util_memory_power=longest(busy))
+
+
+def _poll(target: str, run: Run, stop: threading.Event) -> None:
+    with grpc.insecure_channel(target) as ch:
+        ops = cpb_grpc.ClusterOperatorStub(ch)
+        sched = tpb_grpc.SchedulerStub(ch)
+        while not stop.is_set():
+            t = time.time()
+            try:
+                gpus = ops.ListGpus(cpb.ListGpusRequest(values=cpb.VALUE_VIEW_RAW), timeout=2).gpus
+                nodes = ops.ListNodes(cpb.ListNodesRequest(), timeout=2).nodes
+            except grpc.RpcError:
+                stop.wait(0.1)
+                continue
+            row = Row(t=t, phase=run.phase)
+            g0 = next((g for g in gpus if g.index == 0), None)
+            if g0 is not None:
+                row.util = g0.util_gpu_pct if g0.HasField("util_gpu_pct") else None
+                row.mem = g0.memory_used_mib if g0.HasField("memory_used_mib") else None
+                row.power = g0.power_w if g0.HasField("power_w") else None
+                row.age = g0.reading_age_s
+                row.processes = g0.process_count if g0.HasField("process_count") else None
+            if nodes:
+                row.period_ms = nodes[0].sample_interval_ms
+                row.envelopes = nodes[0].envelopes
+            run.rows.append(row)
+            for task_id, info in run.tasks.items():
+                if "placed_t" in info:
+                    continue
+                task = sched.GetTask(tpb.GetTaskRequest(task_id=task_id), timeout=2)
+                info["state"] = tpb.TaskState.Name(task.state)
+                info["reason"] = task.reason
+                if task.state == tpb.TASK_STATE_LEASED:
+                    info["placed_t"] = task.assignment.placed_at_ns / 1e9
+                    info["gpu"] = f"{task.assignment.node_id}/{list(task.assignment.gpu_index)}"
+            stop.wait(max(0.0, 0.1 - (time.time() - t)))
+
+
+def _smi(run: Run, stop: threading.Event) -> subprocess.Popen | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    proc = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,power.draw", "--format=csv,noheader,nounits", "-lms", "200"],
+        stdout=subprocess.PIPE, text=True,
+    )
+
+    def read() -> None:
+        for line in proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 4 and parts[0] == "0":
+                try:
+                    run.smi.append(SmiRow(time.time(), float(parts[1]), float(parts[2]), float(parts[3])))
+                except ValueError:
+                    continue
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return float("nan")
+
+
+def _first(rows, after: float, pred) -> float | None:
+    for r in rows:
+        if r.t >= after and pred(r):
+            return r.t
+    return None
+
+
+def _submit(target: str, task_id: str, vram_mib: int, share: float, priority: int) -> None:
+    with grpc.insecure_channel(target) as ch:
+        tpb_grpc.SchedulerStub(ch).ScheduleTask(
+            tpb.ScheduleTaskRequest(
+                spec=tpb.TaskSpec(task_id=task_id, vram_mib=vram_mib, gpu_share=share, priority=priority, kind="inference", duration_s=60),
+                wait=False,
+            ),
+            timeout=5,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="out/real_gpu", help="folder for real_gpu.json, timeline.csv and logs")
+    p.add_argument("--load-s", type=float, default=30.0)
+    p.add_argument("--load-gib", type=float, default=64.0)
+    p.add_argument("--calm-s", type=float, default=10.0)
+    p.add_argument("--rehearse", action="store_true", help="no GPU: the simulated backend and a load that only sleeps (tries the script)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from agent.check import render_check, run_check
+    from agent.nvml import NvmlBackend
+    from agent.backend import BackendUnavailable
+
+    try:
+        if args.rehearse:
+            from agent.sim import SimBackend
+
+            backend = SimBackend(gpus=1, seed=1, workload="idle")
+        else:
+            backend = NvmlBackend()
+    except BackendUnavailable as exc:
+        print(f"no GPU to measure: {exc}", file=sys.stderr)
+        return 2
+    print("== 1. gpulb-agent --check (20 rounds)", flush=True)
+    check = run_check(backend, rounds=20)
+    backend.close()
+    print(render_check(check), flush=True)
+    print("\n== 2. PCIe throughput reads, GPU 0, median ms", flush=True)
+    overlap = {} if args.rehearse else _pcie_overlap()
+    print(json.dumps(overlap), flush=True)
+
+    print("\n== 3. coordinator + agent (nvml) on loopback, calm / load / calm", flush=True)
+    total_mib = check.gpus[0].memory_total_mib
+    logs = Path(tempfile.mkdtemp(prefix="gpulb-real-"))
+    port, mport = free_port(), free_port()
+    target = f"127.0.0.1:{port}"
+    group = ProcessGroup(logs)
+    run = Run()
+    stop = threading.Event()
+    smi = None
+    loader = None
+    summary: dict = {"check": json.loads(check.to_json()), "pcie_overlap": overlap}
+    try:
+        coordinator = group.start("coordinator", [sys.executable, "-m", "coordinator.main", "--listen", target,
+                                    "--metrics-listen", f"127.0.0.1:{mport}", "--log-format", "json", "--insecure"])
+        agent = group.start("agent", [sys.executable, "-m", "agent.main", "--backend", "sim" if args.rehearse else "nvml",
+                                      "--sim-gpus", "1", "--sim-workload", "idle",
+                                      "--coordinator", target, "--node-id", "gpu-host", "--log-format", "json"])
+        poller = threading.Thread(target=_poll, args=(target, run, stop), daemon=True)
+        poller.start()
+        deadline = time.time() + 30
+        while not (run.rows and run.rows[-1].mem is not None):
+            if time.time() > deadline or coordinator.poll() is not None or agent.poll() is not None:
+                raise RuntimeError(f"the agent's GPU never reached the coordinator's view (logs in {logs})")
+            time.sleep(0.2)
+        smi = None if args.rehearse else _smi(run, stop)
+        loader = subprocess.Popen([sys.executable, "-c", _LOADER, str(args.load_gib), str(args.load_s)] + (["rehearse"] if args.rehearse else []),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = json.loads(loader.stdout.readline() or '{"event": "no_loader"}')
+        if ready["event"] != "ready":
+            raise RuntimeError(f"no GPU load available: {ready}")
+
+        def phase_marks() -> dict:
+            return {"t": time.time(), "cpu_s": _cpu_s(agent.pid),
+                    "bytes": _metric(f"http://127.0.0.1:{mport}/metrics", "gpulb_telemetry_received_bytes_total")}
+
+        marks = {}
+        run.phase = "calm"
+        marks["calm"] = phase_marks()
+        run.events["calm"] = time.time()
+        time.sleep(args.calm_s)
+        run.phase = "load"
+        marks["load"] = phase_marks()
+        nvml_stop, frozen_runs = threading.Event(), {}
+        nvml_thread = None
+        if not args.rehearse:
+            nvml_thread = threading.Thread(target=_nvml_runs, args=(nvml_stop, frozen_runs), daemon=True)
+            nvml_thread.start()
+        run.events["go"] = time.time()
+        loader.stdin.write("go\n")
+        loader.stdin.flush()
+        for line in loader.stdout:
+            ev = json.loads(line)
+            run.events[ev["event"]] = ev["t"]
+            if ev["event"] == "allocated":
+                # let the view see the load, then ask for a task that fits
+                # only beside it and one that fits only once it has gone
+                time.sleep(4.0)
+                fits = 8 * 1024
+                after = max(1024, int(total_mib - args.load_gib * 1024 * 0.6))
+                run.events["submitted"] = time.time()
+                _submit(target, "fits-beside-load", fits, 0.3, tpb.PRIORITY_P0)
+                _submit(target, "needs-the-load-gone", after, 1.0, tpb.PRIORITY_P1)
+                run.tasks = {"fits-beside-load": {"vram_mib": fits}, "needs-the-load-gone": {"vram_mib": after}}
+            if ev["event"] == "done":
+                summary["load_tflops"] = ev["tflops"]
+                nvml_stop.set()
+                if nvml_thread is not None:
+                    nvml_thread.join()
+                summary["frozen_key_runs"] = frozen_runs
+        loader.wait(timeout=60)
+        run.events["loader_exited"] = time.time()
+        run.phase = "calm-after"
+        marks["calm-after"] = phase_marks()
+        time.sleep(args.calm_s + 4)
+        marks["end"] = phase_marks()
+    finally:
+        stop.set()
+        if loader is not None and loader.poll() is None:
+            loader.kill()
+        if smi is not None:
+            smi.terminate()
+        codes = group.stop_all()
+        for name in ("coordinator", "agent"):
+            if (logs / f"{name}.log").exists():
+                shutil.copy(logs / f"{name}.log", out / f"{name}.log")
+    summary["exit_codes"] = dict(codes)
+
+    # ---- figures
+    ev = run.events
+    phases = [("calm", "calm", "load"), ("load", "load", "calm-after"), ("calm after", "calm-after", "end")]
+    per_phase = []
+    for label, a, b in phases:
+        rows = [r for r in run.rows if marks[a]["t"] <= r.t < marks[b]["t"]]
+        wall = marks[b]["t"] - marks[a]["t"]
+        periods = [r.period_ms for r in rows if r.period_ms]
+        per_phase.append({
+            "phase": label,
+            "seconds": round(wall, 1),
+            "period_ms_min": min(periods) if periods else None,
+            "period_ms_last": periods[-1] if periods else None,
+            "envelopes_per_s": (rows[-1].envelopes - rows[0].envelopes) / wall if len(rows) > 1 else None,
+            "bytes_per_s": (marks[b]["bytes"] - marks[a]["bytes"]) / wall,
+            "agent_cpu_pct": 100 * (marks[b]["cpu_s"] - marks[a]["cpu_s"]) / wall,
+        })
+    summary["phases"] = per_phase
+    smi_busy = _first(run.smi, ev.get("go", ev["calm"]), lambda r: r.util >= 50)
+    coord_busy = _first(run.rows, ev.get("go", ev["calm"]), lambda r: (r.util or 0) >= 50)
+    smi_mem = _first(run.smi, ev["calm"], lambda r: r.mem >= args.load_gib * 1024 * 0.9)
+    coord_mem = _first(run.rows, ev["calm"], lambda r: (r.mem or 0) >= args.load_gib * 1024 * 0.9)
+    smi_free = None if smi_mem is None else _first(run.smi, smi_mem, lambda r: r.mem < args.load_gib * 1024 * 0.5)
+    coord_free = None if coord_mem is None else _first(run.rows, coord_mem, lambda r: (r.mem or 1e12) < args.load_gib * 1024 * 0.5)
+    smi_idle = _first(run.smi, ev.get("done", ev["calm"]), lambda r: r.util < 50)
+    coord_idle = _first(run.rows, ev.get("done", ev["calm"]), lambda r: (r.util or 0) < 50)
+    lag = summary["lag_s"] = {
+        "util>=50%: coordinator after nvidia-smi": None if None in (smi_busy, coord_busy) else coord_busy - smi_busy,
+        "memory up: coordinator after allocation": None if coord_mem is None else coord_mem - ev["allocated"],
+        "memory up: nvidia-smi after allocation": None if smi_mem is None else smi_mem - ev["allocated"],
+        "memory freed: coordinator after nvidia-smi": None if None in (smi_free, coord_free) else coord_free - smi_free,
+        "util<50% after the load: coordinator after nvidia-smi": None if None in (smi_idle, coord_idle) else coord_idle - smi_idle,
+    }
+    # agreement: each nvidia-smi reading against the coordinator's reading
+    # just after it (the agent samples independently; both lag the truth)
+    diffs_mem, diffs_util, offsets = [], [], []
+    for s in run.smi:
+        nxt = next((r for r in run.rows if r.t >= s.t + 0.3 and r.mem is not None), None)
+        if nxt is None:
+            continue
+        diffs_mem.append(abs(nxt.mem - s.mem))
+        offsets.append(nxt.mem - s.mem)
+        if nxt.util is not None:
+            diffs_util.append(abs(nxt.util - s.util))
+    summary["agreement"] = {
+        "pairs": len(diffs_mem),
+        "memory_abs_diff_mib_median": statistics.median(diffs_mem) if diffs_mem else None,
+        "util_abs_diff_pct_median": statistics.median(diffs_util) if diffs_util else None,
+        "memory_offset_mib_median": statistics.median(offsets) if offsets else None,
+        "driver_reserved_mib": check.gpus[0].memory_reserved_mib,
+    }
+    load_rows = [r for r in run.rows if r.phase == "load" and r.processes is not None]
+    summary["processes_seen_in_load"] = max((r.processes for r in load_rows), default=None)
+    summary["tasks"] = {
+        k: {**v, "wait_s": (v["placed_t"] - ev["submitted"]) if "placed_t" in v else None,
+            "placed_after_loader_exit_s": (v["placed_t"] - ev["loader_exited"]) if "placed_t" in v else None}
+        for k, v in run.tasks.items()
+    }
+    summary["events"] = {k: round(v - ev["calm"], 2) for k, v in ev.items()}
+
+    print(render_table(
+        ["PHASE", "s", "PERIOD ms (min / last)", "ENVELOPES/s", "BYTES/s", "AGENT CPU %"],
+        [[p["phase"], p["seconds"], f"{p['period_ms_min']} / {p['period_ms_last']}",
+          f"{p['envelopes_per_s']:.2f}" if p["envelopes_per_s"] is not None else "-",
+          f"{p['bytes_per_s']:.0f}", f"{p['agent_cpu_pct']:.1f}"] for p in per_phase],
+    ))
+    print()
+    print(render_table(["LAG", "s"], [[k, f"{v:.2f}" if v is not None else "never"] for k, v in lag.items()]))
+    print()
+    agree = summary["agreement"]
+    print(f"coordinator vs nvidia-smi over {agree['pairs']} readings: median |memory| {agree['memory_abs_diff_mib_median']} MiB "
+          f"(coordinator - nvidia-smi: {agree['memory_offset_mib_median']} MiB; driver reservation {agree['driver_reserved_mib']} MiB), "
+          f"median |util| {agree['util_abs_diff_pct_median']} %")
+    print(f"compute processes the coordinator saw on GPU 0 during the load: {summary['processes_seen_in_load']}")
+    if summary.get("frozen_key_runs"):
+        fr = summary["frozen_key_runs"]
+        print(f"NVML at 200 ms under load, {fr['busy_readings']} busy readings: longest run of identical (util, util.memory, memory) "
+              f"{fr['longest_same_util_memory']}, with power {fr['longest_same_util_memory_power']} (FROZEN after 15)")
+    print()
+    print(render_table(
+        ["TASK", "VRAM MiB", "STATE", "WAIT s", "PLACED AFTER LOAD EXIT s", "GPU", "REASON"],
+        [[k, v["vram_mib"], v.get("state", "?"), f"{v['wait_s']:.2f}" if v["wait_s"] is not None else "-",
+          f"{v['placed_after_loader_exit_s']:.2f}" if v["placed_after_loader_exit_s"] is not None else "-",
+          v.get("gpu", "-"), v.get("reason", "")[:60]] for k, v in summary["tasks"].items()],
+    ))
+    print(f"\nload: {summary.get('load_tflops', 0):.0f} TFLOP/s bf16; services exited {summary['exit_codes']}")
+
+    (out / "real_gpu.json").write_text(json.dumps(summary, indent=2, default=str))
+    with open(out / "timeline.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["source", "t_s", "phase", "util_pct", "memory_used_mib", "power_w", "period_ms", "envelopes"])
+        for r in run.rows:
+            w.writerow(["coordinator", f"{r.t - ev['calm']:.3f}", r.phase, r.util, r.mem, r.power, r.period_ms, r.envelopes])
+        for s in run.smi:
+            w.writerow(["nvidia-smi", f"{s.t - ev['calm']:.3f}", "", s.util, s.mem, s.power, "", ""])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
