@@ -9,6 +9,7 @@ import json
 
 import pynvml
 import pytest
+import structlog
 
 from agent import main as agent_main
 from agent.backend import BackendError
@@ -101,7 +102,16 @@ def test_parallel_rounds_read_the_same_values_as_serial_ones() -> None:
         parallel.sample()
 
 
-def test_command_line_check_on_the_simulator_and_without_a_driver(capsys) -> None:
+@pytest.fixture
+def logging_restored():
+    """main() configures structlog onto the captured stdout, which pytest
+    closes after the test: put the configuration back for the tests after."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+def test_command_line_check_on_the_simulator_and_without_a_driver(capsys, logging_restored) -> None:
     assert agent_main.main(["--check", "--backend", "sim", "--sim-gpus", "3", "--check-rounds", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["backend"] == "sim" and len(data["gpus"]) == 3 and data["ok"] is True
