@@ -36,10 +36,12 @@ class SchedulerConfig:
     # estimate may still take the held node when this many times its estimate
     # (at the node's speed) ends before every lease already there is expected
     # to; a lease there without an estimate closes the node to all of them.
-    # 2 allows for runs stretched by GPU sharing and for short estimates. 0
-    # (the default): the held node takes no fenced task. Off by default: on a
-    # mixed-speed cluster it lets urgent work backfill onto a slow held node
-    # rather than wait for a fast GPU (README, "Scheduling quality").
+    # 2 allows for runs stretched by GPU sharing and for short estimates. A
+    # task never takes a slow held node when it would finish sooner by waiting
+    # for a faster one. 0 (the default): the held node takes no fenced task.
+    # Off by default: estimates are not enforced limits, so a lease that
+    # overruns its estimate delays the task the node is held for (README,
+    # "Scheduling quality").
     backfill_estimate_factor: float = 0.0
 
     # ---- filters (hard) -----------------------------------------------------

@@ -298,7 +298,9 @@ class Scheduler:
             del self._held_nodes[task_id]
         held: dict[str, int | None] = {}  # barrier -> held node index, once per dispatch
         fences: dict[frozenset, np.ndarray] = {}  # held node set -> GPUs fenced tasks may use
-        drains: dict[int, tuple[float, float]] = {}  # held node index -> (when its leases end, its speed)
+        # held node index -> (when its leases end, its speed); "lease_ends" ->
+        # per node, the earliest expected lease end (_finish_by_waiting)
+        drains: dict = {}
         placed = self._queue.drain(
             lambda t, fenced: self._try_place(t, view, now, failed, fenced, held, fences, drains), now
         )
@@ -321,14 +323,7 @@ class Scheduler:
         s = view.snapshot
         if not view.gpu_count:
             return None
-        static = view.node_ok.copy()
-        if spec.gpu_spec:
-            static &= view.spec_mask(spec.gpu_spec)
-        if spec.required_node_labels:
-            static &= view.label_mask(spec.required_node_labels)
-        static &= view.total * (self.config.memory_reject_for(spec.tenant) / 100.0) >= spec.vram_mib
-        per_node = np.bincount(view.node, weights=static, minlength=view.node_count)
-        candidates = per_node >= spec.num_gpus
+        candidates = self._could_host(spec, view)
         node_id = self._held_nodes.get(task_id)
         if node_id is not None:
             try:
@@ -345,6 +340,17 @@ class Scheduler:
         index = int(next(i for i in order if candidates[i]))
         self._held_nodes[task_id] = s.node_ids[index]
         return index
+
+    def _could_host(self, spec: TaskSpec, view: PlacementView) -> np.ndarray:
+        """Per node: whether it could run ``spec`` once empty (schedulable,
+        models, labels, enough GPUs with the memory)."""
+        static = view.node_ok.copy()
+        if spec.gpu_spec:
+            static &= view.spec_mask(spec.gpu_spec)
+        if spec.required_node_labels:
+            static &= view.label_mask(spec.required_node_labels)
+        static &= view.total * (self.config.memory_reject_for(spec.tenant) / 100.0) >= spec.vram_mib
+        return np.bincount(view.node, weights=static, minlength=view.node_count) >= spec.num_gpus
 
     def _drain_time(self, index: int, view: PlacementView, now: float) -> tuple[float, float]:
         """``(when, speed)``: when the leases on node ``index`` are expected to
@@ -364,6 +370,45 @@ class Scheduler:
             end = max(end, task.assignment.placed_at + task.spec.duration_s / speed)
         return end, speed
 
+    def _finish_by_waiting(
+        self,
+        spec: TaskSpec,
+        view: PlacementView,
+        now: float,
+        held: frozenset[int],
+        feasible_now: np.ndarray,
+        cache: dict,
+    ) -> float:
+        """When ``spec`` would be expected to finish if it kept off the held
+        nodes: on a node where it fits now, ``now + duration / speed``; else
+        where a lease is expected to end first, that end plus its run there
+        (``inf`` with no such node). Optimistic (the first lease to end may
+        not free room enough), so it errs towards waiting for a fast GPU."""
+        s = view.snapshot
+        ends = cache.get("lease_ends")
+        if ends is None:
+            # per node, the earliest expected end of a lease with an estimate
+            # (an overrun one "ends" now); inf where none has one
+            ends = np.full(view.node_count, math.inf)
+            for index, node_id in enumerate(s.node_ids):
+                speed = float(s.node_speed[index])
+                speed = speed if math.isfinite(speed) and speed > 0 else 1.0
+                for task_id in self._by_node.get(node_id, ()):
+                    task = self._tasks.get(task_id)
+                    if task is None or task.assignment is None or task.spec.duration_s <= 0:
+                        continue
+                    ends[index] = min(ends[index], max(now, task.assignment.placed_at + task.spec.duration_s / speed))
+            cache["lease_ends"] = ends
+        could = self._could_host(spec, view)
+        fits = np.bincount(view.node, weights=feasible_now, minlength=view.node_count) >= spec.num_gpus
+        start = np.where(fits, now, ends)
+        speeds = np.asarray(s.node_speed, dtype=np.float64)
+        speeds = np.where(np.isfinite(speeds) & (speeds > 0), speeds, 1.0)
+        could[list(held)] = False
+        if not could.any():
+            return math.inf
+        return float(np.min((start + spec.duration_s / speeds)[could]))
+
     def _try_place(
         self,
         task: Task,
@@ -373,7 +418,7 @@ class Scheduler:
         fenced: frozenset[str] = frozenset(),
         held_cache: dict[str, int | None] | None = None,
         fences: dict[frozenset, np.ndarray] | None = None,
-        drains: dict[int, tuple[float, float]] | None = None,
+        drains: dict | None = None,
     ) -> Outcome:
         spec = task.spec
         held_cache = {} if held_cache is None else held_cache
@@ -408,12 +453,19 @@ class Scheduler:
                     # EASY backfill: a held node stays open to a task expected to end
                     # before its leases do, so the barrier starts no later for it
                     drains = {} if drains is None else drains
+                    waiting: float | None = None
                     for index in held:
                         drain = drains.get(index)
                         if drain is None:
                             drain = drains[index] = self._drain_time(index, view, now)
                         end, speed = drain
-                        if now + factor * spec.duration_s / speed <= end:
+                        if now + factor * spec.duration_s / speed > end:
+                            continue
+                        if waiting is None:
+                            waiting = self._finish_by_waiting(spec, view, now, held, mask, drains)
+                        # ...and would not finish sooner by waiting for a faster node
+                        # (a slow held node drains slowly, so it is open to much)
+                        if now + spec.duration_s / speed <= waiting:
                             allowed = allowed | (view.node == index)
                 mask = mask & allowed
             placement = self._policy.choose(view, spec, mask)

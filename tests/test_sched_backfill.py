@@ -137,3 +137,42 @@ def test_backfill_estimate_factor_is_validated():
         with pytest.raises(InvalidArgument) as info:
             SchedulerConfig(backfill_estimate_factor=bad).validate()
         assert info.value.field == "backfill_estimate_factor"
+
+
+def _mixed_speed_setup(fast_lease_s: float):
+    """n0: one fast GPU (speed 1), busy until ``fast_lease_s``; n1, n2: two
+    slow GPUs each (speed 0.1), busy for days. A 2-GPU head that must run on
+    a slow node is past the bound and holds the slow node with a free GPU."""
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=10.0, backfill_max_skips=10_000,
+                                      backfill_estimate_factor=2.0, lease_s=1e9), clock=clock)
+    snapshot = ClusterSnapshot.build([
+        NodeFacts("n0", 1, labels={"host": "n0"}, speed=1.0),
+        NodeFacts("n1", 2, labels={"host": "n1", "pool": "slow"}, speed=0.1),
+        NodeFacts("n2", 2, labels={"host": "n2", "pool": "slow"}, speed=0.1),
+    ])
+    busy = [("f", "n0", fast_lease_s * 1.0), ("a", "n1", 10_000.0), ("b", "n2", 10_000.0), ("c", "n2", 10_000.0)]
+    for task_id, node, duration in busy:
+        sched.submit(TaskSpec(task_id=task_id, priority=Priority.P2, kind="batch", vram_mib=20_000, gpu_share=1.0,
+                              duration_s=duration, required_node_labels={"host": node}), snapshot)
+    assert len(sched.dispatch(snapshot)) == 4
+    sched.submit(TaskSpec(task_id="big", priority=Priority.P1, kind="training", num_gpus=2, vram_mib=8192,
+                          gpu_share=1.0, duration_s=5_000.0, required_node_labels={"pool": "slow"}), snapshot)
+    assert sched.dispatch(snapshot) == []
+    clock.now = 11.0  # "big" is past the bound: the next task behind it is fenced
+    return sched, snapshot
+
+
+def test_backfill_onto_a_slow_held_node_only_when_waiting_for_a_fast_gpu_is_slower():
+    # 50 s of work: 500 s on the slow held node, ends at 511 s (well before
+    # its lease, at 100,000 s). The fast GPU frees at 100 s: 150 s by waiting.
+    sched, snapshot = _mixed_speed_setup(fast_lease_s=100.0)
+    # behind the head in its class, so fenced off the held node unless backfilled
+    urgent = TaskSpec(task_id="urgent", priority=Priority.P1, kind="inference", vram_mib=1024, gpu_share=0.5, duration_s=50.0)
+    sched.submit(urgent, snapshot)
+    assert sched.dispatch(snapshot) == [] and sched.get("urgent").state == TaskState.QUEUED
+    assert sched._held_nodes["big"] == "n1"  # the slow node with a GPU free
+    # the fast GPU busy for 10,000 s instead: 10,050 s by waiting, so the slow node it is
+    sched, snapshot = _mixed_speed_setup(fast_lease_s=10_000.0)
+    sched.submit(urgent, snapshot)
+    assert [t.assignment.node_id for t in sched.dispatch(snapshot)] == ["n1"]
