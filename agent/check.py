@@ -43,6 +43,7 @@ SAMPLE_FIELDS: tuple[tuple[str, str], ...] = (
     ("ecc_corrected", ""),
     ("ecc_uncorrected", ""),
     ("process_count", ""),
+    ("xid_last", ""),  # last Xid event; not reported: the GPU cannot deliver them
 )
 
 #: a round may use at most this share of the fastest period: the rest is the

@@ -63,6 +63,8 @@ class FakeGpu:
     errors: dict[str, int] = field(default_factory=dict)
     #: every call on the GPU raises GPU_IS_LOST (fallen off the bus)
     lost: bool = False
+    #: whether the GPU can deliver Xid (critical error) events
+    xid_events: bool = True
 
 
 class _Handle:
@@ -97,6 +99,26 @@ class _MemoryV2:
         self.free = total - reserved - used
 
 
+class _EventSet:
+    """An event set of one NVML session: registered handles and the events
+    waiting to be taken."""
+
+    def __init__(self, session: int) -> None:
+        self.session = session
+        self.registered: dict[int, int] = {}  # GPU index -> event type mask
+        self.pending: list[_EventData] = []
+        self.freed = False
+
+
+class _EventData:
+    def __init__(self, device: "_Handle", event_type: int, data: int) -> None:
+        self.device = device
+        self.eventType = event_type
+        self.eventData = data
+        self.gpuInstanceId = 0xFFFFFFFF
+        self.computeInstanceId = 0xFFFFFFFF
+
+
 class _PciInfo:
     def __init__(self, bus_id: str) -> None:
         # pynvml hands back the ctypes char array: bytes, not str
@@ -123,6 +145,7 @@ class FakeNvml:
 
     NVMLError = pynvml.NVMLError
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
+    nvmlEventTypeXidCriticalError = pynvml.nvmlEventTypeXidCriticalError
 
     def __init__(
         self,
@@ -134,6 +157,7 @@ class FakeNvml:
         self.topology = dict(topology or {})
         self.init_error = init_error
         self.calls: Counter[str] = Counter()
+        self.event_sets: list[_EventSet] = []
         self._initialized = False
         self._session = 0
 
@@ -250,6 +274,42 @@ class FakeNvml:
         if clock_type != pynvml.NVML_CLOCK_SM:
             self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return gpu.sm_clock_mhz
+
+    # --- events ---------------------------------------------------------------
+
+    def nvmlEventSetCreate(self) -> _EventSet:
+        self.calls["nvmlEventSetCreate"] += 1
+        if not self._initialized:
+            self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        event_set = _EventSet(self._session)
+        self.event_sets.append(event_set)
+        return event_set
+
+    def nvmlDeviceRegisterEvents(self, handle: _Handle, event_types: int, event_set: _EventSet) -> None:
+        gpu = self._gpu("nvmlDeviceRegisterEvents", handle)
+        if not gpu.xid_events:
+            self._raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        event_set.registered[handle.index] = event_set.registered.get(handle.index, 0) | event_types
+
+    def nvmlEventSetWait_v2(self, event_set: _EventSet, timeout_ms: int) -> _EventData:
+        self.calls["nvmlEventSetWait_v2"] += 1
+        if event_set.freed or event_set.session != self._session:
+            self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not event_set.pending:
+            self._raise(pynvml.NVML_ERROR_TIMEOUT)
+        return event_set.pending.pop(0)
+
+    def nvmlEventSetFree(self, event_set: _EventSet) -> None:
+        self.calls["nvmlEventSetFree"] += 1
+        event_set.freed = True
+
+    def xid(self, index: int, code: int) -> None:
+        """The driver reports Xid ``code`` on GPU ``index``: every live event
+        set of this session that registered the GPU for it gets the event."""
+        for event_set in self.event_sets:
+            mask = event_set.registered.get(index, 0)
+            if not event_set.freed and event_set.session == self._session and mask & pynvml.nvmlEventTypeXidCriticalError:
+                event_set.pending.append(_EventData(_Handle(index, self._session), pynvml.nvmlEventTypeXidCriticalError, code))
 
     def nvmlDeviceGetPcieThroughput(self, handle: _Handle, counter: int) -> int:
         gpu = self._gpu("nvmlDeviceGetPcieThroughput", handle)

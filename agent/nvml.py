@@ -17,6 +17,12 @@ error becomes a ``None`` field, a health value or ``BackendUnavailable``:
 A GPU whose readings stop moving while it runs compute processes is reported
 ``FROZEN`` (see ``FrozenDetector``), so a driver that reports stale or zero
 metrics after a reset is not taken for an idle GPU.
+
+Xid errors (the driver's error reports: a page fault in a job, a double-bit
+ECC error, a GPU fallen off the bus) arrive as NVML critical-error events,
+drained without waiting at every round: each is logged with what it means,
+and the GPU's ``xid_last`` reports the last code seen (0: none since the
+agent started; absent where the GPU cannot deliver the events).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import structlog
 
 from agent.backend import (
     BackendError,
@@ -51,8 +59,34 @@ __all__ = [
     "DEFAULT_FROZEN_AFTER",
 ]
 
+log = structlog.get_logger("gpulb.agent.nvml")
+
 _MIB = 1024 * 1024
 DEFAULT_FROZEN_AFTER = 15
+#: events drained per round at most: a storm must not stall the sampling
+_MAX_EVENTS_PER_ROUND = 64
+
+#: Xid codes and what they mean, from NVIDIA's Xid catalogue (the ones an
+#: operator of a GPU cluster meets most); "application" ones are a job's own
+#: fault, the others point at the GPU, its memory or its link
+XID_MEANINGS: dict[int, str] = {
+    13: "graphics engine exception (application)",
+    31: "GPU memory page fault (application)",
+    43: "GPU stopped processing (application)",
+    45: "preemptive cleanup after a fault",
+    48: "double-bit ECC error: reset the GPU",
+    61: "internal micro-controller breakpoint",
+    62: "internal micro-controller halt",
+    63: "ECC page retirement or row remap recorded",
+    64: "ECC page retirement or row remap failed",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error: reset the GPU",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
 _REINIT_BACKOFF_S = 1.0
 _REINIT_BACKOFF_MAX_S = 60.0
 
@@ -313,6 +347,9 @@ class _Gpu:
     frozen: FrozenDetector = field(default_factory=FrozenDetector)
     #: seconds each read took in the last round (``gpulb-agent --check``)
     read_s: dict[str, float] = field(default_factory=dict)
+    #: Xid events registered for this GPU; the last code seen (0: none)
+    xid_watched: bool = False
+    xid_last: int = 0
 
 
 class NvmlBackend:
@@ -379,6 +416,8 @@ class NvmlBackend:
             self._gpus.append(gpu)
             self._inventory.append(info)
         self._topology = self._read_topology()
+        self._events: Any = None
+        self._watch_xids()
         if parallel is None:
             parallel = real_nvml and count > 1
         self._pool: ThreadPoolExecutor | None = None
@@ -402,6 +441,7 @@ class NvmlBackend:
             reinit_tried = True
             self._reinit_at = None
             self._reinit()
+        self._drain_xids()
         if self._pool is not None:
             samples = list(self._pool.map(self._sample_gpu, self._gpus))
         else:
@@ -421,6 +461,7 @@ class NvmlBackend:
             self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            self._free_events()
             self._shutdown()
 
     @property
@@ -432,6 +473,70 @@ class NvmlBackend:
         """Per GPU index: how long each NVML read took in the last round, s
         (reads a GPU does not support are left out)."""
         return {gpu.index: dict(gpu.read_s) for gpu in self._gpus}
+
+    # --- Xid events ------------------------------------------------------------
+
+    def _watch_xids(self) -> None:
+        """Register every GPU that can for critical-error (Xid) events."""
+        nv = self._nv
+        try:
+            events = nv.nvmlEventSetCreate()
+        except (self._err, AttributeError):
+            return  # no event support in this driver or library
+        watched = 0
+        for gpu in self._gpus:
+            gpu.xid_watched = False
+            if gpu.handle is None:
+                continue
+            try:
+                nv.nvmlDeviceRegisterEvents(gpu.handle, nv.nvmlEventTypeXidCriticalError, events)
+            except self._err:
+                continue  # NOT_SUPPORTED on this GPU: its xid_last stays absent
+            gpu.xid_watched = True
+            watched += 1
+        if watched:
+            self._events = events
+        else:
+            try:
+                nv.nvmlEventSetFree(events)
+            except self._err:
+                pass
+
+    def _free_events(self) -> None:
+        for gpu in self._gpus:
+            gpu.xid_watched = False
+        if self._events is not None:
+            try:
+                self._nv.nvmlEventSetFree(self._events)
+            except self._err:
+                pass  # gone with the session already
+            self._events = None
+
+    def _drain_xids(self) -> None:
+        """Take every pending Xid event, without waiting."""
+        nv = self._nv
+        if self._events is None:
+            return
+        for _ in range(_MAX_EVENTS_PER_ROUND):
+            try:
+                data = nv.nvmlEventSetWait_v2(self._events, 0)
+            except self._err:
+                return  # TIMEOUT: none pending (any other error: next round)
+            try:
+                uuid = _text(nv.nvmlDeviceGetUUID(data.device))
+            except (self._err, *_PARSE_ERRORS):
+                uuid = ""
+            code = int(data.eventData)
+            gpu = next((g for g in self._gpus if g.uuid and g.uuid == uuid), None)
+            if gpu is not None:
+                gpu.xid_last = code
+            log.warning(
+                "gpu_xid",
+                gpu=gpu.index if gpu is not None else None,
+                uuid=uuid,
+                xid=code,
+                meaning=XID_MEANINGS.get(code, "see NVIDIA's Xid catalogue"),
+            )
 
     # --- start ------------------------------------------------------------------
 
@@ -567,6 +672,8 @@ class NvmlBackend:
                 continue
             for name, value in values.items():
                 setattr(sample, name, value)
+        if gpu.xid_watched:
+            sample.xid_last = gpu.xid_last
         if attempted and failed == attempted:
             sample.health = Health.READ_FAILED
             gpu.frozen.reset()
@@ -589,6 +696,7 @@ class NvmlBackend:
         reset may renumber them). A failure leaves the lost GPUs lost; the
         caller schedules the next attempt."""
         nv, err = self._nv, self._err
+        self._free_events()  # an event set lives and dies with its session
         self._shutdown()
         try:
             nv.nvmlInit()
@@ -613,6 +721,7 @@ class NvmlBackend:
             gpu.handle = by_uuid.get(gpu.uuid) if gpu.uuid else None
             gpu.lost = False
             gpu.frozen.reset()
+        self._watch_xids()
 
 
 def _reason(exc: Exception) -> str:

@@ -68,10 +68,15 @@ class _ViewCollector:
             "age": GaugeMetricFamily("gpulb_gpu_reading_age_seconds", "Seconds since the GPU's last reading reached the coordinator", labels=labels),
             "reserved": GaugeMetricFamily("gpulb_gpu_reserved_memory_bytes", "Device memory reserved by placements not yet seen in readings", labels=labels),
             "tasks": GaugeMetricFamily("gpulb_gpu_active_tasks", "Tasks leased on the GPU", labels=labels),
+            "xid": GaugeMetricFamily(
+                "gpulb_gpu_xid_last",
+                "Code of the last Xid error the agent saw on the GPU (0: none since the agent started)",
+                labels=labels,
+            ),
         }
         view = c.view
         raw = view.raw
-        cols = {name: BY_NAME[name] for name in ("util_gpu_pct", "memory_used_mib", "memory_total_mib", "temperature_c", "power_w")}
+        cols = {name: BY_NAME[name] for name in ("util_gpu_pct", "memory_used_mib", "memory_total_mib", "temperature_c", "power_w", "xid_last")}
         smoothed = c.smoothed_columns()
         extras = c.gpu_scheduler_facts()
         for node in list(view.nodes.values()):
@@ -88,6 +93,7 @@ class _ViewCollector:
                 add("mem_total", r[cols["memory_total_mib"]], _MIB)
                 add("temp", r[cols["temperature_c"]])
                 add("power", r[cols["power_w"]])
+                add("xid", r[cols["xid_last"]])
                 if "util_gpu_pct" in smoothed:
                     add("util_s", smoothed["util_gpu_pct"][row], 0.01)
                 if "memory_used_mib" in smoothed:
@@ -221,6 +227,7 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_gpu_reading_age_seconds",
     "gpulb_gpu_reserved_memory_bytes",
     "gpulb_gpu_active_tasks",
+    "gpulb_gpu_xid_last",
     "gpulb_nodes",
     "gpulb_agent_streams",
     "gpulb_envelopes_received_total",

@@ -594,6 +594,8 @@ class Coordinator:
         for i, name in enumerate(SIGNALS):
             if flagged[i]:
                 msg.flags.append(f"{name.split('_')[0]}_anomaly")
+        if msg.HasField("xid_last") and msg.xid_last > 0:
+            msg.flags.append(f"xid_{int(msg.xid_last)}")
         if msg.health == pb.GPU_HEALTH_FROZEN:
             msg.flags.append("frozen")
         elif msg.health == pb.GPU_HEALTH_READ_FAILED:

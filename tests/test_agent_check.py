@@ -55,6 +55,7 @@ def test_check_reports_each_field_as_read_missing_or_failing() -> None:
     assert a.values["util_gpu_pct"] == 91 and a.values["memory_used_mib"] == 20_000
     assert a.values["ecc_corrected"] is None and "ecc_corrected" not in a.errors  # not reported, no error
     assert a.processes == [(4242, 19_000)]
+    assert a.values["xid_last"] == 0  # watched for Xid events, none seen
     assert (b.memory_total_mib, b.memory_reserved_mib, b.known_model) == (143_771, 615, "H200")
     assert b.values["memory_used_mib"] == 615  # v1: the reservation counts as used
     assert a.memory_reserved_mib is None  # a driver without the v2 call

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pynvml
 import pytest
+import structlog
 
 from agent.backend import BackendError, BackendUnavailable, GpuBackend, GpuProcess, Health, TopologyLink
 from agent.fake_nvml import MIB, SWITCH, FakeGpu, FakeNvml, FakeProcess
@@ -189,7 +190,7 @@ def test_inventory_and_a_full_sample() -> None:
     assert (s0.ecc_corrected, s0.ecc_uncorrected) == (3, 1)
     assert s0.processes == (GpuProcess(4242, 9000), GpuProcess(4243, 0))
     assert s0.process_count == 2
-    assert s0.xid_last is None
+    assert s0.xid_last == 0  # watched for Xid events, none yet
     assert (s1.index, s1.util_gpu_pct, s1.process_count, s1.processes) == (1, 0, 0, ())
 
 
@@ -364,6 +365,40 @@ def test_close_shuts_nvml_down_once() -> None:
     assert nv.shutdown_calls == 1 and not nv.initialized
     with pytest.raises(BackendError):
         backend.sample()
+
+
+# --- Xid events -------------------------------------------------------------------
+
+
+def test_xid_events_reach_the_sample_of_their_gpu_and_are_logged() -> None:
+    nv = FakeNvml.with_gpus(3)
+    nv.gpus[2].xid_events = False  # a GPU that cannot deliver them
+    backend = _backend(nv)
+    assert [s.xid_last for s in backend.sample()] == [0, 0, None]
+    nv.xid(1, 31)
+    nv.xid(1, 79)
+    with structlog.testing.capture_logs() as logs:
+        assert [s.xid_last for s in backend.sample()] == [0, 79, None]  # the last one seen
+    assert [(e["gpu"], e["xid"]) for e in logs if e["event"] == "gpu_xid"] == [(1, 31), (1, 79)]
+    assert "fallen off the bus" in logs[-1]["meaning"] and logs[-1]["uuid"] == "GPU-fake-0001"
+    assert [s.xid_last for s in backend.sample()] == [0, 79, None]  # it stays
+    backend.close()
+    assert all(event_set.freed for event_set in nv.event_sets)
+
+
+def test_xid_events_are_watched_again_after_nvml_is_reinitialised() -> None:
+    clock = FakeClock()
+    nv = FakeNvml.with_gpus(2)
+    backend = _backend(nv, clock)
+    backend.sample()
+    nv.gpus[0].lost = True
+    assert backend.sample()[0].health == Health.LOST
+    nv.gpus[0].lost = False
+    clock.now += 10.0
+    backend.sample()  # re-initialises NVML: a new session, a new event set
+    assert nv.event_sets[0].freed and not nv.event_sets[-1].freed and len(nv.event_sets) == 2
+    nv.xid(0, 48)
+    assert [s.xid_last for s in backend.sample()] == [48, 0]
 
 
 # --- frozen ---------------------------------------------------------------------

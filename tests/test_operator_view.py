@@ -175,3 +175,50 @@ async def test_liveness_transitions_through_the_server_on_a_fake_clock():
             assert "register again" in info.value.details()
     finally:
         await coord.stop(grace_s=0.1)
+
+
+async def test_an_xid_on_a_real_backend_reaches_the_operator_and_prometheus():
+    """The NVML backend (over the shipped fake library) in a real agent: an
+    Xid the driver reports shows as the GPU's xid_last and flag in ListGpus
+    and as gpulb_gpu_xid_last in the exposition."""
+    from agent.client import Agent, AgentConfig
+    from agent.fake_nvml import FakeNvml
+    from agent.nvml import NvmlBackend
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0"))
+    port = await coord.start()
+    nv = FakeNvml.with_gpus(2)
+    agent = Agent(
+        AgentConfig(node_id="gpu-host", coordinator=f"127.0.0.1:{port}", interval_min_s=0.05, interval_max_s=0.1),
+        NvmlBackend(nvml=nv),
+    )
+    task = asyncio.create_task(agent.run())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            op = cpb_grpc.ClusterOperatorStub(ch)
+
+            async def xid_of_gpu_1():
+                gpus = (await op.ListGpus(cpb.ListGpusRequest())).gpus
+                if len(gpus) == 2 and all(g.HasField("xid_last") for g in gpus):
+                    return gpus
+                return None
+
+            gpus = await _until(xid_of_gpu_1, what="both GPUs reporting xid_last")
+            assert [g.xid_last for g in gpus] == [0, 0] and not any(f.startswith("xid") for g in gpus for f in g.flags)
+            nv.xid(1, 79)
+
+            async def flagged():
+                gpus = (await op.ListGpus(cpb.ListGpusRequest())).gpus
+                return gpus if gpus[1].xid_last == 79 else None
+
+            gpus = await _until(flagged, what="Xid 79 on GPU 1")
+            assert "xid_79" in gpus[1].flags and gpus[0].xid_last == 0
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{coord.metrics_port}/metrics", timeout=5).read().decode()
+        )
+        xids = {s.labels["gpu"]: s.value for f in text_string_to_metric_families(body) if f.name == "gpulb_gpu_xid_last" for s in f.samples}
+        assert xids == {"0": 0.0, "1": 79.0}
+    finally:
+        await agent.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await coord.stop(grace_s=0.1)
