@@ -13,7 +13,8 @@ Steps, on loopback:
    time against the 200 ms fast period;
 2. whether NVML's PCIe throughput reads (each counts bytes over 20 ms)
    overlap when issued from two threads (the reason the backend reads the
-   GPUs of a round in parallel);
+   GPUs of a round in parallel); and, under host<->GPU copies, those reads
+   against NVML's cumulative PCIe byte counters (which would need no wait);
 3. a coordinator and an agent (``--backend nvml``) as real processes, a
    poller reading the coordinator's raw view (ListGpus, ListNodes) every
    100 ms and ``nvidia-smi -lms 200`` beside it, through three phases:
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import shutil
 import statistics
@@ -174,6 +176,133 @@ def _pcie_overlap(rounds: int = 10) -> dict[str, float]:
         nv.nvmlShutdown()
 
 
+_COPIER = r"""
+import json, sys, time, torch
+host = torch.empty(2**30, dtype=torch.uint8).pin_memory()
+dev = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+for direction, seconds in (("h2d", 3.0), ("d2h", 3.0)):
+    print(json.dumps({"event": direction, "t": time.time()}), flush=True)
+    end, copied = time.time() + seconds, 0
+    while time.time() < end:
+        (dev.copy_(host) if direction == "h2d" else host.copy_(dev))
+        torch.cuda.synchronize()
+        copied += 2**30
+    print(json.dumps({"event": direction + "_done", "t": time.time(), "gib_per_s": copied / 2**30 / seconds}), flush=True)
+"""
+
+
+def _pcie_agreement() -> dict:
+    """PCIe rates while a process copies 1 GiB blocks host->GPU for 3 s,
+    then GPU->host for 3 s: NVML's 20 ms throughput reads (what the agent
+    uses) against rates from the cumulative byte counters
+    (NVML_FI_DEV_PCIE_COUNT_RX/TX_BYTES), the counters read 250 ms apart
+    (the agent's period) and 20 ms apart (under 4 GiB between reads even
+    at 64 GB/s, so a 32-bit wrap cannot hide); medians per direction, KB/s.
+    Run on an H200 the 250 ms rates were 40-70x too low: the counters are
+    not usable at the agent's period, hence the 20 ms reads."""
+    import pynvml as nv
+
+    nv.nvmlInit()
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        fields = [nv.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, nv.NVML_FI_DEV_PCIE_COUNT_TX_BYTES]
+        try:
+            probe = nv.nvmlDeviceGetFieldValues(h, fields)
+            counters = all(v.nvmlReturn == nv.NVML_SUCCESS for v in probe)
+        except nv.NVMLError as exc:
+            return {"counters": False, "error": str(exc)}
+        if not counters:
+            return {"counters": False, "returns": [int(v.nvmlReturn) for v in probe]}
+        value_types = [int(v.valueType) for v in probe]
+        proc = subprocess.Popen([sys.executable, "-c", _COPIER], stdout=subprocess.PIPE, text=True)
+        events: dict[str, float] = {}
+        rates: dict[str, float] = {}
+
+        def read_events() -> None:
+            for line in proc.stdout:
+                ev = json.loads(line)
+                events[ev["event"]] = ev["t"]
+                if "gib_per_s" in ev:
+                    rates[ev["event"]] = ev["gib_per_s"]
+
+        reader = threading.Thread(target=read_events, daemon=True)
+        reader.start()
+        def counts():
+            v = nv.nvmlDeviceGetFieldValues(h, fields)
+            return int(v[0].value.ullVal), int(v[1].value.ullVal), max(int(x.timestamp) for x in v)
+
+        def rate(a, b):
+            dt = (b[2] - a[2]) / 1e6
+            return (b[0] - a[0]) / 1024 / dt, (b[1] - a[1]) / 1024 / dt
+
+        rows, last = [], None
+        while proc.poll() is None:
+            now = counts()
+            api_rx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES)
+            api_tx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)
+            fast_a = counts()
+            time.sleep(0.02)
+            fast_b = counts()
+            fast = rate(fast_a, fast_b) if fast_b[2] > fast_a[2] else (math.nan, math.nan)
+            if last is not None and now[2] > last[2]:
+                slow = rate(last, now)
+                rows.append((time.time(), api_rx, api_tx, slow[0], slow[1], fast[0], fast[1]))
+            last = now
+            time.sleep(0.2)
+        reader.join(timeout=5)
+        out = {"counters": True, "value_types": value_types, "copy_gib_per_s": rates}
+        for d in ("h2d", "d2h"):
+            if d in events and d + "_done" in events:
+                w = [r for r in rows if events[d] + 0.3 <= r[0] <= events[d + "_done"]]
+                if w:
+                    out[d] = {name: statistics.median(r[i] for r in w) for i, name in
+                              ((1, "api_rx_kbps"), (2, "api_tx_kbps"), (3, "counter_rx_kbps"), (4, "counter_tx_kbps"),
+                               (5, "counter_20ms_rx_kbps"), (6, "counter_20ms_tx_kbps"))}
+                    out[d]["samples"] = len(w)
+        return out
+    finally:
+        nv.nvmlShutdown()
+
+
+_FAULTER = r"""
+import cupy as cp, numpy as np
+bad = cp.RawKernel(r'extern "C" __global__ void bad(int* p) { p[threadIdx.x] = 1; }', "bad")
+bad((1,), (32,), (np.uint64(0x10),))  # an address no allocation maps: a GPU page fault
+try:
+    cp.cuda.runtime.deviceSynchronize()
+    print("no fault")
+except Exception as exc:
+    print("fault:", exc)
+"""
+
+
+def _xid_check(seconds: float = 5.0) -> dict:
+    """A process that writes through a null pointer on GPU 0 (a page fault
+    in that process only: the driver reports it as an Xid and cleans up its
+    context), with the agent's NVML backend sampling: which Xid it saw."""
+    from agent.nvml import NvmlBackend
+
+    backend = NvmlBackend()
+    try:
+        before = [s.xid_last for s in backend.sample()]
+        started = time.time()
+        proc = subprocess.run([sys.executable, "-c", _FAULTER], capture_output=True, text=True, timeout=120)
+        seen_at, after = None, before
+        deadline = time.time() + seconds  # after the faulting process has exited
+        while time.time() < deadline:
+            after = [s.xid_last for s in backend.sample()]
+            if after != before:
+                seen_at = time.time() - started
+                break
+            time.sleep(0.2)
+        health = [s.health for s in backend.sample()]
+        return {"xid_before": before, "xid_after": after, "seen_after_s": seen_at,
+                "faulter": (proc.stdout + proc.stderr).strip()[-300:], "health_after": health}
+    finally:
+        backend.close()
+
+
 def _nvml_runs(stop: threading.Event, out: dict) -> None:
     """GPU 0 read straight from NVML every 200 ms (the agent's fast period)
     while the load runs: the longest run of identical (util.gpu, util.memory,
@@ -303,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-s", type=float, default=30.0)
     p.add_argument("--load-gib", type=float, default=64.0)
     p.add_argument("--calm-s", type=float, default=10.0)
+    p.add_argument("--xid", action="store_true",
+                   help="also fault a throw-away process on GPU 0 (a write through a null pointer: Xid 31) and see the agent report it")
     p.add_argument("--rehearse", action="store_true", help="no GPU: the simulated backend and a load that only sleeps (tries the script)")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -329,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== 2. PCIe throughput reads, GPU 0, median ms", flush=True)
     overlap = {} if args.rehearse else _pcie_overlap()
     print(json.dumps(overlap), flush=True)
+    print("\n== 2b. PCIe rates under copies: 20 ms throughput reads vs the byte counters (not used), median KB/s", flush=True)
+    try:
+        agreement = {} if args.rehearse else _pcie_agreement()
+    except Exception as exc:  # a measurement of its own: the rest still runs
+        agreement = {"error": repr(exc)}
+    print(json.dumps(agreement, indent=1), flush=True)
 
     print("\n== 3. coordinator + agent (nvml) on loopback, calm / load / calm", flush=True)
     total_mib = check.gpus[0].memory_total_mib
@@ -340,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     smi = None
     loader = None
-    summary: dict = {"check": json.loads(check.to_json()), "pcie_overlap": overlap}
+    summary: dict = {"check": json.loads(check.to_json()), "pcie_overlap": overlap, "pcie_agreement": agreement}
     try:
         coordinator = group.start("coordinator", [sys.executable, "-m", "coordinator.main", "--listen", target,
                                     "--metrics-listen", f"127.0.0.1:{mport}", "--log-format", "json", "--insecure"])
@@ -503,6 +640,14 @@ def main(argv: list[str] | None = None) -> int:
           v.get("gpu", "-"), v.get("reason", "")[:60]] for k, v in summary["tasks"].items()],
     ))
     print(f"\nload: {summary.get('load_tflops', 0):.0f} TFLOP/s bf16; services exited {summary['exit_codes']}")
+
+    if args.xid and not args.rehearse:
+        print("\n== 4. an Xid: a process faults on GPU 0 while the NVML backend samples", flush=True)
+        try:
+            summary["xid"] = _xid_check()
+        except Exception as exc:
+            summary["xid"] = {"error": repr(exc)}
+        print(json.dumps(summary["xid"], indent=1), flush=True)
 
     (out / "real_gpu.json").write_text(json.dumps(summary, indent=2, default=str))
     with open(out / "timeline.csv", "w", newline="") as fh:
