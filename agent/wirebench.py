@@ -24,8 +24,6 @@ import platform
 import sys
 from dataclasses import dataclass
 
-import numpy as np
-
 from agent.backend import BackendUnavailable
 from agent.sim import SimBackend
 from agent.telemetry import samples_to_matrix
