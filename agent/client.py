@@ -423,6 +423,8 @@ class Agent:
                     self.encoder.keyframe_interval_s = ack.keyframe_interval_ms / 1000
                 if ack.heartbeat_interval_ms:
                     self.config.heartbeat_interval_s = ack.heartbeat_interval_ms / 1000
+                if ack.refresh_interval_ms:
+                    self.encoder.refresh_interval_s = ack.refresh_interval_ms / 1000
             elif body == "place":
                 place = getattr(self.backend, "place", None)
                 p = msg.place

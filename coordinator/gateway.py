@@ -139,6 +139,8 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                     register_ack=pb.RegisterAck(
                         heartbeat_interval_ms=int(self.coordinator.config.heartbeat_interval_s * 1000),
                         keyframe_interval_ms=int(self.coordinator.config.keyframe_interval_s * 1000),
+                        # twice per staleness bound, so one late envelope is not "stale"
+                        refresh_interval_ms=max(100, int(self.coordinator.config.staleness_s * 500)),
                     )
                 )
             )

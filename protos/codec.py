@@ -116,9 +116,14 @@ class TelemetryEncoder:
         *,
         keyframe_interval_s: float = 30.0,
         compress: bool = True,
+        refresh_interval_s: float = 5.0,
     ) -> None:
         self.gpu_indices = np.asarray(gpu_indices, dtype=np.uint32)
         self.keyframe_interval_s = keyframe_interval_s
+        # an empty delta still goes out after this long without an envelope:
+        # it tells the coordinator the readings it holds are still current
+        self.refresh_interval_s = refresh_interval_s
+        self._last_sent_s = -np.inf
         self.compress = compress
         gpus = len(self.gpu_indices)
         self._last = np.zeros((gpus, FIELD_COUNT), dtype=np.int64)
@@ -176,7 +181,8 @@ class TelemetryEncoder:
         says which entries were read this round. Returns the envelope and the
         batch inside it (for tests and byte accounting). With ``skip_empty`` a
         delta that carries nothing returns no envelope and uses no sequence
-        number (heartbeats keep the stream alive instead).
+        number, unless the period changed or nothing went out for
+        ``refresh_interval_s`` (then the empty delta vouches for the readings).
         """
         keyframe = self.keyframe_due(now_s)
         batch = pb.MetricBatch(
@@ -227,9 +233,11 @@ class TelemetryEncoder:
             and not batch.processes
             and host_io is None
             and sample_interval_ms == self._sent_interval_ms
+            and now_s - self._last_sent_s < self.refresh_interval_s
         ):
             return None, batch
         self._sent_interval_ms = sample_interval_ms
+        self._last_sent_s = now_s
         raw = batch.SerializeToString()
         self._seq += 1
         packed = snappy.compress(raw) if self.compress else raw

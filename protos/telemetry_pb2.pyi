@@ -250,12 +250,14 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., telemetry: _Optional[_Union[Envelope, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., task_event: _Optional[_Union[TaskEvent, _Mapping]] = ...) -> None: ...
 
 class RegisterAck(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "keyframe_interval_ms")
+    __slots__ = ("heartbeat_interval_ms", "keyframe_interval_ms", "refresh_interval_ms")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     KEYFRAME_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     keyframe_interval_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., keyframe_interval_ms: _Optional[int] = ...) -> None: ...
+    refresh_interval_ms: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., keyframe_interval_ms: _Optional[int] = ..., refresh_interval_ms: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("seq",)

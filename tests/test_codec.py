@@ -139,6 +139,20 @@ def test_an_empty_delta_is_skipped_unless_the_sampling_period_changed():
     assert sent == [None, 300, None, 450, None]
 
 
+def test_a_quiet_host_still_sends_an_empty_delta_every_refresh_interval():
+    """Nothing moved for a refresh interval: an empty delta goes out anyway,
+    vouching to the coordinator that the readings it holds are current."""
+    values = np.tile(np.maximum(LOWER, 1), (len(GPU_INDICES), 1))
+    present = np.ones(values.shape, bool)
+    enc = TelemetryEncoder(GPU_INDICES, refresh_interval_s=1.0)
+    enc.encode(values, present, now_s=0.0, sampled_at_ns=0, skip_empty=True)
+    sent = [
+        t for t in (0.5, 0.9, 1.0, 1.5, 1.99, 2.0, 2.5)
+        if enc.encode(values, present, now_s=t, sampled_at_ns=0, skip_empty=True)[0] is not None
+    ]
+    assert sent == [1.0, 2.0]
+
+
 def test_keyframe_at_least_every_interval():
     enc = TelemetryEncoder(GPU_INDICES, keyframe_interval_s=30.0)
     v = np.tile(np.maximum(LOWER, 1), (len(GPU_INDICES), 1))

@@ -125,6 +125,32 @@ async def test_node_shows_the_agents_sampling_period_as_it_calms_down():
         await coord.stop(grace_s=0.1)
 
 
+async def test_a_quiet_host_stays_fresh_though_its_readings_do_not_move():
+    """An idle GPU's readings stop moving, so the agent has nothing to send;
+    its empty deltas (every half staleness bound, as the coordinator asks)
+    keep the node's readings fresh: not stale, so not taken out of placement."""
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", staleness_s=1.0))
+    port = await coord.start()
+    cfg = AgentConfig(node_id="idle", coordinator=f"127.0.0.1:{port}", interval_min_s=0.05, interval_max_s=0.2)
+    agent = Agent(cfg, SimBackend(gpus=2, seed=3, workload="idle"), seed=3)
+    task = asyncio.create_task(agent.run())
+    try:
+        await _eventually(lambda: _ready(port, 2), what="GPUs in the view")
+        assert agent.encoder.refresh_interval_s == pytest.approx(0.5)  # from the RegisterAck
+        samples_then = agent.stats.samples
+        await asyncio.sleep(2.5)  # > 2 staleness bounds of unchanged readings
+        assert agent.stats.samples > samples_then  # still sampling: nothing moved
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            node = (await cpb_grpc.ClusterOperatorStub(ch).ListNodes(cpb.ListNodesRequest())).nodes[0]
+            gpus = (await cpb_grpc.ClusterOperatorStub(ch).ListGpus(cpb.ListGpusRequest())).gpus
+        assert not node.stale and node.reading_age_s < 1.0
+        assert not any(g.stale for g in gpus)
+    finally:
+        await agent.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await coord.stop(grace_s=0.1)
+
+
 async def _expect(value, wanted):
     got = await value
     return got if got == wanted else None
