@@ -570,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             "envelopes_per_s": (rows[-1].envelopes - rows[0].envelopes) / wall if len(rows) > 1 else None,
             "bytes_per_s": (marks[b]["bytes"] - marks[a]["bytes"]) / wall,
             "agent_cpu_pct": 100 * (marks[b]["cpu_s"] - marks[a]["cpu_s"]) / wall,
+            # the coordinator's reading age of GPU 0 (stale past staleness_s, 10 s)
+            "reading_age_s_max": max((r.age for r in rows if r.age is not None), default=None),
         })
     summary["phases"] = per_phase
     smi_busy = _first(run.smi, ev.get("go", ev["calm"]), lambda r: r.util >= 50)
@@ -615,10 +617,11 @@ def main(argv: list[str] | None = None) -> int:
     summary["events"] = {k: round(v - ev["calm"], 2) for k, v in ev.items()}
 
     print(render_table(
-        ["PHASE", "s", "PERIOD ms (min / last)", "ENVELOPES/s", "BYTES/s", "AGENT CPU %"],
+        ["PHASE", "s", "PERIOD ms (min / last)", "ENVELOPES/s", "BYTES/s", "AGENT CPU %", "READING AGE MAX s"],
         [[p["phase"], p["seconds"], f"{p['period_ms_min']} / {p['period_ms_last']}",
           f"{p['envelopes_per_s']:.2f}" if p["envelopes_per_s"] is not None else "-",
-          f"{p['bytes_per_s']:.0f}", f"{p['agent_cpu_pct']:.1f}"] for p in per_phase],
+          f"{p['bytes_per_s']:.0f}", f"{p['agent_cpu_pct']:.1f}",
+          f"{p['reading_age_s_max']:.1f}" if p["reading_age_s_max"] is not None else "-"] for p in per_phase],
     ))
     print()
     print(render_table(["LAG", "s"], [[k, f"{v:.2f}" if v is not None else "never"] for k, v in lag.items()]))
@@ -652,11 +655,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "real_gpu.json").write_text(json.dumps(summary, indent=2, default=str))
     with open(out / "timeline.csv", "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["source", "t_s", "phase", "util_pct", "memory_used_mib", "power_w", "period_ms", "envelopes"])
+        w.writerow(["source", "t_s", "phase", "util_pct", "memory_used_mib", "power_w", "period_ms", "envelopes", "reading_age_s"])
         for r in run.rows:
-            w.writerow(["coordinator", f"{r.t - ev['calm']:.3f}", r.phase, r.util, r.mem, r.power, r.period_ms, r.envelopes])
+            w.writerow(["coordinator", f"{r.t - ev['calm']:.3f}", r.phase, r.util, r.mem, r.power, r.period_ms, r.envelopes, r.age])
         for s in run.smi:
-            w.writerow(["nvidia-smi", f"{s.t - ev['calm']:.3f}", "", s.util, s.mem, s.power, "", ""])
+            w.writerow(["nvidia-smi", f"{s.t - ev['calm']:.3f}", "", s.util, s.mem, s.power, "", "", ""])
     return 0
 
 
