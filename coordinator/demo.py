@@ -449,6 +449,8 @@ class _PhaseRecord:
     tasks: list[tpb.Task] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
     sla_misses: int = 0
+    # why each task still queued at the end of the phase was waiting
+    unplaced: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _phase_tasks(stub: tpb_grpc.SchedulerStub, prefix: str) -> list[tpb.Task]:
@@ -540,6 +542,8 @@ def _run_phase(
         # Leftovers would load the next phase: cancel them (queued ones never
         # ran; running ones are released on their agents).
         for task in _phase_tasks(sched, prefix):
+            if task.state == tpb.TASK_STATE_QUEUED:
+                record.unplaced.append((task.spec.task_id.removeprefix(prefix), task.reason))
             if task.state in _ACTIVE:
                 try:
                     sched.CancelTask(
@@ -656,6 +660,8 @@ def run_demo(args: argparse.Namespace) -> int:
                         f"{figures.completed} completed, {figures.failed} OOM-killed, "
                         f"{figures.cancelled_queued + figures.cancelled_running} cancelled at the end"
                     )
+                    for task_id, reason in record.unplaced:
+                        display.message(f"  never placed: {task_id}: {reason}")
                 ok = len(records) == len(POLICY_ORDER) and all(_figures(r).placed > 0 for r in records)
         except (KeyboardInterrupt, _Interrupted):
             display.close()

@@ -224,6 +224,10 @@ def test_demo_balances_in_both_phases_and_leaves_nothing_behind():
                   "util std across GPUs, pp", "util max - min across GPUs, pp"):
         assert label in rows, label
     assert "wait s, mean / p95: P0 Stable Diffusion inference" in rows
+    # every task left in the queue is named, with the scheduler's reason
+    never = sum(int(x) for x in rows["never placed (cancelled at end)"])
+    named = [line for line in out.splitlines() if line.startswith("  never placed: ")]
+    assert len(named) == never and all(line.split(": ", 2)[2] for line in named), named
     assert out.rstrip().endswith("all processes stopped")
     _assert_nothing_left(marker, port)
 
