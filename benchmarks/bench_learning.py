@@ -73,6 +73,7 @@ import numpy as np  # noqa: E402
 from coordinator.tables import fmt, render_table  # noqa: E402
 from scheduler.advisor import AdvisorConfig, is_movable  # noqa: E402
 from scheduler.cluster import ClusterNode, homogeneous, lookup_model  # noqa: E402
+from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.simreport import figures, json_safe  # noqa: E402
 from scheduler.simulator import SimConfig, Simulation  # noqa: E402
 from scheduler.task import Priority  # noqa: E402
@@ -230,13 +231,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as JSON (tables go to stderr)")
     p.add_argument("--json-out", help="also write the JSON here")
     p.add_argument("--skip", default="", help="comma list of parts to skip: prediction,advisor")
+    p.add_argument(
+        "--backfill-estimate-factor", type=float, default=0.0,
+        help="the scheduler's backfill_estimate_factor in every arm (default 0, the scheduler's default: off)",
+    )
     args = p.parse_args(argv)
     seeds = 1 if args.quick else max(1, args.seeds)
     limit = 2_000 if args.quick else 0
     skip = set(filter(None, args.skip.split(",")))
+    sched_cfg = SchedulerConfig(backfill_estimate_factor=args.backfill_estimate_factor)
+    sched_cfg.validate()
     out = sys.stderr if args.json else sys.stdout
     started = time.perf_counter()
-    doc: dict = {"seeds": seeds, "quick": args.quick, "prediction": [], "advisor": []}
+    doc: dict = {"seeds": seeds, "quick": args.quick, "backfill_estimate_factor": args.backfill_estimate_factor,
+                 "prediction": [], "advisor": []}
     src = _openb_dir()
 
     def say(text: str = "") -> None:
@@ -255,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         pred_rows = []
         if "prediction" not in skip:
             arms = [
-                ("off", SimConfig(prediction=False)),
-                ("on, cluster-file priors", SimConfig(prediction=True)),
-                ("on, learned from scratch", SimConfig(prediction=True, prediction_prior="none")),
+                ("off", SimConfig(prediction=False, scheduler=sched_cfg)),
+                ("on, cluster-file priors", SimConfig(prediction=True, scheduler=sched_cfg)),
+                ("on, learned from scratch", SimConfig(prediction=True, prediction_prior="none", scheduler=sched_cfg)),
             ]
             for trace in ("default", "gpushare40"):
                 title = f"openb {trace} on the mixed cluster, own pace"
@@ -301,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             for title, trace_tasks, nodes, arrival, prediction in scenarios:
                 say(f"## advisor: {title}")
                 tasks = scale_trace(trace_tasks, 1.0, arrival)
-                base_cfg = SimConfig(heatmap_samples=600, util_drift=0.5, prediction=prediction)
+                base_cfg = SimConfig(heatmap_samples=600, util_drift=0.5, prediction=prediction, scheduler=sched_cfg)
                 arms = [
                     ("off", base_cfg),
                     ("on (variance > 400 %², held to 100)", replace(base_cfg, advisor=advisor_default)),
