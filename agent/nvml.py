@@ -490,7 +490,13 @@ class NvmlBackend:
                 continue
             try:
                 nv.nvmlDeviceRegisterEvents(gpu.handle, nv.nvmlEventTypeXidCriticalError, events)
-            except self._err:
+            except self._err as exc:
+                if self._code(exc) == nv.NVML_ERROR_UNKNOWN:
+                    # NVML: the set is then in an undefined state; free it
+                    for other in self._gpus:
+                        other.xid_watched = False
+                    watched = 0
+                    break
                 continue  # NOT_SUPPORTED on this GPU: its xid_last stays absent
             gpu.xid_watched = True
             watched += 1

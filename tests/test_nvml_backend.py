@@ -386,6 +386,15 @@ def test_xid_events_reach_the_sample_of_their_gpu_and_are_logged() -> None:
     assert all(event_set.freed for event_set in nv.event_sets)
 
 
+def test_an_unknown_error_while_registering_drops_the_event_set() -> None:
+    # NVML: after UNKNOWN the set is in an undefined state and must be freed
+    nv = FakeNvml.with_gpus(2)
+    nv.gpus[1].errors["nvmlDeviceRegisterEvents"] = pynvml.NVML_ERROR_UNKNOWN
+    backend = _backend(nv)
+    assert [s.xid_last for s in backend.sample()] == [None, None]
+    assert nv.event_sets[0].freed
+
+
 def test_xid_events_are_watched_again_after_nvml_is_reinitialised() -> None:
     clock = FakeClock()
     nv = FakeNvml.with_gpus(2)
