@@ -132,5 +132,6 @@ fi
 
 note "installed. Next:"
 note "  coordinator host: systemctl enable --now gpulb-coordinator"
-note "  GPU hosts:        systemctl enable --now gpulb-agent   (set coordinator in $etc_dir/agent.toml first)"
+note "  GPU hosts:        $prefix/bin/gpulb-agent --config $etc_dir/agent.toml --check   (pre-flight: exit 0 = ready)"
+note "                    systemctl enable --now gpulb-agent   (set coordinator in $etc_dir/agent.toml first)"
 note "  effective config: $prefix/bin/gpulb-coordinator --config /etc/gpulb/coordinator.toml --print-config"
