@@ -26,7 +26,7 @@ from coordinator.tables import render_table
 from protos import telemetry_pb2 as pb
 from scheduler.cluster import lookup_model
 
-__all__ = ["CheckReport", "GpuCheck", "run_check", "render_check", "run_and_render", "SAMPLE_FIELDS"]
+__all__ = ["CheckReport", "GpuCheck", "run_check", "render_check", "run_and_render", "check_coordinator", "SAMPLE_FIELDS"]
 
 #: GpuSample fields shown, in order, with their display unit
 SAMPLE_FIELDS: tuple[tuple[str, str], ...] = (
@@ -275,7 +275,60 @@ def render_check(report: CheckReport) -> str:
     return "\n".join(out)
 
 
-def run_and_render(backend: GpuBackend, *, rounds: int, interval_min_s: float, as_json: bool, print_fn: Callable[[str], None] = print) -> int:
+def check_coordinator(
+    target: str, *, ca_file: str = "", cert_file: str = "", key_file: str = "", token: str = "", timeout_s: float = 3.0
+) -> tuple[bool, str]:
+    """Whether the coordinator at ``target`` answers the agent's way (the
+    same TLS, client certificate and token), by the standard gRPC health
+    check of its AgentGateway service: (ok, what happened)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if ca_file or cert_file:
+        from coordinator.security import SecurityConfigError, channel_credentials
+
+        try:
+            creds = channel_credentials(ca_file or None, cert_file or None, key_file or None, token or None)
+        except (OSError, SecurityConfigError) as exc:
+            return False, f"TLS files unusable: {exc}"
+        channel = grpc.secure_channel(target, creds)
+    else:
+        channel = grpc.insecure_channel(target)
+    try:
+        service = "gpulb.v1.AgentGateway"
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{target}: {service} {status}"
+    except grpc.RpcError as exc:
+        return False, f"{target}: {exc.code().name}: {exc.details()}"
+    finally:
+        channel.close()
+
+
+def run_and_render(
+    backend: GpuBackend,
+    *,
+    rounds: int,
+    interval_min_s: float,
+    as_json: bool,
+    coordinator: tuple[bool, str] | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> int:
+    """Check ``backend`` and print the report; ``coordinator`` is the
+    outcome of ``check_coordinator`` (None: not checked). Exit status."""
     report = run_check(backend, rounds=rounds, interval_min_s=interval_min_s)
-    print_fn(report.to_json() if as_json else render_check(report))
-    return 0 if report.ok else 1
+    ok = report.ok and (coordinator is None or coordinator[0])
+    if as_json:
+        data = json.loads(report.to_json())
+        if coordinator is not None:
+            data["coordinator"] = {"ok": coordinator[0], "detail": coordinator[1]}
+            data["ok"] = ok
+        print_fn(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        text = render_check(report)
+        if coordinator is not None:
+            head, _, _ = text.rpartition("\ncheck: ")
+            verdict = "reachable" if coordinator[0] else "NOT READY"
+            text = f"{head}\ncoordinator: {verdict}: {coordinator[1]}\ncheck: {'PASS' if ok else 'FAIL'}"
+        print_fn(text)
+    return 0 if ok else 1

@@ -51,10 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outage-buffer", type=int, help="sampling rounds kept while the coordinator is away (default 300)")
     p.add_argument(
         "--check", action="store_true",
-        help="read this host's GPUs a few times and print what the agent would report (and how long a round takes), then exit: "
-        "0 all GPUs OK and a round fits the fastest period, 1 not, 2 the backend cannot start",
+        help="read this host's GPUs a few times and print what the agent would report (and how long a round takes), "
+        "and ask the coordinator's health the agent's way (TLS, certificate, token), then exit: "
+        "0 all GPUs OK, a round fits the fastest period and the coordinator serves; 1 not; 2 the backend cannot start",
     )
     p.add_argument("--check-rounds", type=int, default=10, help="rounds --check reads (default 10)")
+    p.add_argument("--no-coordinator", action="store_true", help="--check leaves out the coordinator's health check")
     p.add_argument("--json", action="store_true", help="--check prints JSON")
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--log-format", choices=("auto", "json", "console"))
@@ -194,8 +196,8 @@ def _status(agent: Agent, backend: str, gpus: int) -> str:
 _READY_BOUND_S = 10.0
 
 
-def _check(settings: dict[str, Any], rounds: int, as_json: bool) -> int:
-    from agent.check import run_and_render
+def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator: bool) -> int:
+    from agent.check import check_coordinator, run_and_render
 
     seed = settings["sim_seed"] if settings["sim_seed"] is not None else 0
     try:
@@ -203,8 +205,23 @@ def _check(settings: dict[str, Any], rounds: int, as_json: bool) -> int:
     except BackendUnavailable as exc:
         print(f"check: FAIL: the {settings['backend']} backend cannot start: {exc}", file=sys.stderr)
         return 2
+    coordinator = None
+    if not no_coordinator:
+        token = ""
+        if settings["token_file"]:
+            try:
+                token = open(settings["token_file"]).read().strip()
+            except OSError as exc:
+                coordinator = (False, f"token_file unreadable: {exc}")
+        if coordinator is None:
+            coordinator = check_coordinator(
+                settings["coordinator"], ca_file=settings["ca_file"], cert_file=settings["cert_file"],
+                key_file=settings["key_file"], token=token,
+            )
     try:
-        return run_and_render(backend, rounds=rounds, interval_min_s=settings["interval_min"], as_json=as_json)
+        return run_and_render(
+            backend, rounds=rounds, interval_min_s=settings["interval_min"], as_json=as_json, coordinator=coordinator
+        )
     finally:
         backend.close()
 
@@ -217,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.check_rounds < 1:
             print(f"--check-rounds must be >= 1, got {args.check_rounds}", file=sys.stderr)
             return 2
-        return _check(settings, args.check_rounds, args.json)
+        return _check(settings, args.check_rounds, args.json, args.no_coordinator)
     return asyncio.run(_run(settings))
 
 

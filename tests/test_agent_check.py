@@ -113,15 +113,40 @@ def logging_restored():
 
 
 def test_command_line_check_on_the_simulator_and_without_a_driver(capsys, logging_restored) -> None:
-    assert agent_main.main(["--check", "--backend", "sim", "--sim-gpus", "3", "--check-rounds", "2", "--json"]) == 0
+    assert agent_main.main(["--check", "--no-coordinator", "--backend", "sim", "--sim-gpus", "3", "--check-rounds", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["backend"] == "sim" and len(data["gpus"]) == 3 and data["ok"] is True
-    assert agent_main.main(["--check", "--backend", "sim", "--check-rounds", "0"]) == 2
+    assert agent_main.main(["--check", "--no-coordinator", "--backend", "sim", "--check-rounds", "0"]) == 2
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        assert agent_main.main(["--check", "--backend", "nvml"]) == 2
+        assert agent_main.main(["--check", "--no-coordinator", "--backend", "nvml"]) == 2
         assert "cannot start" in capsys.readouterr().err
         return
     pynvml.nvmlShutdown()
     pytest.skip("this host has a working NVML driver")
+
+
+async def test_check_asks_the_coordinator_the_agents_way(capsys, logging_restored) -> None:
+    """A real coordinator on loopback: SERVING passes; a port nobody listens
+    on fails the check and says why."""
+    import asyncio
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.demo import free_port
+    from coordinator.server import Coordinator
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"))
+    port = await coord.start()
+    try:
+        base = ["--check", "--backend", "sim", "--sim-gpus", "1", "--check-rounds", "1"]
+        rc = await asyncio.to_thread(agent_main.main, [*base, "--coordinator", f"127.0.0.1:{port}", "--json"])
+        out = capsys.readouterr().out  # the coordinator's own log lines come first
+        data, _ = json.JSONDecoder().raw_decode(out[out.index("{\n"):])
+        assert rc == 0 and data["ok"] is True
+        assert data["coordinator"] == {"ok": True, "detail": f"127.0.0.1:{port}: gpulb.v1.AgentGateway SERVING"}
+        rc = await asyncio.to_thread(agent_main.main, [*base, "--coordinator", f"127.0.0.1:{free_port()}"])
+        out = capsys.readouterr().out
+        assert rc == 1 and "coordinator: NOT READY" in out and "UNAVAILABLE" in out and out.rstrip().endswith("check: FAIL")
+    finally:
+        await coord.stop(grace_s=0.1)
