@@ -150,3 +150,43 @@ async def test_check_asks_the_coordinator_the_agents_way(capsys, logging_restore
         assert rc == 1 and "coordinator: NOT READY" in out and "UNAVAILABLE" in out and out.rstrip().endswith("check: FAIL")
     finally:
         await coord.stop(grace_s=0.1)
+
+
+async def test_check_uses_the_agents_tls_and_certificate(tmp_path, logging_restored) -> None:
+    """Over mutual TLS on the agent port: the agent's certificate gets
+    SERVING; without one the handshake fails and the check says so."""
+    import asyncio
+
+    from certs import make_test_pki
+    from coordinator.config import CoordinatorConfig
+    from coordinator.demo import free_port
+    from coordinator.server import Coordinator
+    from agent.check import check_coordinator
+    from coordinator.main import build_security
+    from coordinator.security import hash_token
+
+    pki = make_test_pki(tmp_path / "pki", ("gpu-host",))
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tokens."{hash_token("tok-agent")}"]\nrole = "agent"\nname = "agents"\nnodes = ["gpu-host"]\n')
+    agent_port = free_port()
+    cfg = CoordinatorConfig(
+        listen="127.0.0.1:0", agent_listen=f"127.0.0.1:{agent_port}",
+        tls_cert_file=str(pki.server.cert_file), tls_key_file=str(pki.server.key_file),
+        tls_client_ca_file=str(pki.ca_file), token_file=str(tokens), insecure=False,
+    )
+    coord = Coordinator(cfg, security=build_security(cfg))  # as gpulb-coordinator builds it
+    await coord.start()
+    try:
+        target = f"localhost:{agent_port}"
+        pair = pki.agents["gpu-host"]
+        ok, detail = await asyncio.to_thread(
+            check_coordinator, target, ca_file=str(pki.ca_file), cert_file=str(pair.cert_file),
+            key_file=str(pair.key_file), token="tok-agent",
+        )
+        assert ok, detail
+        ok, detail = await asyncio.to_thread(check_coordinator, target, ca_file=str(pki.ca_file))
+        assert not ok and "UNAVAILABLE" in detail
+        ok, detail = await asyncio.to_thread(check_coordinator, target, ca_file=str(tmp_path / "missing.pem"))
+        assert not ok and detail.startswith("TLS files unusable")
+    finally:
+        await coord.stop(grace_s=0.1)
