@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -84,11 +85,7 @@ class CheckReport:
 
     @property
     def round_ms_median(self) -> float:
-        if not self.round_ms:
-            return math.nan
-        ordered = sorted(self.round_ms)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        return statistics.median(self.round_ms) if self.round_ms else math.nan
 
     @property
     def round_fits(self) -> bool:
@@ -102,7 +99,7 @@ class CheckReport:
     def ok(self) -> bool:
         return self.healthy and self.round_fits
 
-    def to_json(self) -> str:
+    def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(
             round_ms_median=self.round_ms_median,
@@ -111,7 +108,10 @@ class CheckReport:
             healthy=self.healthy,
             ok=self.ok,
         )
-        return json.dumps(data, indent=2, sort_keys=True)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
 def _health_name(health: int) -> str:
@@ -319,7 +319,7 @@ def run_and_render(
     report = run_check(backend, rounds=rounds, interval_min_s=interval_min_s)
     ok = report.ok and (coordinator is None or coordinator[0])
     if as_json:
-        data = json.loads(report.to_json())
+        data = report.to_dict()
         if coordinator is not None:
             data["coordinator"] = {"ok": coordinator[0], "detail": coordinator[1]}
             data["ok"] = ok

@@ -100,6 +100,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+def _read_token(settings: dict[str, Any]) -> str:
+    """The agent's bearer token ("" without a token file); OSError if unreadable."""
+    if not settings["token_file"]:
+        return ""
+    with open(settings["token_file"]) as fh:
+        return fh.read().strip()
+
+
 def build_backend(kind: str, *, gpus: int, seed: int, workload: str) -> GpuBackend:
     if kind in ("nvml", "auto"):
         try:
@@ -129,13 +137,11 @@ async def _run(settings: dict[str, Any]) -> int:
         return 2
     from agent.diskstats import DiskIoMonitor
 
-    token = ""
-    if settings["token_file"]:
-        try:
-            token = open(settings["token_file"]).read().strip()
-        except OSError as exc:
-            log.error("token_file_unreadable", path=settings["token_file"], error=str(exc))
-            return 2
+    try:
+        token = _read_token(settings)
+    except OSError as exc:
+        log.error("token_file_unreadable", path=settings["token_file"], error=str(exc))
+        return 2
     config = AgentConfig(
         node_id=settings["node_id"],
         coordinator=settings["coordinator"],
@@ -207,13 +213,11 @@ def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator:
         return 2
     coordinator = None
     if not no_coordinator:
-        token = ""
-        if settings["token_file"]:
-            try:
-                token = open(settings["token_file"]).read().strip()
-            except OSError as exc:
-                coordinator = (False, f"token_file unreadable: {exc}")
-        if coordinator is None:
+        try:
+            token = _read_token(settings)
+        except OSError as exc:
+            coordinator = (False, f"token_file unreadable: {exc}")
+        else:
             coordinator = check_coordinator(
                 settings["coordinator"], ca_file=settings["ca_file"], cert_file=settings["cert_file"],
                 key_file=settings["key_file"], token=token,

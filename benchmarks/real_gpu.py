@@ -37,7 +37,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -45,7 +44,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from coordinator.demo import ProcessGroup, free_port  # noqa: E402
+from coordinator.ingestbench import process_cpu_s, scrape_metrics  # noqa: E402
 from coordinator.tables import render_table  # noqa: E402
 from protos import cluster_pb2 as cpb  # noqa: E402
 from protos import cluster_pb2_grpc as cpb_grpc  # noqa: E402
@@ -394,20 +393,6 @@ def _smi(run: Run, stop: threading.Event) -> subprocess.Popen | None:
     return proc
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url, timeout=2) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return float("nan")
-
-
 def _first(rows, after: float, pred) -> float | None:
     for r in rows:
         if r.t >= after and pred(r):
@@ -477,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     smi = None
     loader = None
-    summary: dict = {"check": json.loads(check.to_json()), "pcie_overlap": overlap, "pcie_agreement": agreement}
+    summary: dict = {"check": check.to_dict(), "pcie_overlap": overlap, "pcie_agreement": agreement}
     try:
         coordinator = group.start("coordinator", [sys.executable, "-m", "coordinator.main", "--listen", target,
                                     "--metrics-listen", f"127.0.0.1:{mport}", "--log-format", "json", "--insecure"])
@@ -499,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"no GPU load available: {ready}")
 
         def phase_marks() -> dict:
-            return {"t": time.time(), "cpu_s": _cpu_s(agent.pid),
-                    "bytes": _metric(f"http://127.0.0.1:{mport}/metrics", "gpulb_telemetry_received_bytes_total")}
+            return {"t": time.time(), "cpu_s": process_cpu_s(agent.pid),
+                    "bytes": scrape_metrics(mport).get("gpulb_telemetry_received_bytes_total", float("nan"))}
 
         marks = {}
         run.phase = "calm"

@@ -79,8 +79,7 @@ class TelemetryIngest:
             self._pending.append(_Pending(node, node.rows[decoder_rows], columns, arrived_s))
         else:
             # nothing moved: it vouches for the node's readings (``_vouch``)
-            rows = node.rows
-            self.view.reading_at_s[rows] = np.fmax(self.view.reading_at_s[rows], arrived_s)
+            self._vouch([node.rows], np.asarray([arrived_s]))
 
     def forget_node(self, node_id: str) -> None:
         self._pending = [p for p in self._pending if p.node.node_id != node_id]
@@ -122,17 +121,17 @@ class TelemetryIngest:
             result.arrivals.clear()
         return result
 
-    def _vouch(self, pending: list[_Pending]) -> None:
+    def _vouch(self, node_rows: list[np.ndarray], arrived: np.ndarray) -> None:
         """A delta means the agent read every GPU of its node and found
         nothing else past its deadband: all of the node's readings are
         current as of its arrival, not only the cells it carries (or a quiet
         GPU, an inference server waiting with its memory held, would turn
-        stale and be taken out of placement). Never moved back: an empty
-        delta may have vouched since."""
+        stale and be taken out of placement). This is the only place reading
+        times of deltas are set. Never moved back: an empty delta may have
+        vouched since. ``node_rows[i]`` arrived at ``arrived[i]``."""
         view = self.view
-        node_rows = [p.node.rows for p in pending]
         rows = np.concatenate(node_rows)
-        at = np.repeat(np.fromiter((p.arrived_s for p in pending), np.float64, len(pending)), [r.size for r in node_rows])
+        at = np.repeat(arrived, [r.size for r in node_rows])
         # a row repeated: the last (latest) assignment wins
         view.reading_at_s[rows] = np.fmax(view.reading_at_s[rows], at)
 
@@ -145,7 +144,7 @@ class TelemetryIngest:
         view = self.view
         rows, cols, deltas, items = column_cells([(p.rows, p.columns) for p in pending])
         if rows.size == 0:
-            self._vouch(pending)
+            self._vouch([p.node.rows for p in pending], np.asarray([p.arrived_s for p in pending]))
             result.arrivals.extend(p.arrived_s for p in pending)
             return []
         key = rows * FIELD_COUNT + cols
@@ -184,10 +183,8 @@ class TelemetryIngest:
         flat[ks[lasts]] = new[lasts]
         new = new.astype(np.float64)
         arrived = np.asarray([p.arrived_s for p in pending])
-        # cells are in arrival order, so the last assignment per row wins;
-        # then every envelope vouches for its whole node
-        view.reading_at_s[rows] = arrived[items]
-        self._vouch(pending)
+        # every envelope vouches for its whole node (covers the rows it carries)
+        self._vouch([p.node.rows for p in pending], arrived)
         view.version += 1
         # Readings for the anomaly filter: one row of signals per (envelope, GPU),
         # holding the value after that envelope.

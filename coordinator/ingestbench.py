@@ -475,7 +475,9 @@ async def _generate_h2(target: str, hosts: int, gpus: int, interval: float, dura
             conn.transport.close()
 
 
-def _scrape(port: int) -> dict[str, float]:
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The coordinator's exposition (cluster families only), by series
+    (name{label=value,...}) -> value, parsed by prometheus-client."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?per_gpu=0", timeout=10).read().decode()
@@ -541,7 +543,7 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def _cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, all its threads."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -571,7 +573,7 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + 20
         while True:
             try:
-                _scrape(mport)
+                scrape_metrics(mport)
                 break
             except OSError:
                 if time.monotonic() > deadline:
@@ -591,17 +593,17 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
             connect = lines.get(timeout=max(1.0, connect_deadline - time.monotonic()))
             if "connected" in connect:
                 break
-        streams_ready = _scrape(mport).get("gpulb_agent_streams", float("nan"))
+        streams_ready = scrape_metrics(mport).get("gpulb_agent_streams", float("nan"))
         print(f"connected: {connect['connected']} of {args.hosts} streams in {connect['connect_s']} s "
               f"(coordinator counts {streams_ready:.0f}); sending", file=sys.stderr)
         time.sleep(args.warmup + 0.5)
         # the window runs between the two scrapes' midpoints (a scrape reads
         # the counters somewhere inside its own round trip)
         s0 = time.monotonic()
-        before = _scrape(mport)
+        before = scrape_metrics(mport)
         t0 = (s0 + time.monotonic()) / 2
         gen_before = _latest(lines)
-        cpu_before = (_cpu_s(coord.pid), _cpu_s(gen.pid))
+        cpu_before = (process_cpu_s(coord.pid), process_cpu_s(gen.pid))
         load_before = os.getloadavg()[0]
         rss = []
         for i in range(int(args.duration)):
@@ -610,10 +612,10 @@ def run_ingest_bench(args: argparse.Namespace) -> int:
             if (i + 1) % 5 == 0:
                 print(f"  {i + 1}/{int(args.duration)} s measured", file=sys.stderr)
         s1 = time.monotonic()
-        after = _scrape(mport)
+        after = scrape_metrics(mport)
         elapsed = (s1 + time.monotonic()) / 2 - t0
         gen_after = _latest(lines)
-        cpu_after = (_cpu_s(coord.pid), _cpu_s(gen.pid))
+        cpu_after = (process_cpu_s(coord.pid), process_cpu_s(gen.pid))
         load_after = os.getloadavg()[0]
     finally:
         if gen is not None:

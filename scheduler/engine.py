@@ -358,8 +358,7 @@ class Scheduler:
         (``now`` with none; -inf when one has no estimate, as nothing can be
         known to end before it), and the node's speed (1.0 when unknown)."""
         s = view.snapshot
-        speed = float(s.node_speed[index])
-        speed = speed if math.isfinite(speed) and speed > 0 else 1.0
+        speed = float(_node_speeds(view)[index])
         end = now
         for task_id in self._by_node.get(s.node_ids[index], ()):
             task = self._tasks.get(task_id)
@@ -384,26 +383,23 @@ class Scheduler:
         where a lease is expected to end first, that end plus its run there
         (``inf`` with no such node). Optimistic (the first lease to end may
         not free room enough), so it errs towards waiting for a fast GPU."""
-        s = view.snapshot
+        speeds = _node_speeds(view)
         ends = cache.get("lease_ends")
         if ends is None:
             # per node, the earliest expected end of a lease with an estimate
             # (an overrun one "ends" now); inf where none has one
             ends = np.full(view.node_count, math.inf)
-            for index, node_id in enumerate(s.node_ids):
-                speed = float(s.node_speed[index])
-                speed = speed if math.isfinite(speed) and speed > 0 else 1.0
+            for index, node_id in enumerate(view.snapshot.node_ids):
                 for task_id in self._by_node.get(node_id, ()):
                     task = self._tasks.get(task_id)
                     if task is None or task.assignment is None or task.spec.duration_s <= 0:
                         continue
-                    ends[index] = min(ends[index], max(now, task.assignment.placed_at + task.spec.duration_s / speed))
+                    end = task.assignment.placed_at + task.spec.duration_s / speeds[index]
+                    ends[index] = min(ends[index], max(now, end))
             cache["lease_ends"] = ends
         could = self._could_host(spec, view)
         fits = np.bincount(view.node, weights=feasible_now, minlength=view.node_count) >= spec.num_gpus
         start = np.where(fits, now, ends)
-        speeds = np.asarray(s.node_speed, dtype=np.float64)
-        speeds = np.where(np.isfinite(speeds) & (speeds > 0), speeds, 1.0)
         could[list(held)] = False
         if not could.any():
             return math.inf
@@ -751,3 +747,10 @@ class Scheduler:
             sla_misses=self._queue.sla_misses,
             placed=self.placed,
         )
+
+
+def _node_speeds(view: PlacementView) -> np.ndarray:
+    """Per node relative speed (1.0 where unknown), for the backfill's
+    estimates; the snapshot's column, so cheap to read per call."""
+    speeds = view.snapshot.node_speed
+    return np.where(np.isfinite(speeds) & (speeds > 0), speeds, 1.0)
