@@ -7,9 +7,11 @@ prints: each GPU as gpulb will know it (and whether the scheduler's model
 table knows the model, since an unknown one starts with a neutral speed
 prior), the last reading field by field (a field the GPU does not report is
 said to be missing, not shown as 0), how long a round and each NVML read took
-against the fastest period, and the health of every GPU. Exit status: 0 when
-every GPU read OK and a round fits the fastest period, 1 otherwise, 2 when the
-backend cannot start.
+against the fastest period, and the health of every GPU; then it asks the
+coordinator's gRPC health the way the agent will connect (TLS, client
+certificate, token; ``--no-coordinator`` leaves that out). Exit status: 0
+when every GPU read OK, a round fits the fastest period and the coordinator
+serves, 1 otherwise, 2 when the backend cannot start.
 """
 
 from __future__ import annotations
