@@ -165,6 +165,16 @@ async def _run(settings: dict[str, Any]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
+    rewind = getattr(backend, "rewind_background", None)
+    if rewind is not None:
+        # The simulator only: SIGUSR1 replays the other tenants' load from its
+        # start, so runs compared one after another (gpulb demo's policy
+        # phases) meet the same load.
+        def rewind_background() -> None:
+            rewind()
+            log.info("sim_background_rewound", node_id=config.node_id)
+
+        loop.add_signal_handler(signal.SIGUSR1, rewind_background)
     log.info("agent_starting", node_id=config.node_id, backend=backend.name, gpus=len(agent.gpu_order), coordinator=config.coordinator, pid=os.getpid())
     pinger.start()
     status = asyncio.create_task(_report_status(agent, notifier, backend.name))

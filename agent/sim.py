@@ -244,6 +244,9 @@ class SimBackend:
         self._noise = [random.Random(f"gpulb-sim-noise:{seed}:{i}") for i in range(gpus)]
         self._t0 = clock()
         self._t = 0.0  # virtual seconds since construction
+        # virtual time at which the background workload's timeline starts
+        # (rewind_background moves it, so a comparison replays the same load)
+        self._background_origin = 0.0
         self._temp_c = [self._target_temp(IDLE_POWER_W)] * gpus
         self._tasks: dict[str, _Task] = {}
         self._events: list[SimTaskEvent] = []
@@ -349,8 +352,18 @@ class SimBackend:
     def _power_w(self, util_pct: float) -> float:
         return min(self._limit_w, IDLE_POWER_W + util_pct / 100.0 * (self._limit_w - IDLE_POWER_W) * POWER_HEADROOM_USE)
 
+    def rewind_background(self) -> None:
+        """Start the background workload's timeline over from now: the other
+        tenants' jobs replay as they ran since construction. Placed tasks,
+        temperatures and clocks carry on. For comparisons (the demo runs one
+        phase per policy): without it the second phase meets other tenants'
+        load the first never saw, and the figures compare luck as well."""
+        self._advance()
+        self._background_origin = self._t
+
     def _background_at(self, gpu: int, t: float) -> tuple[float, int]:
         """(util %, VRAM MiB) of the GPU's own workload at virtual time t."""
+        t = max(0.0, t - self._background_origin)
         if self._workload == "synthetic":
             seg = self._background[gpu].at(t)
             return seg.util_pct, seg.vram_mib

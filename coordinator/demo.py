@@ -109,6 +109,19 @@ class ProcessGroup:
         self.procs.append((name, proc))
         return proc
 
+    def signal(self, prefix: str, sig: int) -> int:
+        """Send ``sig`` to every live child whose name starts with ``prefix``;
+        how many were sent it."""
+        sent = 0
+        for name, proc in self.procs:
+            if name.startswith(prefix) and proc.poll() is None:
+                try:
+                    os.kill(proc.pid, sig)
+                    sent += 1
+                except ProcessLookupError:
+                    pass
+        return sent
+
     def stop_all(self, grace_s: float = 8.0) -> list[tuple[str, int | None]]:
         """SIGTERM everyone, wait up to ``grace_s``, SIGKILL the rest."""
         for _, proc in reversed(self.procs):
@@ -597,6 +610,9 @@ def _check_stop() -> None:
         raise _Interrupted(_STOP_REQUESTED[0])
 
 
+_REPLAYED = ", replayed from its start for each policy"
+
+
 def run_demo(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.gpus_per_agent < 1 or not args.duration >= 4:
         print("gpulb demo: --agents and --gpus-per-agent must be >= 1, --duration >= 4 s", file=sys.stderr)
@@ -625,7 +641,8 @@ def run_demo(args: argparse.Namespace) -> int:
             counts = Counter(t.scenario for t in workload)
             print(
                 f"gpulb demo: coordinator on {target}, {args.agents} simulated hosts x {args.gpus_per_agent} RTX 4090 "
-                f"({args.background} background load), seed {args.seed}; coordinator state in {tmp}"
+                f"({args.background} background load{_REPLAYED if args.background == 'synthetic' else ''}), seed {args.seed}; "
+                f"coordinator state in {tmp}"
             )
             print(
                 f"workload per phase ({window_s:g} s, the same for both policies): "
@@ -652,6 +669,12 @@ def run_demo(args: argparse.Namespace) -> int:
             if reporting >= expected:
                 for number, policy in enumerate(POLICY_ORDER, start=1):
                     _check_stop()
+                    if args.background == "synthetic":
+                        # Both phases meet the same other tenants' load
+                        # (SimBackend.rewind_background), not whatever the
+                        # synthetic timeline reached by the second phase.
+                        group.signal("agent-", signal.SIGUSR1)
+                        time.sleep(2.5)  # a calm agent's next round (2 s) shows it to the coordinator
                     record = _run_phase(target, number, policy, workload, window_s, drain_s, display)
                     records.append(record)
                     figures = _figures(record)
@@ -675,7 +698,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 signal.signal(sig, handler)
         if records:
             print()
-            print("summary (the same workload for each policy)")
+            print("summary (the same workload, and the same other tenants' load, for each policy)")
             print(render_summary([_figures(r) for r in records]))
             print("wait: submission to placement, by the coordinator's clock")
             print("util: every GPU sampled once a second during the phase's window; std and max - min are across")

@@ -6,6 +6,7 @@ readable summary and leaves no process behind, also when interrupted."""
 from __future__ import annotations
 
 import os
+import json
 import re
 import signal
 import subprocess
@@ -197,11 +198,12 @@ def _demo_env(marker: str) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_demo_balances_in_both_phases_and_leaves_nothing_behind():
+def test_demo_balances_in_both_phases_and_leaves_nothing_behind(tmp_path):
     marker = f"gpulb-demo-test-{uuid.uuid4().hex}"
     started = time.monotonic()
     run = subprocess.run(
-        [*_gpulb(), "demo", "--no-live", "--agents", "2", "--gpus-per-agent", "2", "--duration", "12"],
+        [*_gpulb(), "demo", "--no-live", "--agents", "2", "--gpus-per-agent", "2", "--duration", "12",
+         "--log-dir", str(tmp_path)],
         capture_output=True, text=True, env=_demo_env(marker), timeout=150,
     )
     wall = time.monotonic() - started
@@ -229,6 +231,12 @@ def test_demo_balances_in_both_phases_and_leaves_nothing_behind():
     named = [line for line in out.splitlines() if line.startswith("  never placed: ")]
     assert len(named) == never and all(line.split(": ", 2)[2] for line in named), named
     assert out.rstrip().endswith("all processes stopped")
+    # each policy met the other tenants' load from its start: every agent
+    # rewound its synthetic background once per phase
+    for agent in ("agent-1", "agent-2"):
+        events = [json.loads(line).get("event") for line in (tmp_path / f"{agent}.log").read_text().splitlines()
+                  if line.startswith("{")]
+        assert events.count("sim_background_rewound") == 2, events
     _assert_nothing_left(marker, port)
 
 
