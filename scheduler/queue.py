@@ -34,15 +34,19 @@ Backfill rule (no starvation)
     and every less urgent class are still offered, but *fenced*: ``try_place``
     receives the id of the most urgent barrier met so far and must keep them
     off the resources it holds for it (the engine holds one node the barrier
-    fits when empty: EASY-style backfill, where only the head has a
-    reservation; a fenced task whose duration estimate ends before that
-    node's leases are expected to may still use it, see the engine's
-    ``backfill_estimate_factor``). More urgent classes are not fenced. The blocked state
-    survives promotion, so a barrier stays one, and when the head is placed
-    the next barrier becomes the head.
+    fits once gpulb's leases there end: EASY-style backfill, where only the
+    head has a reservation; a fenced task whose duration estimate ends before
+    that node's leases are expected to may still use it, see the engine's
+    ``backfill_estimate_factor``). More urgent classes are not fenced. A
+    barrier for which nothing can be held (``can_hold``: other tenants'
+    memory blocks it on every node) does not become the head: fencing others
+    could not make it fit, and the next barrier may hold instead. The blocked
+    state survives promotion, so a barrier stays one, and when the head is
+    placed the next barrier becomes the head.
 
     Why no task starves, given finite lease durations and a task that fits an
-    empty node (the engine rejects the rest at submission): a blocked task
+    empty node (the engine rejects the rest at submission), and memory gpulb
+    did not place that is freed in the end: a blocked task
     becomes a barrier within a bounded time; from then on fenced tasks never
     land on its reserved node, aging lifts it to P0 within
     ``sum(promote_after_s)``, after which only the finitely many P0 tasks queued
@@ -282,13 +286,21 @@ class AgingQueue:
             yield lists[c][pos[c]].task
             pos[c] += 1
 
-    def drain(self, try_place: Callable[[Task, frozenset[str]], Outcome], now: float) -> list[Task]:
+    def drain(
+        self,
+        try_place: Callable[[Task, frozenset[str]], Outcome],
+        now: float,
+        can_hold: Callable[[Task], bool] | None = None,
+    ) -> list[Task]:
         """Offer queued tasks to ``try_place(task, fenced_by)`` in dispatch order;
         return those placed.
 
         ``fenced_by`` holds the ids of the barriers ahead of the task whose
         reserved resources it must not take (empty: no fence). Placed tasks
         leave the queue. ``try_place`` must not push or remove tasks itself.
+        ``can_hold(task)``: whether anything can be reserved for a barrier
+        (the engine: a node it could run on once gpulb's leases there end);
+        one that cannot does not become the head, so the next barrier may.
         See the module docstring for the backfill rule.
         """
         self.promote_due(now)
@@ -320,7 +332,11 @@ class AgingQueue:
             entry.skips += 1
             if entry.blocked_since is None:
                 entry.blocked_since = now
-            if self.is_barrier(entry.task.task_id, now) and (head is None or entry.cls < head[0]):
+            if (
+                (head is None or entry.cls < head[0])
+                and self.is_barrier(entry.task.task_id, now)
+                and (can_hold is None or can_hold(entry.task))
+            ):
                 head = (entry.cls, entry.task.task_id)
             if outcome is Outcome.EXHAUSTED:
                 break

@@ -79,10 +79,13 @@ class ReservedColumns:
     vram_mib: np.ndarray  # float64
     util_pct: np.ndarray  # float64
     leases: np.ndarray  # int32, live leases holding the GPU
+    # float64, the whole asks of those leases (R, not faded): what leaves the
+    # GPU when gpulb's leases on it end
+    asked_mib: np.ndarray
 
     @classmethod
     def empty(cls, count: int) -> "ReservedColumns":
-        return cls(np.zeros(count), np.zeros(count), np.zeros(count, dtype=np.int32))
+        return cls(np.zeros(count), np.zeros(count), np.zeros(count, dtype=np.int32), np.zeros(count))
 
 
 class Reservations:
@@ -185,6 +188,7 @@ class Reservations:
             cols.util_pct[r] = np.where(vram > 0, util * eff / np.where(vram > 0, vram, 1.0), 0.0)
         cols.vram_mib[r] = eff
         cols.leases[r] = leases
+        cols.asked_mib[r] = vram
         return cols
 
 

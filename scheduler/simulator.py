@@ -462,7 +462,7 @@ class ColumnarReservations(Reservations):
             eff_live = np.minimum(r, np.maximum(0.0, b + r - used))
         eff = np.where(live, eff_live, np.where(has, r, 0.0))
         util = np.where(has, self._u * eff / np.where(has, r, 1.0), 0.0)
-        return ReservedColumns(vram_mib=eff, util_pct=util, leases=self._n.copy())
+        return ReservedColumns(vram_mib=eff, util_pct=util, leases=self._n.copy(), asked_mib=r.copy())
 
 
 # ---- the simulation ------------------------------------------------------------------------------

@@ -558,6 +558,7 @@ class PlacementView:
         self.res_vram = cols.vram_mib
         self.res_util = cols.util_pct
         self.leases = cols.leases
+        self.res_asked = cols.asked_mib
         self.active = np.maximum(self.snapshot.active_tasks.astype(np.int32), cols.leases)
         self.committed = self.used_fit + self.res_vram
         self.headroom = self.total - self.committed
@@ -591,13 +592,14 @@ class PlacementView:
                 continue
             gpu = res.gpu(gpu_uuid) if res is not None else None
             if gpu is None:
-                eff, util, leases = 0.0, 0.0, 0
+                eff, util, leases, asked = 0.0, 0.0, 0, 0.0
             else:
                 eff, util = gpu.effective(float(self.used[row]), bool(self.fresh[row]))
-                leases = len(gpu.members)
+                leases, asked = len(gpu.members), gpu.vram_mib
             self.res_vram[row] = eff
             self.res_util[row] = util
             self.leases[row] = leases
+            self.res_asked[row] = asked
             active = max(int(self.snapshot.active_tasks[row]), leases)
             self.active[row] = active
             committed = self.used_fit[row] + self.res_vram[row]

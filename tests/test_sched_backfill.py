@@ -4,6 +4,10 @@ placed as soon as its node drains."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Scheduler
 from scheduler.snapshot import ClusterSnapshot, NodeFacts
@@ -176,3 +180,178 @@ def test_backfill_onto_a_slow_held_node_only_when_waiting_for_a_fast_gpu_is_slow
     sched, snapshot = _mixed_speed_setup(fast_lease_s=10_000.0)
     sched.submit(urgent, snapshot)
     assert [t.assignment.node_id for t in sched.dispatch(snapshot)] == ["n1"]
+
+
+# ---- what a hold may be, and who keeps off it ------------------------------------------------
+
+
+def _pinned(task_id: str, node: str, priority: Priority = Priority.P2, duration_s: float = 0.0,
+            vram_mib: int = 8192) -> TaskSpec:
+    return TaskSpec(task_id=task_id, priority=priority, kind="batch", vram_mib=vram_mib, gpu_share=0.2,
+                    duration_s=duration_s, required_node_labels={"host": node})
+
+
+def _two_gpu(task_id: str, vram_mib: int, priority: Priority = Priority.P1) -> TaskSpec:
+    return TaskSpec(task_id=task_id, priority=priority, kind="training", num_gpus=2, vram_mib=vram_mib,
+                    gpu_share=0.9)
+
+
+def test_no_node_is_held_where_other_tenants_memory_keeps_the_task_out():
+    """The demo's LoRA case: memory gpulb did not place decides which node a
+    blocked task can ever get. n0 has a GPU free now but another tenant's
+    20 GiB job on its other one; n1's two GPUs hold gpulb tasks over 2 GiB
+    of other tenants' memory each. "huge" (2 x 20,000 MiB) fits an empty
+    GPU but none of these once gpulb's tasks end: it holds nothing, so the
+    2 x 16 GiB task behind it in its class holds n1 (not n0, where one GPU
+    fits now but the other never will), and n1 drains for it."""
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=10.0, backfill_max_skips=10_000), clock=clock)
+    snapshot = ClusterSnapshot.build(
+        [NodeFacts(f"n{i}", 2, labels={"host": f"n{i}"}) for i in range(2)],
+        memory_used_mib=[20_480.0, 0.0, 2_048.0, 2_048.0],
+    )
+    for i in range(2):
+        sched.submit(_pinned(f"g{i}", "n1", vram_mib=8192), snapshot)
+    assert len(sched.dispatch(snapshot)) == 2
+    sched.submit(_two_gpu("huge", 20_000), snapshot)
+    sched.submit(_two_gpu("wide", 16_384), snapshot)
+    assert sched.dispatch(snapshot) == []
+    clock.now = 11.0  # both past the backfill bound
+    for i in range(3):
+        sched.submit(TaskSpec(task_id=f"late{i}", priority=Priority.P2, kind="batch", vram_mib=4096), snapshot)
+    assert {t.assignment.node_id for t in sched.dispatch(snapshot)} == {"n0"}
+    assert "huge" not in sched._held_nodes
+    assert sched._held_nodes["wide"] == "n1"
+    sched.dispatch(snapshot)
+    assert sched.get("wide").reason.endswith("; node n1 is kept for it while gpulb's tasks there end")
+    assert "kept for it" not in sched.get("huge").reason
+    for i in range(2):
+        task = sched.get(f"g{i}")
+        sched.complete(task.task_id, task.assignment.lease_id)
+    placed = [t.task_id for t in sched.dispatch(snapshot)]
+    assert placed[0] == "wide" and sched.get("wide").assignment.node_id == "n1"
+    assert sched.get("huge").state == TaskState.QUEUED
+
+
+@pytest.mark.parametrize("estimates", [True, False])
+def test_a_blocked_multi_gpu_task_keeps_less_urgent_work_off_the_node_that_frees_first(estimates):
+    """From its first failure (long before it is a barrier), a P1 2-GPU task
+    softly holds the node expected to free first: a P2 task that fits
+    elsewhere goes elsewhere, and when that node's task ends the P1 task
+    starts there at once. Without estimates a task is expected to run as
+    long again as it has run, so the younger one frees first."""
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=600.0, backfill_max_skips=10_000), clock=clock)
+    snapshot = nodes(2, 2)
+    # n0's task ends at 10 s, n1's at 100 s; without estimates n1's is the
+    # younger (placed at 9 s against 0 s), so at 10 s it is expected to end first
+    if estimates:
+        sched.submit(_pinned("a", "n0", duration_s=10.0), snapshot)
+        sched.submit(_pinned("b", "n1", duration_s=100.0), snapshot)
+        sched.dispatch(snapshot)
+        first, other = "n0", "n1"
+    else:
+        sched.submit(_pinned("a", "n0"), snapshot)
+        sched.dispatch(snapshot)
+        clock.now = 9.0
+        sched.submit(_pinned("b", "n1"), snapshot)
+        sched.dispatch(snapshot)
+        first, other = "n1", "n0"
+    clock.now = 9.5
+    sched.submit(_two_gpu("ft", 16_384), snapshot)
+    assert sched.dispatch(snapshot) == []
+    sched.submit(TaskSpec(task_id="s", priority=Priority.P2, kind="batch", vram_mib=4096, gpu_share=0.2), snapshot)
+    assert [t.assignment.node_id for t in sched.dispatch(snapshot)] == [other]
+    assert sched._held_nodes["ft"] == first
+    clock.now = 10.0
+    done = sched.get("a" if first == "n0" else "b")
+    sched.complete(done.task_id, done.assignment.lease_id)
+    assert [(t.task_id, t.assignment.node_id) for t in sched.dispatch(snapshot)] == [("ft", first)]
+
+
+def test_less_urgent_work_still_takes_a_softly_held_node_when_nothing_else_fits():
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=600.0, backfill_max_skips=10_000), clock=clock)
+    snapshot = nodes(2, 2)
+    sched.submit(_pinned("a", "n0", duration_s=10.0), snapshot)
+    for i in range(2):
+        sched.submit(_pinned(f"b{i}", "n1", duration_s=100.0, vram_mib=18_432), snapshot)
+    assert len(sched.dispatch(snapshot)) == 3
+    sched.submit(_two_gpu("ft", 16_384), snapshot)
+    assert sched.dispatch(snapshot) == []
+    sched.submit(TaskSpec(task_id="s", priority=Priority.P2, kind="batch", vram_mib=4096, gpu_share=0.2), snapshot)
+    assert [t.assignment.node_id for t in sched.dispatch(snapshot)] == ["n0"]
+    assert sched._held_nodes["ft"] == "n0"
+    # a more urgent task is not asked to keep off at all
+    sched.submit(TaskSpec(task_id="p0", priority=Priority.P0, kind="inference", vram_mib=1024, gpu_share=0.1), snapshot)
+    assert [t.assignment.node_id for t in sched.dispatch(snapshot)] == ["n0"]
+
+
+def test_two_blocked_tasks_hold_different_nodes():
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=600.0, backfill_max_skips=10_000), clock=clock)
+    snapshot = nodes(3, 2)
+    for i in range(3):
+        sched.submit(_pinned(f"a{i}", f"n{i}", duration_s=10.0 * (i + 1)), snapshot)
+    sched.dispatch(snapshot)
+    sched.submit(_two_gpu("ft1", 16_384), snapshot)
+    sched.submit(_two_gpu("ft2", 16_384), snapshot)
+    assert sched.dispatch(snapshot) == []
+    # the holds are chosen when less urgent work comes to ask where it may go
+    sched.submit(TaskSpec(task_id="s", priority=Priority.P2, kind="batch", vram_mib=4096, gpu_share=0.2), snapshot)
+    assert [t.assignment.node_id for t in sched.dispatch(snapshot)] == ["n2"]
+    # the one queued first gets the node that frees first
+    assert (sched._held_nodes["ft1"], sched._held_nodes["ft2"]) == ("n0", "n1")
+
+
+def test_a_hold_survives_a_reading_that_lags_a_lease_end_but_not_a_lasting_change():
+    """The memory of a task that ended shows in the readings for a round or
+    two: the hold stays put for _HOLD_GRACE_S, then moves if the node still
+    cannot take the task (another tenant's job took the memory)."""
+    from scheduler.engine import _HOLD_GRACE_S
+
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=600.0, backfill_max_skips=10_000), clock=clock)
+    facts = [NodeFacts(f"n{i}", 2, labels={"host": f"n{i}"}) for i in range(2)]
+    calm = ClusterSnapshot.build(facts)
+    sched.submit(_pinned("a", "n0", duration_s=10.0), calm)
+    sched.submit(_pinned("b", "n1", duration_s=100.0), calm)
+    sched.dispatch(calm)
+    sched.submit(_two_gpu("ft", 16_384), calm)
+    sched.dispatch(calm)
+
+    def ask(snapshot: ClusterSnapshot, n: int) -> None:
+        # less urgent work asking where it may go makes the engine look at the hold
+        sched.submit(TaskSpec(task_id=f"probe{n}", priority=Priority.P3, vram_mib=64, gpu_share=0.01), snapshot)
+        sched.dispatch(snapshot)
+
+    ask(calm, 0)
+    assert sched._held_nodes["ft"] == "n0"
+    # 12 GiB that is not gpulb's shows on n0's second GPU
+    other_tenant = ClusterSnapshot.build(facts, memory_used_mib=[0.0, 12_288.0, 0.0, 0.0])
+    clock.now = 1.0
+    ask(other_tenant, 1)
+    assert sched._held_nodes["ft"] == "n0"
+    clock.now = 1.0 + _HOLD_GRACE_S + 0.1
+    ask(other_tenant, 2)
+    assert sched._held_nodes["ft"] == "n1"
+
+
+def test_the_node_kept_is_the_one_that_would_finish_the_task_first():
+    """On a mixed cluster the node that frees first is not the one that
+    finishes first: a 1,000 s task on a node at a tenth of the speed would
+    end at ~10,010 s there, at 1,100 s on the fast node that frees at 100 s."""
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=600.0, backfill_max_skips=10_000), clock=clock)
+    snapshot = ClusterSnapshot.build([
+        NodeFacts("slow", 2, labels={"host": "slow"}, speed=0.1),
+        NodeFacts("fast", 2, labels={"host": "fast"}, speed=1.0),
+    ])
+    sched.submit(_pinned("a", "slow", duration_s=1.0), snapshot)  # 10 s at a tenth of the speed
+    sched.submit(_pinned("b", "fast", duration_s=100.0), snapshot)
+    sched.dispatch(snapshot)
+    sched.submit(dataclasses.replace(_two_gpu("ft", 16_384), duration_s=1_000.0), snapshot)
+    sched.dispatch(snapshot)
+    sched.submit(TaskSpec(task_id="s", priority=Priority.P2, kind="batch", vram_mib=1024, gpu_share=0.1), snapshot)
+    sched.dispatch(snapshot)
+    assert sched._held_nodes["ft"] == "fast"

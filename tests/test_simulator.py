@@ -337,6 +337,7 @@ def test_columnar_reservations_match_the_engine_on_random_sequences():
             np.testing.assert_allclose(a.vram_mib, b.vram_mib, rtol=1e-12, atol=1e-9)
             np.testing.assert_allclose(a.util_pct, b.util_pct, rtol=1e-12, atol=1e-9)
             np.testing.assert_array_equal(a.leases, b.leases)
+            np.testing.assert_allclose(a.asked_mib, b.asked_mib, rtol=1e-12, atol=1e-9)
     # a snapshot in another row order falls back to the base class's gather
     shuffled = list(reversed(uuids))
     other = {u: i for i, u in enumerate(shuffled)}
