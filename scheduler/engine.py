@@ -633,6 +633,10 @@ class Scheduler:
                     self._unblocked(task.task_id)
                 return Outcome.PLACED
             reason = self._why_not(view, spec)
+            usable = self._reachable_rows(spec, view)
+            if not (np.bincount(view.node, weights=usable, minlength=view.node_count) >= spec.num_gpus).any():
+                # the operator's next question: would it fit once gpulb's own work ends?
+                reason += "; no node can take it until other processes there free memory"
             failed[shape] = reason
         if spec.num_gpus > 1:
             self._blocked_sets[int(task.priority)][task.task_id] = None
