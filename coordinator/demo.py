@@ -610,9 +610,6 @@ def _check_stop() -> None:
         raise _Interrupted(_STOP_REQUESTED[0])
 
 
-_REPLAYED = ", replayed from its start for each policy"
-
-
 def run_demo(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.gpus_per_agent < 1 or not args.duration >= 4:
         print("gpulb demo: --agents and --gpus-per-agent must be >= 1, --duration >= 4 s", file=sys.stderr)
@@ -641,7 +638,8 @@ def run_demo(args: argparse.Namespace) -> int:
             counts = Counter(t.scenario for t in workload)
             print(
                 f"gpulb demo: coordinator on {target}, {args.agents} simulated hosts x {args.gpus_per_agent} RTX 4090 "
-                f"({args.background} background load{_REPLAYED if args.background == 'synthetic' else ''}), seed {args.seed}; "
+                f"({args.background} background load{', replayed from its start for each policy' if args.background == 'synthetic' else ''}), "
+                f"seed {args.seed}; "
                 f"coordinator state in {tmp}"
             )
             print(

@@ -320,21 +320,17 @@ class Scheduler:
             return held[task.task_id] is not None
 
         urgent: list[Task] | None = None
-        kept: dict[int, frozenset[int]] = {}  # class -> nodes its tasks keep off if they can
+        # class -> GPUs off the nodes its tasks keep off if they can (None: no such node)
+        kept: dict[int, np.ndarray | None] = {0: None}  # nothing is more urgent than P0
 
-        def kept_off(cls: int) -> frozenset[int]:
+        def kept_off(cls: int) -> np.ndarray | None:
             nonlocal urgent
-            if cls == 0:
-                return frozenset()  # nothing is more urgent than P0
-            nodes = kept.get(cls)
-            if nodes is None:
+            if cls not in kept:
                 if urgent is None:
                     urgent = self._urgent_sets()
-                nodes = frozenset(
-                    held[t.task_id] for t in urgent if int(t.priority) < cls and can_hold(t)
-                )
-                kept[cls] = nodes
-            return nodes
+                nodes = [held[t.task_id] for t in urgent if int(t.priority) < cls and can_hold(t)]
+                kept[cls] = ~np.isin(view.node, nodes) if nodes else None
+            return kept[cls]
 
         placed = self._queue.drain(
             lambda t, fenced: self._try_place(t, view, now, failed, fenced, held, fences, drains, kept_off),
@@ -350,7 +346,7 @@ class Scheduler:
         leases drain and the barrier fits there (EASY-style backfill).
 
         Only a node the task could run on once gpulb's own leases there end
-        (``_reachable_rows``) is held; among them, and away from nodes other tasks
+        (``_reachable``) is held; among them, and away from nodes other tasks
         hold where it can, the one with the most GPUs that fit it now, then
         the one where it is expected to finish first (``_expected_start``
         plus its estimate at the node's speed), then the one with the fewest
@@ -372,11 +368,11 @@ class Scheduler:
         s = view.snapshot
         if not view.gpu_count:
             return None
-        usable = self._reachable_rows(spec, view)
-        candidates = np.bincount(view.node, weights=usable, minlength=view.node_count) >= spec.num_gpus
+        usable, candidates = self._reachable(spec, view)
+        index_of = _node_index(view)
         node_id = self._held_nodes.get(task_id)
         if node_id is not None:
-            index = s.node_ids.index(node_id) if node_id in s.node_ids else None
+            index = index_of.get(node_id)
             if index is not None and candidates[index]:
                 self._hold_lost.pop(task_id, None)
                 return index
@@ -392,16 +388,19 @@ class Scheduler:
         leases = np.bincount(view.node, weights=view.leases, minlength=view.node_count)
         nodes = np.flatnonzero(candidates)
         # another task's hold: a second one there would only queue behind it
-        taken = {s.node_ids.index(n) for t, n in self._held_nodes.items() if t != task_id and n in s.node_ids}
+        taken = {index_of.get(n) for t, n in self._held_nodes.items() if t != task_id}
         free = [i for i in nodes if int(i) not in taken]
         if free:
             nodes = np.asarray(free)
         rows = np.flatnonzero(usable & np.isin(view.node, nodes))
         rows = rows[np.argsort(view.node[rows], kind="stable")]
         rows_of = np.split(rows, np.flatnonzero(np.diff(view.node[rows])) + 1)  # in the order of nodes
-        start = np.array([self._expected_start(spec, view, int(i), r, fits, now) for i, r in zip(nodes, rows_of)])
+        speeds = _node_speeds(view)[nodes]
+        start = np.array([
+            self._expected_start(spec, view, int(i), r, float(v), fits, now) for i, r, v in zip(nodes, rows_of, speeds)
+        ])
         if spec.duration_s > 0:
-            start = start + spec.duration_s / _node_speeds(view)[nodes]  # when it would finish
+            start = start + spec.duration_s / speeds  # when it would finish
         # most GPUs fitting now, then the earliest expected finish (start,
         # then its run at the node's speed: a fast node that frees later can
         # finish it sooner), then the fewest leases. Start first was tried: it
@@ -451,16 +450,16 @@ class Scheduler:
             ids.pop(task_id, None)
 
     def _expected_start(
-        self, spec: TaskSpec, view: PlacementView, index: int, rows: np.ndarray, fits: np.ndarray, now: float
+        self, spec: TaskSpec, view: PlacementView, index: int, rows: np.ndarray, speed: float, fits: np.ndarray,
+        now: float,
     ) -> float:
         """When ``spec`` is expected to fit on node ``index`` if nothing new
         went there: the ``num_gpus``-th earliest time one of its ``rows`` (the
         GPUs that could be free of gpulb's leases) is free: now where it fits
-        now, else when the last lease on it is expected to end (a lease
-        without an estimate, or past it, as long again as it has run);
-        ``inf`` with too few rows."""
+        now, else when the last lease on it is expected to end at the node's
+        ``speed`` (a lease without an estimate, or past it, as long again as
+        it has run); ``inf`` with too few rows."""
         free_at = {int(r): now for r in rows}
-        speed = float(_node_speeds(view)[index])
         for other_id in self._by_node.get(view.snapshot.node_ids[index], ()):
             other = self._tasks.get(other_id)
             if other is None or other.assignment is None:
@@ -478,16 +477,17 @@ class Scheduler:
         times = sorted(free_at.values())
         return times[spec.num_gpus - 1] if len(times) >= spec.num_gpus else math.inf
 
-    def _reachable_rows(self, spec: TaskSpec, view: PlacementView) -> np.ndarray:
-        """Per GPU: whether ``spec`` would fit it once gpulb's leases on it
-        have ended (``_could_host``'s static checks, counting as free what
-        those leases asked for). What stays is memory gpulb did not place, or
-        a task's use beyond its ask, which only its owners can free."""
-        static = self._static_ok(spec, view)
+    def _reachable(self, spec: TaskSpec, view: PlacementView) -> tuple[np.ndarray, np.ndarray]:
+        """``(per GPU, per node)``: whether ``spec`` would fit the GPU, and
+        the node, once gpulb's leases there have ended (``_could_host``'s
+        static checks, counting as free what those leases asked for). What
+        stays is memory gpulb did not place, or a task's use beyond its ask,
+        which only its owners can free."""
+        rows = self._static_ok(spec, view)
         bound = view.total * (self.config.memory_reject_for(spec.tenant) / 100.0)
         stays = np.maximum(view.committed - view.res_asked, 0.0)
-        static &= bound - stays > spec.vram_mib
-        return static
+        rows &= bound - stays > spec.vram_mib
+        return rows, np.bincount(view.node, weights=rows, minlength=view.node_count) >= spec.num_gpus
 
     def _static_ok(self, spec: TaskSpec, view: PlacementView) -> np.ndarray:
         """Per GPU: schedulable, and of the models and labels ``spec`` asks for."""
@@ -568,7 +568,7 @@ class Scheduler:
         held_cache: dict[str, int | None] | None = None,
         fences: dict[frozenset, np.ndarray] | None = None,
         drains: dict | None = None,
-        kept_off: Callable[[int], frozenset[int]] | None = None,
+        kept_off: Callable[[int], np.ndarray | None] | None = None,
     ) -> Outcome:
         spec = task.spec
         held_cache = {} if held_cache is None else held_cache
@@ -619,9 +619,9 @@ class Scheduler:
                             allowed = allowed | (view.node == index)
                 mask = mask & allowed
             placement = None
-            avoid = kept_off(int(task.priority)) if kept_off is not None else frozenset()
-            if avoid:
-                elsewhere = mask & ~np.isin(view.node, list(avoid))
+            away = kept_off(int(task.priority)) if kept_off is not None else None
+            if away is not None:
+                elsewhere = mask & away
                 if elsewhere.any():
                     placement = self._policy.choose(view, spec, elsewhere)
             if placement is None:
@@ -633,8 +633,7 @@ class Scheduler:
                     self._unblocked(task.task_id)
                 return Outcome.PLACED
             reason = self._why_not(view, spec)
-            usable = self._reachable_rows(spec, view)
-            if not (np.bincount(view.node, weights=usable, minlength=view.node_count) >= spec.num_gpus).any():
+            if not self._reachable(spec, view)[1].any():
                 # the operator's next question: would it fit once gpulb's own work ends?
                 reason += "; no node can take it until other processes there free memory"
             failed[shape] = reason
@@ -922,6 +921,14 @@ class Scheduler:
             sla_misses=self._queue.sla_misses,
             placed=self.placed,
         )
+
+
+def _node_index(view: PlacementView) -> dict[str, int]:
+    """Node id -> node index of the view's snapshot, built once per view."""
+    index = view.static_cache.get("engine.node_index")
+    if index is None:
+        index = view.static_cache["engine.node_index"] = {n: i for i, n in enumerate(view.snapshot.node_ids)}
+    return index  # type: ignore[return-value]
 
 
 def _node_speeds(view: PlacementView) -> np.ndarray:
