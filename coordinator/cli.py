@@ -562,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     policy = sub.add_parser("policy", help="show or switch the placement policy (no restart)")
     policy.add_argument("action", choices=("get", "set"))
-    policy.add_argument("name", nargs="?", help="round_robin, weighted_round_robin, least_connections, load_aware, binpack")
+    policy.add_argument("name", nargs="?", help="round_robin, weighted_round_robin, least_connections, load_aware, binpack, fgd")
     policy.add_argument("--weights", help="TERM=NUMBER,... e.g. load=1.0,memory=0.5")
     policy.add_argument("--json", action="store_true")
 

@@ -49,6 +49,7 @@ from scheduler.errors import (
     UnknownTask,
 )
 from scheduler.filters import describe, explain, feasible, never_fits
+from scheduler.fragmentation import WorkloadMix
 from scheduler.policies import POLICIES, Placement, Policy, make_policy
 from scheduler.queue import AgingQueue, Outcome
 from scheduler.reservations import LeaseBook, Reservations
@@ -120,7 +121,10 @@ class Scheduler:
         self._deadlines: list[tuple[float, str]] = []
         self._unchecked: set[str] = set()
         self._policies: dict[str, Policy] = {}
-        self._policy = make_policy(self.config.policy, self.config.weights)
+        # task shapes as they arrive, for the policies that place against the
+        # mix (fgd); one for the scheduler, so a policy swapped in knows it
+        self.workload_mix = WorkloadMix()
+        self._policy = self._make_policy(self.config.policy, self.config.weights)
         self._policies[self._policy.NAME] = self._policy
         self._view: PlacementView | None = None
         self._last_snapshot: ClusterSnapshot | None = None
@@ -238,6 +242,7 @@ class Scheduler:
             if reference is None:
                 self._unchecked.add(spec.task_id)
             self._queue.push(task, now)
+            self.workload_mix.observe(spec)
             if spec.deadline_s > 0:
                 heapq.heappush(self._deadlines, (now + spec.deadline_s, spec.task_id))
             self._changed(task)
@@ -863,6 +868,11 @@ class Scheduler:
         return [copy.copy(t) for t in affected]
 
     # ---- policy -----------------------------------------------------------------------------
+    def _make_policy(self, name: str, weights: Mapping[str, float] | None = None) -> Policy:
+        policy = make_policy(name, weights)
+        policy.workload_mix = self.workload_mix
+        return policy
+
     def set_policy(self, name: str = "", weights: Mapping[str, float] | None = None) -> PolicyInfo:
         """Switch policy (empty name keeps the current one) and change the given weights.
 
@@ -871,7 +881,7 @@ class Scheduler:
         name = name or self._policy.NAME
         if name not in POLICIES:
             raise UnknownPolicy(name, list(POLICIES))
-        policy = self._policies.get(name) or make_policy(name)
+        policy = self._policies.get(name) or self._make_policy(name)
         policy.update_weights(weights or {})  # raises before anything switches
         self._policies[name] = policy
         self._policy = policy
@@ -884,7 +894,7 @@ class Scheduler:
         config = config.validate()
         if config.policy not in POLICIES:
             raise UnknownPolicy(config.policy, list(POLICIES))
-        policy = make_policy(config.policy, config.weights)  # raises before anything changes
+        policy = self._make_policy(config.policy, config.weights)  # raises before anything changes
         self.config = config
         self._queue.reconfigure(config)
         self._policies[policy.NAME] = policy

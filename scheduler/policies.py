@@ -42,6 +42,7 @@ import numpy as np
 
 from scheduler import setsearch
 from scheduler.errors import InvalidWeight, UnknownPolicy
+from scheduler.fragmentation import WorkloadMix, fragmentation_delta, free_resources
 from scheduler.scoring import (
     LOAD_AWARE_WEIGHTS,
     load_aware_bounds,
@@ -60,6 +61,7 @@ __all__ = [
     "LeastConnections",
     "LoadAware",
     "Binpack",
+    "Fragmentation",
     "POLICIES",
     "make_policy",
 ]
@@ -86,6 +88,9 @@ class Policy(ABC):
     NAME: ClassVar[str]
     DEFAULT_WEIGHTS: ClassVar[Mapping[str, float]]
     SCORES_SOME_ROWS: ClassVar[bool] = False  # gpu_scores_at is cheaper than gpu_scores
+    # what the scheduler has seen arrive (the engine sets its own on every
+    # policy it makes); read by the fragmentation policy
+    workload_mix: WorkloadMix | None = None
 
     def __init__(self, weights: Mapping[str, float] | None = None) -> None:
         self.weights: dict[str, float] = dict(self.DEFAULT_WEIGHTS)
@@ -1328,6 +1333,66 @@ class Binpack(Policy):
         }
 
 
+class Fragmentation(Policy):
+    """Fragmentation gradient descent (FGD; ``scheduler.fragmentation``):
+    the GPU (or set) whose node's expected fragment over the arriving task
+    shapes grows least, compute taken beyond what is free counted against
+    it, the tightest memory fit on ties.
+
+    score_g = dF_node(g) + w_overcommit * max(0, share - free_share_g)
+              + w_pack * (free_memory_g - vram) / total_g
+
+    ``dF`` and the overcommit are in GPUs (compute shares), so with the
+    default ``w_overcommit = 1`` sharing a busy GPU's compute costs as much
+    as leaving that much compute unusable elsewhere. The mix is the engine's
+    ``WorkloadMix`` (every queued task); without one, or before anything
+    arrived, the task being placed stands for the mix.
+    """
+
+    NAME = "fgd"
+    DEFAULT_WEIGHTS = {"overcommit": 1.0, "pack": 0.01, "nvlink": 0.5}
+
+    def _shapes(self, spec: TaskSpec):
+        mix = self.workload_mix
+        if mix is None or not mix.arrivals:
+            alone = WorkloadMix()
+            alone.observe(spec)
+            return alone.shapes()
+        return mix.shapes()
+
+    def _side_terms(
+        self, view: PlacementView, spec: TaskSpec, free: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        memory, share = free
+        over = spec.gpu_share - share
+        np.maximum(over, 0.0, out=over)
+        over *= self.weights["overcommit"]
+        pack = memory - spec.vram_mib
+        pack *= view.inv_total
+        pack *= self.weights["pack"]
+        return over, pack
+
+    def gpu_scores(self, view: PlacementView, spec: TaskSpec) -> np.ndarray:
+        free = free_resources(view)
+        scores = fragmentation_delta(view, spec, self._shapes(spec), free)
+        over, pack = self._side_terms(view, spec, free)
+        scores += over
+        scores += pack
+        return scores
+
+    def terms(
+        self, view: PlacementView, spec: TaskSpec, rows: Sequence[int], scores: np.ndarray
+    ) -> dict[str, float]:
+        r = np.asarray(rows, dtype=np.intp)
+        over, pack = self._side_terms(view, spec, free_resources(view))
+        # the view is as it was when scored (terms come before the placement is applied)
+        return {
+            "fragmentation": float((scores[r] - over[r] - pack[r]).mean()),
+            "overcommit": float(over[r].mean()),
+            "pack": float(pack[r].mean()),
+        }
+
+
 # The one registry (STYLE #5): name -> policy class. Nothing registers itself.
 POLICIES: dict[str, type[Policy]] = {
     "round_robin": RoundRobin,
@@ -1335,6 +1400,7 @@ POLICIES: dict[str, type[Policy]] = {
     "least_connections": LeastConnections,
     "load_aware": LoadAware,
     "binpack": Binpack,
+    "fgd": Fragmentation,
 }
 
 

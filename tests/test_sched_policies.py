@@ -41,7 +41,7 @@ def place(policy: Policy, view: PlacementView, task: TaskSpec, res: Reservations
 
 
 def test_registry_is_one_explicit_dict_keyed_by_name() -> None:
-    assert list(POLICIES) == ["round_robin", "weighted_round_robin", "least_connections", "load_aware", "binpack"]
+    assert list(POLICIES) == ["round_robin", "weighted_round_robin", "least_connections", "load_aware", "binpack", "fgd"]
     for name, cls in POLICIES.items():
         assert cls.NAME == name
         policy = make_policy(name)
@@ -162,6 +162,7 @@ def test_each_policy_makes_its_own_choice_on_the_same_snapshot() -> None:
         "least_connections": 2,  # no active task
         "load_aware": 3,  # 5 % util and one task beats 30 % util and none
         "binpack": 1,  # the fullest GPU that still fits
+        "fgd": 1,  # no GPU left too small for another task like it: the tightest fit breaks the tie
     }
 
 
