@@ -159,9 +159,10 @@ def free_resources(view: PlacementView) -> tuple[np.ndarray, np.ndarray]:
     """Per GPU, (memory a new task could still ask for, MiB; compute share
     free, 0..1), both 0 where the GPU takes no task (module docstring)."""
     memory = np.minimum(view.headroom, view.reject_headroom)
-    np.maximum(memory, 0.0, out=memory)
+    np.fmax(memory, 0.0, out=memory)  # unknown memory (NaN): none, as the filters fail closed
     share = 1.0 - view.load / 100.0
-    np.clip(share, 0.0, 1.0, out=share)
+    np.fmax(share, 0.0, out=share)
+    np.fmin(share, 1.0, out=share)
     memory[~view.avail] = 0.0
     share[~view.avail] = 0.0
     return memory, share

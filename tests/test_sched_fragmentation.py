@@ -95,9 +95,10 @@ def _random_view(rng: np.random.Generator) -> PlacementView:
     nodes = [NodeFacts(f"n{i}", int(rng.integers(1, 6)), memory_total_mib=TOTAL) for i in range(int(rng.integers(1, 6)))]
     count = sum(n.gpus for n in nodes)
 
-    def column(top: float) -> list[float]:  # some at 0, some at the top, the rest between
-        kind = rng.integers(0, 3, count)
-        return list(np.where(kind == 0, 0.0, np.where(kind == 1, top, np.round(rng.random(count) * top, 2))))
+    def column(top: float) -> list[float]:  # some at 0, some at the top, some unknown, the rest between
+        kind = rng.integers(0, 4, count)
+        between = np.where(kind == 2, np.round(rng.random(count) * top, 2), np.nan)
+        return list(np.where(kind == 0, 0.0, np.where(kind == 1, top, between)))
 
     return PlacementView(ClusterSnapshot.build(nodes, memory_used_mib=column(TOTAL), util_pct=column(100.0)))
 

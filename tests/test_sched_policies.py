@@ -746,6 +746,15 @@ table.add_risk(compiled, free, 9_000.0, 2.0)
 memgrowth._COMPILED_MIN_ROWS = 10**9
 table.add_risk(plain, free, 9_000.0, 2.0)
 assert compiled.tolist() == plain.tolist() and compiled.max() > 0
+# the third: the fgd policy's one-GPU fragmentation change, equal to its numpy path
+from scheduler import fragmentation
+mix = fragmentation.WorkloadMix()
+for k, v, s in [(1, 4000.0, 0.3), (1, 9000.0, 0.5), (1, 13107.0, 1.0), (2, 13107.0, 1.0), (4, 13107.0, 1.0)] * 3:
+    mix.observe_shape(k, v, s)
+task = spec(task_id="frag", vram_mib=5000.0, gpu_share=0.4)
+got = fragmentation.fragmentation_delta(view, task, mix.shapes(), compiled=True)
+assert setsearch.frag_kernel() is not None
+assert got.tolist() == fragmentation.fragmentation_delta(view, task, mix.shapes(), compiled=False).tolist()
 print("AOT_OK", compared, "numba" in sys.modules)
 """
 
