@@ -27,7 +27,7 @@ What it does (all on a virtual clock, see ``scheduler/simulator.py``):
 6. prints each table, then load_aware / round_robin ratios next to the seeds'
    claims, and the unallocated-GPU shares next to the FGD paper's baselines.
 
-Besides the five policies, ``round_robin@requests`` runs round-robin with no
+Besides the six policies, ``round_robin@requests`` runs round-robin with no
 telemetry at all (every GPU reads idle, so it places by the tasks' asks only:
 a scheduler without a metrics pipeline, which is what the seeds' round-robin
 baseline ignores too). Plain ``round_robin`` uses gpulb's readings in its

@@ -155,16 +155,19 @@ def _to_shapes(counts: dict[tuple[int, float, float], float]) -> MixShapes:
     )
 
 
-def free_resources(view: PlacementView) -> tuple[np.ndarray, np.ndarray]:
-    """Per GPU, (memory a new task could still ask for, MiB; compute share
-    free, 0..1), both 0 where the GPU takes no task (module docstring)."""
-    memory = np.minimum(view.headroom, view.reject_headroom)
+def free_resources(view: PlacementView, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU (or per row of ``rows``), (memory a new task could still ask
+    for, MiB; compute share free, 0..1), both 0 where the GPU takes no task
+    (module docstring)."""
+    every = slice(None) if rows is None else rows
+    memory = np.minimum(view.headroom[every], view.reject_headroom[every])
     np.fmax(memory, 0.0, out=memory)  # unknown memory (NaN): none, as the filters fail closed
-    share = 1.0 - view.load / 100.0
+    share = 1.0 - view.load[every] / 100.0
     np.fmax(share, 0.0, out=share)
     np.fmin(share, 1.0, out=share)
-    memory[~view.avail] = 0.0
-    share[~view.avail] = 0.0
+    off = ~view.avail[every]
+    memory[off] = 0.0
+    share[off] = 0.0
     return memory, share
 
 

@@ -1361,14 +1361,15 @@ class Fragmentation(Policy):
         return mix.shapes()
 
     def _side_terms(
-        self, view: PlacementView, spec: TaskSpec, free: tuple[np.ndarray, np.ndarray]
+        self, view: PlacementView, spec: TaskSpec, free: tuple[np.ndarray, np.ndarray], rows: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
+        """(overcommit, pack) terms, weighted, of every GPU or of ``rows``."""
         memory, share = free
         over = spec.gpu_share - share
         np.maximum(over, 0.0, out=over)
         over *= self.weights["overcommit"]
         pack = memory - spec.vram_mib
-        pack *= view.inv_total
+        pack *= view.inv_total if rows is None else view.inv_total[rows]
         pack *= self.weights["pack"]
         return over, pack
 
@@ -1384,12 +1385,12 @@ class Fragmentation(Policy):
         self, view: PlacementView, spec: TaskSpec, rows: Sequence[int], scores: np.ndarray
     ) -> dict[str, float]:
         r = np.asarray(rows, dtype=np.intp)
-        over, pack = self._side_terms(view, spec, free_resources(view))
         # the view is as it was when scored (terms come before the placement is applied)
+        over, pack = self._side_terms(view, spec, free_resources(view, r), r)
         return {
-            "fragmentation": float((scores[r] - over[r] - pack[r]).mean()),
-            "overcommit": float(over[r].mean()),
-            "pack": float(pack[r].mean()),
+            "fragmentation": float((scores[r] - over - pack).mean()),
+            "overcommit": float(over.mean()),
+            "pack": float(pack.mean()),
         }
 
 

@@ -303,15 +303,35 @@ def _frag_kernel_py(delta, memory, share, node, node_count, vram, gpu_share, vra
         memory_after[i] = m if m > 0.0 else 0.0
         s = share[i] - gpu_share
         share_after[i] = s if s > 0.0 else 0.0
-        if single_total != 0.0:
-            a = np.searchsorted(vram_edges, memory_after[i] + eps, side="right") if n_vram else 0
-            b = np.searchsorted(share_edges, share_after[i] + eps, side="right") if n_share else 0
-            after = share_after[i] * (single_total - fits_table[a, b])
-            a = np.searchsorted(vram_edges, memory[i] + eps, side="right") if n_vram else 0
-            b = np.searchsorted(share_edges, share[i] + eps, side="right") if n_share else 0
-            delta[i] = after - share[i] * (single_total - fits_table[a, b])
-        else:
+        if single_total == 0.0:
             delta[i] = 0.0
+            continue
+        frag_after = 0.0
+        for state in range(2):  # after, then before; searchsorted(side="right") inline
+            m = memory_after[i] if state == 0 else memory[i]
+            s = share_after[i] if state == 0 else share[i]
+            x = m + eps
+            lo, hi = 0, n_vram
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if vram_edges[mid] <= x:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            a = lo
+            x = s + eps
+            lo, hi = 0, n_share
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if share_edges[mid] <= x:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            frag = s * (single_total - fits_table[a, lo])
+            if state == 0:
+                frag_after = frag
+            else:
+                delta[i] = frag_after - frag
     groups = multi_vram.shape[0]
     if groups == 0:
         return
