@@ -45,6 +45,7 @@ from scheduler.errors import InvalidWeight, UnknownPolicy
 from scheduler.fragmentation import WorkloadMix, fragmentation_delta, free_resources
 from scheduler.scoring import (
     LOAD_AWARE_WEIGHTS,
+    growth_table,
     load_aware_bounds,
     load_aware_node_bounds,
     load_aware_scores,
@@ -1340,17 +1341,20 @@ class Fragmentation(Policy):
     it, the tightest memory fit on ties.
 
     score_g = dF_node(g) + w_overcommit * max(0, share - free_share_g)
-              + w_pack * (free_memory_g - vram) / total_g
+              + w_pack * (free_memory_g - vram) / total_g + w_oom_risk * O(g)
 
     ``dF`` and the overcommit are in GPUs (compute shares), so with the
     default ``w_overcommit = 1`` sharing a busy GPU's compute costs as much
-    as leaving that much compute unusable elsewhere. The mix is the engine's
+    as leaving that much compute unusable elsewhere. ``O(g)`` is load_aware's
+    learned chance of outgrowing the GPU (``scheduler.scoring``): packing
+    fills the small cards first, which whole-GPU tasks then outgrow (on the
+    openb replay without it fgd lost ~100 runs to OOM, load_aware 8). The mix is the engine's
     ``WorkloadMix`` (every queued task); without one, or before anything
     arrived, the task being placed stands for the mix.
     """
 
     NAME = "fgd"
-    DEFAULT_WEIGHTS = {"overcommit": 1.0, "pack": 0.01, "nvlink": 0.5}
+    DEFAULT_WEIGHTS = {"overcommit": 1.0, "pack": 0.01, "oom_risk": 2.0, "nvlink": 0.5}
 
     def _shapes(self, spec: TaskSpec):
         mix = self.workload_mix
@@ -1379,6 +1383,9 @@ class Fragmentation(Policy):
         over, pack = self._side_terms(view, spec, free)
         scores += over
         scores += pack
+        table = growth_table(view, spec, self.weights["oom_risk"])
+        if table is not None:
+            table.add_risk(scores, view.headroom, spec.vram_mib, self.weights["oom_risk"])
         return scores
 
     def terms(
@@ -1387,11 +1394,14 @@ class Fragmentation(Policy):
         r = np.asarray(rows, dtype=np.intp)
         # the view is as it was when scored (terms come before the placement is applied)
         over, pack = self._side_terms(view, spec, free_resources(view, r), r)
-        return {
-            "fragmentation": float((scores[r] - over - pack).mean()),
-            "overcommit": float(over.mean()),
-            "pack": float(pack.mean()),
-        }
+        terms = {"overcommit": float(over.mean()), "pack": float(pack.mean())}
+        risk = np.zeros(len(r))
+        table = growth_table(view, spec, self.weights["oom_risk"])
+        if table is not None:
+            risk[:] = [self.weights["oom_risk"] * table.risk_at(float(view.headroom[i]), spec.vram_mib) for i in r]
+            terms["oom_risk"] = float(risk.mean())
+        terms["fragmentation"] = float((scores[r] - over - pack - risk).mean())
+        return terms
 
 
 # The one registry (STYLE #5): name -> policy class. Nothing registers itself.

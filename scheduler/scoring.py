@@ -223,7 +223,7 @@ def load_aware_scores(
     np.maximum(pressure, 0.0, out=pressure)
     np.minimum(pressure, w["memory"], out=pressure)
     score += pressure
-    table = _growth_table(view, spec, w["oom_risk"])
+    table = growth_table(view, spec, w["oom_risk"])
     if table is not None:
         table.add_risk(score, take(view.headroom), spec.vram_mib, w["oom_risk"])
     score += take(_static(view, w))
@@ -247,7 +247,7 @@ def load_aware_scores(
     return score
 
 
-def _growth_table(view: PlacementView, spec: TaskSpec, weight: float) -> GrowthTable | None:
+def growth_table(view: PlacementView, spec: TaskSpec, weight: float) -> GrowthTable | None:
     """The learned growth ratios the ``oom_risk`` term uses for ``spec``, or
     None when the term is off (no weight, no ask, nothing learned)."""
     growth = view.snapshot.memory_growth
@@ -361,7 +361,7 @@ def load_aware_terms(
         names.append("completion")
     if spread is not None:
         names.append("spread")
-    table = _growth_table(view, spec, w["oom_risk"])
+    table = growth_table(view, spec, w["oom_risk"])
     if table is not None:
         names.append("oom_risk")
     w_load, w_memory, w_temp, w_jitter, w_rt = (w[n] for n in names[:5])

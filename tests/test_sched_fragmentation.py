@@ -221,3 +221,32 @@ def test_a_pair_takes_the_half_used_node_so_a_whole_node_stays_for_four(policy: 
         assert pair.assignment.score.terms["fragmentation"] == pytest.approx(-1.0, rel=2e-3)
     else:
         assert "no node has 4" in quad.reason
+
+
+def test_learned_growth_keeps_a_whole_gpu_task_off_the_card_it_would_outgrow() -> None:
+    # two idle cards: 16 GiB (13,926 MiB usable) and 24 GiB with 4,000 MiB used
+    # by others. Packing takes the small one, the tightest fit; once every
+    # ended training task grew to 1.3x (17,039 MiB, over the small card's
+    # 16,384), the learned risk (weight 2, as load_aware's) sends it to the big one.
+    from scheduler.memgrowth import GrowthTable
+    from scheduler.predictor import ANY_KIND
+
+    def view(growth=None) -> PlacementView:
+        snap = ClusterSnapshot.build(
+            [NodeFacts("small", 1, model="Tesla T4", memory_total_mib=16_384.0),
+             NodeFacts("big", 1, model="RTX 4090", memory_total_mib=24_576.0)],
+            memory_used_mib=[0.0, 4_000.0],
+        )
+        if growth is not None:
+            snap.memory_growth = growth
+        return PlacementView(snap)
+
+    task = spec(vram_mib=13_107.0, gpu_share=1.0, kind="training")
+    fgd = make_policy("fgd")
+    blind = view()
+    assert fgd.choose(blind, task, feasible(blind, task)).node_id == "small"
+    learned = view({ANY_KIND: GrowthTable.from_ratios([1.3] * 20), "training": GrowthTable.from_ratios([1.3] * 20)})
+    chosen = fgd.choose(learned, task, feasible(learned, task))
+    assert chosen.node_id == "big" and chosen.score.terms["oom_risk"] == 0.0
+    small = fgd.terms(learned, task, [0], fgd.gpu_scores(learned, task))
+    assert small["oom_risk"] == pytest.approx(2.0)
