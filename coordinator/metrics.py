@@ -246,5 +246,6 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_queue_depth",
     "gpulb_queue_oldest_wait_seconds",
     "gpulb_tasks",
+    "gpulb_workload_mix_share",
     *ADVISOR_METRIC_NAMES,  # the rebalance advisor's and the speed predictor's
 )

@@ -338,7 +338,16 @@ class Dispatcher:
         tasks = GaugeMetricFamily("gpulb_tasks", "Tasks the coordinator knows, by state", labels=["state"])
         for state, count in counts.items():
             tasks.add_metric([state], count)
-        return [depth, oldest, tasks]
+        # what the fgd policy packs for (at most 64 shapes: a bounded label set)
+        mix = GaugeMetricFamily(
+            "gpulb_workload_mix_share",
+            "Share of recently queued tasks by shape (GPUs, memory ask rounded up to 128 MiB, "
+            "GPU share rounded up to 0.01), fading with a half-life of 2,000 arrivals",
+            labels=["gpus", "vram_mib", "gpu_share"],
+        )
+        for (gpus, vram, share), p in self.engine.workload_mix.probabilities().items():
+            mix.add_metric([str(gpus), f"{vram:g}", f"{share:g}"], p)
+        return [depth, oldest, tasks, mix]
 
 
 def _time_out(future: asyncio.Future) -> None:

@@ -115,6 +115,12 @@ async def test_list_filters_smoothing_cordon_and_watch():
             placed_total = sum(s.value for s in families["gpulb_tasks_placed"].samples if s.name.endswith("_total"))
             assert placed_total == 4
             assert families["gpulb_envelopes_received"].samples[0].value > 0
+            # the mix fgd packs for: three tasks of 256 MiB at 0.1, one at 256 MiB and no share
+            mix = {(s.labels["gpus"], s.labels["vram_mib"], s.labels["gpu_share"]): s.value
+                   for s in families["gpulb_workload_mix_share"].samples}
+            assert set(mix) == {("1", "256", "0.1"), ("1", "256", "0")}
+            assert mix[("1", "256", "0.1")] == pytest.approx(0.75, rel=1e-3)
+            assert sum(mix.values()) == pytest.approx(1.0)
             exported = set(EXPORTED_METRIC_NAMES)
             for name in families:
                 base = name.removesuffix("_total")
