@@ -1340,12 +1340,13 @@ class Fragmentation(Policy):
     shapes grows least, compute taken beyond what is free counted against
     it, the tightest memory fit on ties.
 
-    score_g = dF_node(g) + w_overcommit * max(0, share - free_share_g)
+    score_g = dF_node(g) + w_overcommit * max(0, load_g / 100 + share - 1)
               + w_pack * (free_memory_g - vram) / total_g + w_oom_risk * O(g)
 
     ``dF`` and the overcommit are in GPUs (compute shares), so with the
     default ``w_overcommit = 1`` sharing a busy GPU's compute costs as much
-    as leaving that much compute unusable elsewhere. ``O(g)`` is load_aware's
+    as leaving that much compute unusable elsewhere; on a GPU already past
+    100 % the whole excess counts, so work goes to the least overloaded. ``O(g)`` is load_aware's
     learned chance of outgrowing the GPU (``scheduler.scoring``): packing
     fills the small cards first, which whole-GPU tasks then outgrow (on the
     openb replay without it fgd lost ~100 runs to OOM, load_aware 8). The mix is the engine's
@@ -1367,13 +1368,18 @@ class Fragmentation(Policy):
     def _side_terms(
         self, view: PlacementView, spec: TaskSpec, free: tuple[np.ndarray, np.ndarray], rows: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(overcommit, pack) terms, weighted, of every GPU or of ``rows``."""
-        memory, share = free
-        over = spec.gpu_share - share
+        """(overcommit, pack) terms, weighted, of every GPU or of ``rows``.
+        Overcommit is the compute asked beyond the GPU's capacity once the
+        task is there, all of it, not only the task's part: on a GPU already
+        past 100 % every task runs slower, and more so the further past."""
+        memory, _ = free
+        every = slice(None) if rows is None else rows
+        over = view.load[every] / 100.0
+        over += spec.gpu_share - 1.0
         np.maximum(over, 0.0, out=over)
         over *= self.weights["overcommit"]
         pack = memory - spec.vram_mib
-        pack *= view.inv_total if rows is None else view.inv_total[rows]
+        pack *= view.inv_total[every]
         pack *= self.weights["pack"]
         return over, pack
 

@@ -250,3 +250,25 @@ def test_learned_growth_keeps_a_whole_gpu_task_off_the_card_it_would_outgrow() -
     assert chosen.node_id == "big" and chosen.score.terms["oom_risk"] == 0.0
     small = fgd.terms(learned, task, [0], fgd.gpu_scores(learned, task))
     assert small["oom_risk"] == pytest.approx(2.0)
+
+
+def test_when_every_gpu_is_past_its_compute_the_least_overloaded_takes_more() -> None:
+    # both GPUs with room hold 24 GiB cards' worth of shared work: a0 at 150 %
+    # of its compute (readings 100 % plus 50 % reserved), b0 at 100 %. No
+    # fragment anywhere changes (no compute is free); a0 has the tighter
+    # memory fit, but adding half a GPU there leaves 2.0 GPUs of demand on
+    # one, against 1.5 on b0.
+    from scheduler.reservations import Reservations
+
+    snap = ClusterSnapshot.build(
+        [NodeFacts("a", 2, memory_total_mib=TOTAL), NodeFacts("b", 2, memory_total_mib=TOTAL)],
+        memory_used_mib=[8 * GIB, TOTAL, 4 * GIB, TOTAL], util_pct=[100.0, 0.0, 100.0, 0.0],
+    )
+    res = Reservations()
+    res.add("busy", ("GPU-a-0",), 1 * GIB, 50.0, [8 * GIB])
+    view = PlacementView(snap, res)
+    task = spec(vram_mib=2 * GIB, gpu_share=0.5)
+    chosen = make_policy("fgd").choose(view, task, feasible(view, task))
+    assert chosen.gpu_uuids == ("GPU-b-0",)
+    assert chosen.score.terms["overcommit"] == pytest.approx(0.5)
+    assert make_policy("binpack").choose(view, task, feasible(view, task)).gpu_uuids == ("GPU-a-0",)
