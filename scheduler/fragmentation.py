@@ -16,10 +16,11 @@ and whole nodes to the shapes that need them. The paper's resource is the
 GPU compute share, allocated without overcommit. gpulb's hard limit is
 memory (the ``vram`` and ``memory_threshold`` filters) and compute may be
 shared, so here a GPU fits a shape when both its memory and its compute
-share are free enough, fragments are counted in compute share, and the share
-a placement takes beyond what is free is its *overcommit*, a separate score
-term (``scheduler.policies.Fragmentation``): a GPU whose compute is taken
-would otherwise look like a free place to stack more work.
+share are free enough, fragments are counted in compute share, and the
+compute demand past a GPU's capacity once a task is there is its
+*overcommit*, a separate score term (``scheduler.policies.Fragmentation``):
+a GPU whose compute is taken has no fragment to lose, so it would otherwise
+look like a free place to stack more work.
 
 Free memory is the smaller room of the two memory filters; free share is
 ``1 - load / 100``, load being the view's predicted load (smoothed util, or
@@ -70,10 +71,6 @@ class MixShapes:
     # multi-GPU shapes grouped by (ask, share): ((vram, share), ((num_gpus, p), ...))
     multi: tuple[tuple[tuple[float, float], tuple[tuple[int, float], ...]], ...]
     tables: dict = field(default_factory=dict, compare=False)  # width -> _count_tables
-
-    @property
-    def empty(self) -> bool:
-        return not self.single_total and not self.multi
 
 
 class WorkloadMix:

@@ -1337,8 +1337,8 @@ class Binpack(Policy):
 class Fragmentation(Policy):
     """Fragmentation gradient descent (FGD; ``scheduler.fragmentation``):
     the GPU (or set) whose node's expected fragment over the arriving task
-    shapes grows least, compute taken beyond what is free counted against
-    it, the tightest memory fit on ties.
+    shapes grows least, compute demand past a GPU's capacity counted
+    against it, the tightest memory fit on ties.
 
     score_g = dF_node(g) + w_overcommit * max(0, load_g / 100 + share - 1)
               + w_pack * (free_memory_g - vram) / total_g + w_oom_risk * O(g)
@@ -1346,10 +1346,11 @@ class Fragmentation(Policy):
     ``dF`` and the overcommit are in GPUs (compute shares), so with the
     default ``w_overcommit = 1`` sharing a busy GPU's compute costs as much
     as leaving that much compute unusable elsewhere; on a GPU already past
-    100 % the whole excess counts, so work goes to the least overloaded. ``O(g)`` is load_aware's
-    learned chance of outgrowing the GPU (``scheduler.scoring``): packing
-    fills the small cards first, which whole-GPU tasks then outgrow (on the
-    openb replay without it fgd lost ~100 runs to OOM, load_aware 8). The mix is the engine's
+    100 % the whole excess counts, so work goes to the least overloaded.
+    ``O(g)`` is load_aware's learned chance of outgrowing the GPU
+    (``scheduler.scoring``): packing fills the small cards first, which
+    whole-GPU tasks then outgrow (on the openb replays fgd lost ~100 runs
+    to OOM without it, 46 with it, load_aware 8). The mix is the engine's
     ``WorkloadMix`` (every queued task); without one, or before anything
     arrived, the task being placed stands for the mix.
     """
