@@ -144,7 +144,7 @@ async def test_set_policy_under_load_changes_the_next_decisions_and_fails_no_cal
             await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.sum() == 12, what="12 GPUs")
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = tpb_grpc.SchedulerStub(ch)
-                policies = ["round_robin", "binpack", "least_connections", "weighted_round_robin", "load_aware"]
+                policies = ["round_robin", "binpack", "fgd", "least_connections", "weighted_round_robin", "load_aware"]
                 seen: list[tuple[str, str]] = []
 
                 switching = asyncio.Event()
@@ -180,6 +180,12 @@ async def test_set_policy_under_load_changes_the_next_decisions_and_fails_no_cal
                 await stub.SetPolicy(tpb.SetPolicyRequest(name="binpack"))
                 r = await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("after-2", vram_mib=512)), timeout=10)
                 assert r.task.assignment.score.policy == "binpack"
+                # fgd over the wire: its breakdown names the change of fragmentation
+                await stub.SetPolicy(tpb.SetPolicyRequest(name="fgd", weights={"overcommit": 2.0}))
+                r = await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("after-3", vram_mib=512)), timeout=10)
+                score = r.task.assignment.score
+                assert score.policy == "fgd" and {"fragmentation", "overcommit", "pack"} <= set(score.terms)
+                assert (await stub.GetPolicy(tpb.GetPolicyRequest())).weights["overcommit"] == 2.0
     finally:
         await coord.stop(grace_s=0.1)
 
