@@ -235,7 +235,7 @@ def fragmentation_delta(
         node, n_nodes = view.node, view.node_count
         taken = share - share_after
         total = np.bincount(node, weights=share, minlength=n_nodes)[node]
-        for (v, s), p_less, p_equal, p_more in _by_count(shapes, view.max_node_gpus):
+        for v, s, p_less, p_equal, p_more in zip(*_count_tables(shapes, view.max_node_gpus)):
             fits = (memory >= v) & (share + _EPS >= s)
             fits_after = (memory_after >= v) & (share_after + _EPS >= s)
             count = np.bincount(node, weights=fits, minlength=n_nodes).astype(np.intp)[node]
@@ -250,40 +250,27 @@ def fragmentation_delta(
 
 
 def _count_tables(shapes: MixShapes, width: int) -> tuple[np.ndarray, ...]:
-    """``_by_count`` as the compiled loop takes it: asks, shares, and the three
-    tables stacked one row per group (cached on the shapes, per width)."""
+    """Per distinct multi-GPU (ask, share), one row each: the asks, the
+    shares, and probabilities indexed by a node's count c of GPUs the shape
+    fits — of shapes needing more than c GPUs, exactly c, fewer. Cached on
+    the shapes per width; the numpy path and the compiled loop read the same."""
     cached = shapes.tables.get(width)
     if cached is None:
-        groups = _by_count(shapes, width)
-        if groups:
-            cached = (
-                np.array([key[0] for key, *_ in groups]),
-                np.array([key[1] for key, *_ in groups]),
-                np.stack([g[1] for g in groups]),
-                np.stack([g[2] for g in groups]),
-                np.stack([g[3] for g in groups]),
-            )
-        else:
-            cached = (np.zeros(0), np.zeros(0), *(np.zeros((0, width + 1)) for _ in range(3)))
+        groups = len(shapes.multi)
+        c = np.arange(width + 1)
+        less, equal, more = (np.zeros((groups, width + 1)) for _ in range(3))
+        for q, (_, sizes) in enumerate(shapes.multi):
+            for k, p in sizes:
+                less[q, c < k] += p
+                equal[q, c == k] += p
+                more[q, c > k] += p
+        cached = (
+            np.array([key[0] for key, _ in shapes.multi], dtype=np.float64),
+            np.array([key[1] for key, _ in shapes.multi], dtype=np.float64),
+            less, equal, more,
+        )
         shapes.tables[width] = cached
     return cached
-
-
-def _by_count(shapes: MixShapes, width: int) -> list[tuple[tuple[float, float], np.ndarray, np.ndarray, np.ndarray]]:
-    """Per distinct multi-GPU (ask, share), probabilities indexed by a node's
-    count c of GPUs it fits: of shapes needing more than c GPUs, exactly c, fewer."""
-    out = []
-    c = np.arange(width + 1)
-    for key, sizes in shapes.multi:
-        less = np.zeros(width + 1)
-        equal = np.zeros(width + 1)
-        more = np.zeros(width + 1)
-        for k, p in sizes:
-            less[c < k] += p
-            equal[c == k] += p
-            more[c > k] += p
-        out.append((key, less, equal, more))
-    return out
 
 
 def _set_delta(

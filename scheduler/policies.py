@@ -1367,13 +1367,13 @@ class Fragmentation(Policy):
         return mix.shapes()
 
     def _side_terms(
-        self, view: PlacementView, spec: TaskSpec, free: tuple[np.ndarray, np.ndarray], rows: np.ndarray | None = None
+        self, view: PlacementView, spec: TaskSpec, memory: np.ndarray, rows: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(overcommit, pack) terms, weighted, of every GPU or of ``rows``.
         Overcommit is the compute asked beyond the GPU's capacity once the
         task is there, all of it, not only the task's part: on a GPU already
-        past 100 % every task runs slower, and more so the further past."""
-        memory, _ = free
+        past 100 % every task runs slower, and more so the further past.
+        ``memory``: the free memory of every GPU, or of ``rows``."""
         every = slice(None) if rows is None else rows
         over = view.load[every] / 100.0
         over += spec.gpu_share - 1.0
@@ -1387,7 +1387,7 @@ class Fragmentation(Policy):
     def gpu_scores(self, view: PlacementView, spec: TaskSpec) -> np.ndarray:
         free = free_resources(view)
         scores = fragmentation_delta(view, spec, self._shapes(spec), free)
-        over, pack = self._side_terms(view, spec, free)
+        over, pack = self._side_terms(view, spec, free[0])
         scores += over
         scores += pack
         table = growth_table(view, spec, self.weights["oom_risk"])
@@ -1400,7 +1400,7 @@ class Fragmentation(Policy):
     ) -> dict[str, float]:
         r = np.asarray(rows, dtype=np.intp)
         # the view is as it was when scored (terms come before the placement is applied)
-        over, pack = self._side_terms(view, spec, free_resources(view, r), r)
+        over, pack = self._side_terms(view, spec, free_resources(view, r)[0], r)
         terms = {"overcommit": float(over.mean()), "pack": float(pack.mean())}
         risk = np.zeros(len(r))
         table = growth_table(view, spec, self.weights["oom_risk"])

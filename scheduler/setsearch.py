@@ -294,8 +294,6 @@ def _frag_kernel_py(delta, memory, share, node, node_count, vram, gpu_share, vra
     (node sums in row order, as ``np.bincount`` adds)."""
     eps = 1e-9
     g = memory.shape[0]
-    n_vram = vram_edges.shape[0]
-    n_share = share_edges.shape[0]
     memory_after = np.empty(g)
     share_after = np.empty(g)
     for i in range(g):
@@ -307,26 +305,22 @@ def _frag_kernel_py(delta, memory, share, node, node_count, vram, gpu_share, vra
             delta[i] = 0.0
             continue
         frag_after = 0.0
-        for state in range(2):  # after, then before; searchsorted(side="right") inline
+        for state in range(2):  # after, then before
             m = memory_after[i] if state == 0 else memory[i]
             s = share_after[i] if state == 0 else share[i]
-            x = m + eps
-            lo, hi = 0, n_vram
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if vram_edges[mid] <= x:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            a = lo
-            x = s + eps
-            lo, hi = 0, n_share
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if share_edges[mid] <= x:
-                    lo = mid + 1
-                else:
-                    hi = mid
+            a = 0
+            for axis in range(2):  # searchsorted(edges, x, side="right"), inline
+                edges = vram_edges if axis == 0 else share_edges
+                x = (m if axis == 0 else s) + eps
+                lo, hi = 0, edges.shape[0]
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if edges[mid] <= x:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                if axis == 0:
+                    a = lo
             frag = s * (single_total - fits_table[a, lo])
             if state == 0:
                 frag_after = frag
@@ -386,7 +380,7 @@ def _get():
 
 def _load_aot() -> bool:
     """Import the ahead-of-time build of this kernel, if there is one."""
-    global _kernel, _risk_kernel, _compile_s, mode
+    global _kernel, _risk_kernel, _frag_kernel, _compile_s, mode
     path = _aot_file()
     if path is None:
         return False
@@ -395,13 +389,13 @@ def _load_aot() -> bool:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     _compile_s = time.perf_counter() - t0
-    _kernel, _risk_kernel, mode = module.best_set, module.add_oom_risk, "aot"
-    _bind_frag(module.fragmentation_delta)
+    _kernel, _risk_kernel, _frag_kernel = module.best_set, module.add_oom_risk, module.fragmentation_delta
+    mode = "aot"
     return True
 
 
 def _compile() -> None:
-    global _kernel, _risk_kernel, _compile_s, mode
+    global _kernel, _risk_kernel, _frag_kernel, _compile_s, mode
     if not _have_numba:
         raise ImportError("numba is not installed and there is no ahead-of-time build")
     import numba
@@ -424,9 +418,8 @@ def _compile() -> None:
     frag = jit(_frag_kernel_py)
     frag(np.zeros(2), np.ones(2), np.ones(2), np.zeros(2, dtype=np.int64), 1, 0.5, 0.5, np.ones(1), np.ones(1),
          np.ones((2, 2)), 1.0, np.ones(1), np.ones(1), np.ones((1, 3)), np.ones((1, 3)), np.ones((1, 3)))
-    _bind_frag(frag)
     _compile_s = time.perf_counter() - t0
-    _kernel, _risk_kernel, mode = kernel, risk, "jit"
+    _kernel, _risk_kernel, _frag_kernel, mode = kernel, risk, frag, "jit"
 
 
 #: the kernel's types, for the ahead-of-time build (what ``best_set`` passes)
@@ -435,11 +428,6 @@ _RISK_SIGNATURE = "void(f8[:], f8[:], f8, f8, f8, f8[:])"
 _FRAG_SIGNATURE = (
     "void(f8[:], f8[:], f8[:], i8[:], i8, f8, f8, f8[:], f8[:], f8[:, :], f8, f8[:], f8[:], f8[:, :], f8[:, :], f8[:, :])"
 )
-
-
-def _bind_frag(compiled) -> None:
-    global _frag_kernel
-    _frag_kernel = compiled
 
 
 def build_aot(out_dir: str | os.PathLike[str] | None = None) -> Path:
