@@ -4,7 +4,7 @@ reports, how fast the agent reacts, and whether placement follows real memory.
 Run from the repository root on a host with an NVIDIA driver and PyTorch
 (or CuPy) for the load::
 
-    python benchmarks/real_gpu.py [--out DIR] [--load-s 15] [--load-gib 64]
+    python benchmarks/real_gpu.py [--out DIR] [--load-s 15] [--load-gib 64] [--xid] [--agent-user gpulb]
 
 Steps, on loopback:
 
@@ -22,6 +22,11 @@ Steps, on loopback:
    matrix products on GPU 0), calm again. During the load two tasks are
    submitted: one whose VRAM fits beside the load, one that fits only once
    the load has freed its memory.
+
+With ``--agent-user gpulb`` (as root) the agent of step 3, its own
+``--check`` against the coordinator, and the Xid watcher of ``--xid`` run as
+that user with its groups, as the systemd unit's ``User=gpulb`` does: whether
+NVML gives an unprivileged agent every field and the Xid events.
 
 Figures: the agent's sampling period per phase (ListNodes), how long after
 nvidia-smi the coordinator saw the load come and go, how far the
@@ -52,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from coordinator.demo import ProcessGroup, free_port  # noqa: E402
+from coordinator.demo import ProcessGroup, free_port, popen_as  # noqa: E402
 from coordinator.ingestbench import process_cpu_s, scrape_metrics  # noqa: E402
 from coordinator.tables import render_table  # noqa: E402
 from protos import cluster_pb2 as cpb  # noqa: E402
@@ -276,30 +281,55 @@ except Exception as exc:
 """
 
 
-def _xid_check(seconds: float = 5.0) -> dict:
+_XID_WATCHER = r"""
+import json, sys, time
+from agent.nvml import NvmlBackend
+
+seconds = float(sys.argv[1])
+backend = NvmlBackend()
+try:
+    before = [s.xid_last for s in backend.sample()]  # None: the GPU is not watched
+    print(json.dumps({"event": "ready", "xid": before}), flush=True)
+    sys.stdin.readline()  # the faulting process has exited
+    deadline, after = time.time() + seconds, before
+    while time.time() < deadline:
+        after = [s.xid_last for s in backend.sample()]
+        if after != before:
+            break
+        time.sleep(0.2)
+    print(json.dumps({"event": "done", "t": time.time(), "xid": after,
+                      "health": [s.health for s in backend.sample()]}), flush=True)
+finally:
+    backend.close()
+"""
+
+
+def _xid_check(user: str | None, seconds: float = 5.0) -> dict:
     """A process that writes through a null pointer on GPU 0 (a page fault
     in that process only: the driver reports it as an Xid and cleans up its
-    context), with the agent's NVML backend sampling: which Xid it saw."""
-    from agent.nvml import NvmlBackend
-
-    backend = NvmlBackend()
+    context), with the agent's NVML backend sampling in a process of its own,
+    as ``user`` when given (NVML may refuse event registration to a user
+    without privileges): which Xid it saw, and when."""
+    watcher = subprocess.Popen([sys.executable, "-c", _XID_WATCHER, str(seconds)], cwd=ROOT,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               **popen_as(user))
     try:
-        before = [s.xid_last for s in backend.sample()]
+        ready = json.loads(watcher.stdout.readline() or '{"event": "no_watcher"}')
+        if ready["event"] != "ready":
+            return {"error": "the watcher did not start", "stderr": watcher.stderr.read()[-500:]}
         started = time.time()
         proc = subprocess.run([sys.executable, "-c", _FAULTER], capture_output=True, text=True, timeout=120)
-        seen_at, after = None, before
-        deadline = time.time() + seconds  # after the faulting process has exited
-        while time.time() < deadline:
-            after = [s.xid_last for s in backend.sample()]
-            if after != before:
-                seen_at = time.time() - started
-                break
-            time.sleep(0.2)
-        health = [s.health for s in backend.sample()]
-        return {"xid_before": before, "xid_after": after, "seen_after_s": seen_at,
-                "faulter": (proc.stdout + proc.stderr).strip()[-300:], "health_after": health}
+        watcher.stdin.write("go\n")
+        watcher.stdin.flush()
+        done = json.loads(watcher.stdout.readline() or '{"event": "no_result"}')
+        seen = done.get("xid") != ready["xid"]
+        return {"user": user or "(this one)", "xid_before": ready["xid"], "xid_after": done.get("xid"),
+                "seen_after_s": round(done["t"] - started, 2) if seen else None,
+                "faulter": (proc.stdout + proc.stderr).strip()[-300:], "health_after": done.get("health")}
     finally:
-        backend.close()
+        if watcher.poll() is None:
+            watcher.kill()
+        watcher.wait(timeout=10)
 
 
 def _nvml_runs(stop: threading.Event, out: dict) -> None:
@@ -419,12 +449,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calm-s", type=float, default=10.0)
     p.add_argument("--xid", action="store_true",
                    help="also fault a throw-away process on GPU 0 (a write through a null pointer: Xid 31) and see the agent report it")
+    p.add_argument("--agent-user", metavar="USER",
+                   help="run the agent, its own --check and the Xid watcher as USER (with USER's groups), as the "
+                        "systemd unit does with User=gpulb; needs root")
     p.add_argument("--rehearse", action="store_true", help="no GPU: the simulated backend and a load that only sleeps (tries the script)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from agent.check import render_check, run_check
+    from agent.check import check_coordinator, render_check, run_check
     from agent.nvml import NvmlBackend
     from agent.backend import BackendUnavailable
 
@@ -462,13 +495,32 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     smi = None
     loader = None
-    summary: dict = {"check": check.to_dict(), "pcie_overlap": overlap, "pcie_agreement": agreement}
+    summary: dict = {"check": check.to_dict(), "user_check": None, "pcie_overlap": overlap, "pcie_agreement": agreement}
     try:
         coordinator = group.start("coordinator", [sys.executable, "-m", "coordinator.main", "--listen", target,
                                     "--metrics-listen", f"127.0.0.1:{mport}", "--log-format", "json", "--insecure"])
+        if args.agent_user:
+            deadline = time.time() + 30
+            while not check_coordinator(target)[0]:  # serving before the user's check asks it
+                if time.time() > deadline or coordinator.poll() is not None:
+                    raise RuntimeError(f"the coordinator never served (logs in {logs})")
+                time.sleep(0.2)
+            print(f"\n== 3a. gpulb-agent --check as {args.agent_user} (what the systemd unit's User= sees), against the coordinator", flush=True)
+            try:
+                proc = subprocess.run([sys.executable, "-m", "agent.main", "--check", "--backend", "sim" if args.rehearse else "nvml",
+                                       "--check-rounds", "5", "--sim-gpus", "1", "--coordinator", target], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                      **popen_as(args.agent_user))
+            except (OSError, KeyError) as exc:  # no such user, not root, or the user cannot run this Python
+                print(f"cannot run the agent as {args.agent_user}: {exc} (the interpreter and {ROOT} must be readable "
+                      f"by that user)", file=sys.stderr)
+                raise SystemExit(2)
+            summary["user_check"] = {"user": args.agent_user, "exit_code": proc.returncode,
+                                     "output": (proc.stdout + proc.stderr)[-4000:]}
+            print(proc.stdout + proc.stderr, f"exit {proc.returncode}", flush=True)
         agent = group.start("agent", [sys.executable, "-m", "agent.main", "--backend", "sim" if args.rehearse else "nvml",
                                       "--sim-gpus", "1", "--sim-workload", "idle",
-                                      "--coordinator", target, "--node-id", "gpu-host", "--log-format", "json"])
+                                      "--coordinator", target, "--node-id", "gpu-host", "--log-format", "json"],
+                            user=args.agent_user)
         poller = threading.Thread(target=_poll, args=(target, run, stop), daemon=True)
         poller.start()
         deadline = time.time() + 30
@@ -632,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.xid and not args.rehearse:
         print("\n== 4. an Xid: a process faults on GPU 0 while the NVML backend samples", flush=True)
         try:
-            summary["xid"] = _xid_check()
+            summary["xid"] = _xid_check(args.agent_user)
         except Exception as exc:
             summary["xid"] = {"error": repr(exc)}
         print(json.dumps(summary["xid"], indent=1), flush=True)

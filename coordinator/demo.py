@@ -39,6 +39,7 @@ __all__ = [
     "run_demo",
     "free_port",
     "ProcessGroup",
+    "popen_as",
     "add_demo_arguments",
     "GpuReading",
     "TaskOutcome",
@@ -79,6 +80,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def popen_as(user: str | None) -> dict:
+    """``subprocess.Popen`` keyword arguments that run the child as ``user``
+    with its primary and supplementary groups (the ``video`` group that may
+    own /dev/nvidia*, say), or none for the current user."""
+    if not user:
+        return {}
+    import pwd
+
+    entry = pwd.getpwnam(user)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": os.getgrouplist(user, entry.pw_gid)}
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the demo dies, even by SIGKILL,
     so not even a killed demo leaves its cluster running (Linux only)."""
@@ -98,12 +111,16 @@ class ProcessGroup:
         self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], user: str | None = None) -> subprocess.Popen:
+        """Start ``argv`` logging to ``<name>.log``; as ``user`` (with that
+        user's groups, as a systemd ``User=`` unit runs) when given: only root
+        can do that."""
         log = open(self.log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            **popen_as(user),
         )
         log.close()
         self.procs.append((name, proc))
