@@ -80,6 +80,7 @@ class CheckReport:
     round_ms: list[float]
     gpus: list[GpuCheck]
     topology: list[dict[str, Any]]
+    driver_version: str = ""  # the NVIDIA driver and its CUDA version; "" off NVML
 
     @property
     def round_ms_max(self) -> float:
@@ -183,6 +184,7 @@ def run_check(
         interval_min_s=interval_min_s,
         round_ms=round_ms,
         gpus=gpus,
+        driver_version=str(getattr(backend, "driver_version", "") or ""),
         topology=[
             {"gpu_a": link.gpu_a, "gpu_b": link.gpu_b, "kind": pb.LinkKind.Name(link.kind).removeprefix("LINK_KIND_").lower(), "nvlink_count": link.nvlink_count}
             for link in backend.topology()
@@ -202,6 +204,7 @@ def render_check(report: CheckReport) -> str:
     out.append(
         f"backend {report.backend}: {len(report.gpus)} GPU(s), {report.rounds} rounds "
         f"{report.interval_min_s * 1000:.0f} ms apart{', GPUs read in parallel' if report.parallel else ''}"
+        + (f"; NVIDIA driver {report.driver_version}" if report.driver_version else "")
     )
     out.append("")
     out.append(

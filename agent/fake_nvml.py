@@ -152,8 +152,13 @@ class FakeNvml:
         gpus: list[FakeGpu],
         topology: dict[tuple[int, int], int] | None = None,
         init_error: int | None = None,
+        driver_version: str | None = "580.159.04",
+        cuda_driver_version: int | None = 13000,
     ) -> None:
         self.gpus = gpus
+        # None: the call fails as a library that predates it would
+        self.driver_version = driver_version
+        self.cuda_driver_version = cuda_driver_version
         self.topology = dict(topology or {})
         self.init_error = init_error
         self.calls: Counter[str] = Counter()
@@ -213,6 +218,22 @@ class FakeNvml:
         if not self._initialized:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         self._initialized = False
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self.calls["nvmlSystemGetDriverVersion"] += 1
+        if not self._initialized:
+            self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        if self.driver_version is None:
+            self._raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return self.driver_version
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        self.calls["nvmlSystemGetCudaDriverVersion_v2"] += 1
+        if not self._initialized:
+            self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        if self.cuda_driver_version is None:
+            self._raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return self.cuda_driver_version
 
     def nvmlDeviceGetCount(self) -> int:
         self.calls["nvmlDeviceGetCount"] += 1

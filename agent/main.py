@@ -175,7 +175,8 @@ async def _run(settings: dict[str, Any]) -> int:
             log.info("sim_background_rewound", node_id=config.node_id)
 
         loop.add_signal_handler(signal.SIGUSR1, rewind_background)
-    log.info("agent_starting", node_id=config.node_id, backend=backend.name, gpus=len(agent.gpu_order), coordinator=config.coordinator, pid=os.getpid())
+    log.info("agent_starting", node_id=config.node_id, backend=backend.name, gpus=len(agent.gpu_order), coordinator=config.coordinator, pid=os.getpid(),
+             **({"driver": backend.driver_version} if getattr(backend, "driver_version", "") else {}))
     pinger.start()
     status = asyncio.create_task(_report_status(agent, notifier, backend.name))
     try:

@@ -409,6 +409,7 @@ class NvmlBackend:
             self._shutdown()
             raise BackendUnavailable("NVML sees no GPU")
 
+        self.driver_version = self._read_driver_version()
         self._gpus: list[_Gpu] = []
         self._inventory: list[GpuInfo] = []
         for index in range(count):
@@ -423,6 +424,23 @@ class NvmlBackend:
         self._pool: ThreadPoolExecutor | None = None
         if parallel and count > 1:
             self._pool = ThreadPoolExecutor(max_workers=min(count, 16), thread_name_prefix="nvml")
+
+    def _read_driver_version(self) -> str:
+        """"580.159.04, CUDA 13.0": what an operator compares first when a
+        field is missing or a setting (W^X, say) misbehaves on one host; the
+        parts this library or driver cannot tell are left out ("" if none)."""
+        nv, parts = self._nv, []
+        try:
+            version = nv.nvmlSystemGetDriverVersion()
+            parts.append(version.decode() if isinstance(version, bytes) else str(version))
+        except (self._err, AttributeError):
+            pass
+        try:
+            cuda = int(nv.nvmlSystemGetCudaDriverVersion_v2())  # 13000 is CUDA 13.0
+            parts.append(f"CUDA {cuda // 1000}.{cuda % 1000 // 10}")
+        except (self._err, AttributeError, TypeError, ValueError):
+            pass
+        return ", ".join(parts)
 
     # --- the GpuBackend seam --------------------------------------------------
 

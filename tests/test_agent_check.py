@@ -75,6 +75,28 @@ def test_check_reports_each_field_as_read_missing_or_failing() -> None:
     assert data["ok"] is True and data["gpus"][1]["model"] == "NVIDIA H200"
 
 
+def test_check_names_the_driver_and_leaves_out_what_the_library_cannot_tell() -> None:
+    nv = _gpus()
+    nv.driver_version, nv.cuda_driver_version = "580.159.04", 13000
+    report = run_check(NvmlBackend(nvml=nv), rounds=1, sleep=lambda s: None)
+    assert report.driver_version == "580.159.04, CUDA 13.0"
+    assert "NVIDIA driver 580.159.04, CUDA 13.0" in render_check(report).splitlines()[0]
+    assert json.loads(report.to_json())["driver_version"] == "580.159.04, CUDA 13.0"
+
+    nv = _gpus()
+    nv.driver_version, nv.cuda_driver_version = "535.288.01", 12020
+    assert run_check(NvmlBackend(nvml=nv), rounds=1, sleep=lambda s: None).driver_version == "535.288.01, CUDA 12.2"
+
+    nv = _gpus()
+    nv.cuda_driver_version = None  # an old library: the call is not there
+    assert run_check(NvmlBackend(nvml=nv), rounds=1, sleep=lambda s: None).driver_version == "580.159.04"
+    nv = _gpus()
+    nv.driver_version = nv.cuda_driver_version = None
+    report = run_check(NvmlBackend(nvml=nv), rounds=1, sleep=lambda s: None)
+    assert report.driver_version == "" and "driver" not in render_check(report).splitlines()[0]
+    assert report.ok  # not knowing the driver fails nothing
+
+
 def test_check_fails_a_lost_gpu_and_a_round_too_slow_for_the_fastest_period() -> None:
     nv = _gpus()
     nv.gpus[1].lost = True
