@@ -304,6 +304,19 @@ finally:
 """
 
 
+def _next_event(stream) -> dict:
+    """The watcher's next JSON event line, past the backend's own log lines
+    (structlog writes to stdout too); {} at the end of the stream."""
+    for line in stream:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "event" in event and event["event"] in ("ready", "done"):
+            return event
+    return {}
+
+
 def _xid_check(user: str | None, seconds: float = 5.0) -> dict:
     """A process that writes through a null pointer on GPU 0 (a page fault
     in that process only: the driver reports it as an Xid and cleans up its
@@ -314,14 +327,16 @@ def _xid_check(user: str | None, seconds: float = 5.0) -> dict:
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                **popen_as(user))
     try:
-        ready = json.loads(watcher.stdout.readline() or '{"event": "no_watcher"}')
-        if ready["event"] != "ready":
+        ready = _next_event(watcher.stdout)
+        if ready.get("event") != "ready":
             return {"error": "the watcher did not start", "stderr": watcher.stderr.read()[-500:]}
         started = time.time()
         proc = subprocess.run([sys.executable, "-c", _FAULTER], capture_output=True, text=True, timeout=120)
         watcher.stdin.write("go\n")
         watcher.stdin.flush()
-        done = json.loads(watcher.stdout.readline() or '{"event": "no_result"}')
+        done = _next_event(watcher.stdout)
+        if done.get("event") != "done":
+            return {"error": "the watcher gave no result", "stderr": watcher.stderr.read()[-500:]}
         seen = done.get("xid") != ready["xid"]
         return {"user": user or "(this one)", "xid_before": ready["xid"], "xid_after": done.get("xid"),
                 "seen_after_s": round(done["t"] - started, 2) if seen else None,
