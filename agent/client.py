@@ -248,6 +248,7 @@ class Agent:
                 version=AGENT_VERSION,
                 interval_min_ms=int(cfg.interval_min_s * 1000),
                 interval_max_ms=int(cfg.interval_max_s * 1000),
+                driver_version=str(getattr(self.backend, "driver_version", "") or ""),
             )
             await call.write(pb.AgentMessage(register=register))
             reader = asyncio.create_task(self._read_loop(call))

@@ -63,6 +63,7 @@ def register_message(
     interval_min_ms: int,
     interval_max_ms: int,
     supported: Mapping[int, Sequence[int]] | None = None,
+    driver_version: str = "",
 ) -> pb.Register:
     msg = pb.Register(
         node_id=node_id,
@@ -73,6 +74,7 @@ def register_message(
         session_id=session_id,
         sample_interval_min_ms=interval_min_ms,
         sample_interval_max_ms=interval_max_ms,
+        driver_version=driver_version,
     )
     for info in inventory:
         gpu = msg.gpus.add(

@@ -197,6 +197,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             n.gpu_count,
             n.model.removeprefix("NVIDIA ").removeprefix("GeForce "),
             n.backend,
+            n.driver_version.split(",")[0] or "-",  # the driver; its CUDA version is in --json
             fmt(n.reading_age_s, 1) if n.reading_age_s >= 0 else "-",
             fmt(n.sample_interval_ms / 1000, 1) if n.sample_interval_ms else "-",
             "yes" if n.stale else "no",
@@ -206,7 +207,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         ]
         for n in nodes
     ]
-    print(render_table(["NODE", "STATE", "GPUS", "MODEL", "BACKEND", "AGE s", "PERIOD s", "STALE", "ENVELOPES", "RESYNCS", "LABELS"], rows))
+    print(render_table(["NODE", "STATE", "GPUS", "MODEL", "BACKEND", "DRIVER", "AGE s", "PERIOD s", "STALE", "ENVELOPES", "RESYNCS", "LABELS"], rows))
     return 0
 
 

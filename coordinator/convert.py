@@ -141,6 +141,8 @@ def node_message(view: ClusterView, node: NodeRecord, *, now_s: float, staleness
         resyncs=node.resyncs,
         topology=node.topology,
         sample_interval_ms=node.sample_interval_ms,
+        agent_version=node.agent_version,
+        driver_version=node.driver_version,
     )
     if node.disk_await_ms is not None:
         msg.disk_await_ms = node.disk_await_ms

@@ -118,6 +118,16 @@ class _ViewCollector:
         for name, count in counts.items():
             states.add_metric([name.removeprefix("NODE_STATE_").lower()], count)
         yield states
+        # the info-metric pattern (node_exporter's node_uname_info): 1 per
+        # node, the facts in labels, so a dashboard or an alert can group the
+        # fleet by driver or agent release ("which hosts still run 535?")
+        info = GaugeMetricFamily(
+            "gpulb_node_info", "Registered node facts as labels (value 1): host name, backend, agent release, NVIDIA driver",
+            labels=["node", "hostname", "backend", "agent_version", "driver"],
+        )
+        for node in list(view.nodes.values()):
+            info.add_metric([node.node_id, node.hostname, node.backend, node.agent_version, node.driver_version], 1)
+        yield info
         streams = GaugeMetricFamily("gpulb_agent_streams", "Open agent telemetry streams")
         streams.add_metric([], len(c.gateway.sessions))
         yield streams
@@ -229,6 +239,7 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_gpu_active_tasks",
     "gpulb_gpu_xid_last",
     "gpulb_nodes",
+    "gpulb_node_info",
     "gpulb_agent_streams",
     "gpulb_envelopes_received_total",
     "gpulb_telemetry_received_bytes_total",

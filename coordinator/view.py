@@ -81,6 +81,10 @@ def validate_register(reg: pb.Register) -> None:
     for i, link in enumerate(reg.topology):
         if link.gpu_a not in seen or link.gpu_b not in seen or link.gpu_a == link.gpu_b:
             raise RegistrationError(f"register.topology[{i}]", f"link {link.gpu_a}-{link.gpu_b} names an unregistered GPU")
+    for name, limit in (("hostname", 255), ("agent_version", 64), ("driver_version", 128)):
+        # shown by ListNodes and carried as Prometheus labels (gpulb_node_info)
+        if len(getattr(reg, name)) > limit:
+            raise RegistrationError(f"register.{name}", f"{len(getattr(reg, name))} characters; at most {limit}")
     if len(reg.labels) > 64:
         raise RegistrationError("register.labels", f"{len(reg.labels)} labels; at most 64")
     for key, value in reg.labels.items():
@@ -110,6 +114,8 @@ class NodeRecord:
     disk_util_pct: float | None = None
     processes: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     sample_interval_ms: int = 0
+    agent_version: str = ""
+    driver_version: str = ""  # "580.159.04, CUDA 13.0"; "" for the sim or when NVML cannot tell
 
     @property
     def model(self) -> str:
@@ -222,6 +228,8 @@ class ClusterView:
             decoder=TelemetryDecoder(indices),
             connected_at_s=now_s,
             last_seen_s=now_s,
+            agent_version=reg.agent_version,
+            driver_version=reg.driver_version,
         )
         self.nodes[reg.node_id] = record
         self.version += 1

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import telemetry_pb2 as protos_dot_telemetry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/cluster.proto\x12\x08gpulb.v1\x1a\x16protos/telemetry.proto\"\xf8\x03\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.gpulb.v1.NodeState\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12*\n\x06labels\x18\x05 \x03(\x0b\x32\x1a.gpulb.v1.Node.LabelsEntry\x12\x11\n\tgpu_count\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x19\n\x11last_heartbeat_ns\x18\x08 \x01(\x03\x12\x15\n\rreading_age_s\x18\t \x01(\x01\x12\r\n\x05stale\x18\n \x01(\x08\x12\x11\n\tenvelopes\x18\x0b \x01(\x04\x12\x0f\n\x07resyncs\x18\x0c \x01(\x04\x12\x1a\n\rdisk_await_ms\x18\r \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rdisk_util_pct\x18\x0e \x01(\x01H\x01\x88\x01\x01\x12(\n\x08topology\x18\x0f \x03(\x0b\x32\x16.gpulb.v1.TopologyLink\x12\x14\n\x0c\x61\x63tive_tasks\x18\x10 \x01(\r\x12\x1a\n\x12sample_interval_ms\x18\x11 \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x10\n\x0e_disk_await_msB\x10\n\x0e_disk_util_pct\"\xf6\x07\n\x03Gpu\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04uuid\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\'\n\nnode_state\x18\x05 \x01(\x0e\x32\x13.gpulb.v1.NodeState\x12#\n\x06health\x18\x06 \x01(\x0e\x32\x13.gpulb.v1.GpuHealth\x12\x19\n\x0cutil_gpu_pct\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0futil_memory_pct\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x1c\n\x0fmemory_used_mib\x18\t \x01(\x01H\x02\x88\x01\x01\x12\x1d\n\x10memory_total_mib\x18\n \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\rtemperature_c\x18\x0b \x01(\x01H\x04\x88\x01\x01\x12\x14\n\x07power_w\x18\x0c \x01(\x01H\x05\x88\x01\x01\x12\x1a\n\rpower_limit_w\x18\r \x01(\x01H\x06\x88\x01\x01\x12\x19\n\x0csm_clock_mhz\x18\x0e \x01(\x01H\x07\x88\x01\x01\x12\x19\n\x0cpcie_rx_mbps\x18\x0f \x01(\x01H\x08\x88\x01\x01\x12\x19\n\x0cpcie_tx_mbps\x18\x10 \x01(\x01H\t\x88\x01\x01\x12\x1a\n\recc_corrected\x18\x11 \x01(\x01H\n\x88\x01\x01\x12\x1c\n\x0f\x65\x63\x63_uncorrected\x18\x12 \x01(\x01H\x0b\x88\x01\x01\x12\x15\n\x08xid_last\x18\x13 \x01(\x01H\x0c\x88\x01\x01\x12\x1a\n\rprocess_count\x18\x14 \x01(\x01H\r\x88\x01\x01\x12\x15\n\rreading_age_s\x18\x15 \x01(\x01\x12\r\n\x05stale\x18\x16 \x01(\x08\x12\x10\n\x08smoothed\x18\x17 \x01(\x08\x12\x1e\n\x11util_forecast_pct\x18\x18 \x01(\x01H\x0e\x88\x01\x01\x12#\n\x16util_trend_pct_per_min\x18\x19 \x01(\x01H\x0f\x88\x01\x01\x12\r\n\x05\x66lags\x18\x1a \x03(\t\x12\x19\n\x11reserved_vram_mib\x18\x1b \x01(\x04\x12\x14\n\x0c\x61\x63tive_tasks\x18\x1c \x01(\rB\x0f\n\r_util_gpu_pctB\x12\n\x10_util_memory_pctB\x12\n\x10_memory_used_mibB\x13\n\x11_memory_total_mibB\x10\n\x0e_temperature_cB\n\n\x08_power_wB\x10\n\x0e_power_limit_wB\x0f\n\r_sm_clock_mhzB\x0f\n\r_pcie_rx_mbpsB\x0f\n\r_pcie_tx_mbpsB\x10\n\x0e_ecc_correctedB\x12\n\x10_ecc_uncorrectedB\x0b\n\t_xid_lastB\x10\n\x0e_process_countB\x14\n\x12_util_forecast_pctB\x19\n\x17_util_trend_pct_per_min\"6\n\x10ListNodesRequest\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.gpulb.v1.NodeState\"2\n\x11ListNodesResponse\x12\x1d\n\x05nodes\x18\x01 \x03(\x0b\x32\x0e.gpulb.v1.Node\"!\n\x0eGetNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x90\x01\n\x0fListGpusRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\'\n\nnode_state\x18\x03 \x01(\x0e\x32\x13.gpulb.v1.NodeState\x12#\n\x06values\x18\x04 \x01(\x0e\x32\x13.gpulb.v1.ValueView\x12\x0f\n\x07metrics\x18\x05 \x03(\t\"/\n\x10ListGpusResponse\x12\x1b\n\x04gpus\x18\x01 \x03(\x0b\x32\r.gpulb.v1.Gpu\"a\n\x10WatchViewRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0fmin_interval_ms\x18\x02 \x01(\r\x12#\n\x06values\x18\x03 \x01(\x0e\x32\x13.gpulb.v1.ValueView\"W\n\nViewUpdate\x12\r\n\x05\x61t_ns\x18\x01 \x01(\x03\x12\x1d\n\x05nodes\x18\x02 \x03(\x0b\x32\x0e.gpulb.v1.Node\x12\x1b\n\x04gpus\x18\x03 \x03(\x0b\x32\r.gpulb.v1.Gpu\"4\n\x11NodeActionRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"2\n\x12NodeActionResponse\x12\x1c\n\x04node\x18\x01 \x01(\x0b\x32\x0e.gpulb.v1.Node*\xc0\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15NODE_STATE_CONNECTING\x10\x01\x12\x16\n\x12NODE_STATE_HEALTHY\x10\x02\x12\x1a\n\x16NODE_STATE_UNREACHABLE\x10\x03\x12\x16\n\x12NODE_STATE_REMOVED\x10\x04\x12\x17\n\x13NODE_STATE_CORDONED\x10\x05\x12\x17\n\x13NODE_STATE_DRAINING\x10\x06*T\n\tValueView\x12\x1a\n\x16VALUE_VIEW_UNSPECIFIED\x10\x00\x12\x12\n\x0eVALUE_VIEW_RAW\x10\x01\x12\x17\n\x13VALUE_VIEW_SMOOTHED\x10\x02\x32\xec\x03\n\x0f\x43lusterOperator\x12\x44\n\tListNodes\x12\x1a.gpulb.v1.ListNodesRequest\x1a\x1b.gpulb.v1.ListNodesResponse\x12\x33\n\x07GetNode\x12\x18.gpulb.v1.GetNodeRequest\x1a\x0e.gpulb.v1.Node\x12\x41\n\x08ListGpus\x12\x19.gpulb.v1.ListGpusRequest\x1a\x1a.gpulb.v1.ListGpusResponse\x12?\n\tWatchView\x12\x1a.gpulb.v1.WatchViewRequest\x1a\x14.gpulb.v1.ViewUpdate0\x01\x12G\n\nCordonNode\x12\x1b.gpulb.v1.NodeActionRequest\x1a\x1c.gpulb.v1.NodeActionResponse\x12\x46\n\tDrainNode\x12\x1b.gpulb.v1.NodeActionRequest\x1a\x1c.gpulb.v1.NodeActionResponse\x12I\n\x0cUncordonNode\x12\x1b.gpulb.v1.NodeActionRequest\x1a\x1c.gpulb.v1.NodeActionResponseB\x12Z\x10gpulb/v1;gpulbv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/cluster.proto\x12\x08gpulb.v1\x1a\x16protos/telemetry.proto\"\xa7\x04\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.gpulb.v1.NodeState\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12*\n\x06labels\x18\x05 \x03(\x0b\x32\x1a.gpulb.v1.Node.LabelsEntry\x12\x11\n\tgpu_count\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x19\n\x11last_heartbeat_ns\x18\x08 \x01(\x03\x12\x15\n\rreading_age_s\x18\t \x01(\x01\x12\r\n\x05stale\x18\n \x01(\x08\x12\x11\n\tenvelopes\x18\x0b \x01(\x04\x12\x0f\n\x07resyncs\x18\x0c \x01(\x04\x12\x1a\n\rdisk_await_ms\x18\r \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rdisk_util_pct\x18\x0e \x01(\x01H\x01\x88\x01\x01\x12(\n\x08topology\x18\x0f \x03(\x0b\x32\x16.gpulb.v1.TopologyLink\x12\x14\n\x0c\x61\x63tive_tasks\x18\x10 \x01(\r\x12\x1a\n\x12sample_interval_ms\x18\x11 \x01(\r\x12\x15\n\ragent_version\x18\x12 \x01(\t\x12\x16\n\x0e\x64river_version\x18\x13 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x10\n\x0e_disk_await_msB\x10\n\x0e_disk_util_pct\"\xf6\x07\n\x03Gpu\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04uuid\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\'\n\nnode_state\x18\x05 \x01(\x0e\x32\x13.gpulb.v1.NodeState\x12#\n\x06health\x18\x06 \x01(\x0e\x32\x13.gpulb.v1.GpuHealth\x12\x19\n\x0cutil_gpu_pct\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0futil_memory_pct\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x1c\n\x0fmemory_used_mib\x18\t \x01(\x01H\x02\x88\x01\x01\x12\x1d\n\x10memory_total_mib\x18\n \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\rtemperature_c\x18\x0b \x01(\x01H\x04\x88\x01\x01\x12\x14\n\x07power_w\x18\x0c \x01(\x01H\x05\x88\x01\x01\x12\x1a\n\rpower_limit_w\x18\r \x01(\x01H\x06\x88\x01\x01\x12\x19\n\x0csm_clock_mhz\x18\x0e \x01(\x01H\x07\x88\x01\x01\x12\x19\n\x0cpcie_rx_mbps\x18\x0f \x01(\x01H\x08\x88\x01\x01\x12\x19\n\x0cpcie_tx_mbps\x18\x10 \x01(\x01H\t\x88\x01\x01\x12\x1a\n\recc_corrected\x18\x11 \x01(\x01H\n\x88\x01\x01\x12\x1c\n\x0f\x65\x63\x63_uncorrected\x18\x12 \x01(\x01H\x0b\x88\x01\x01\x12\x15\n\x08xid_last\x18\x13 \x01(\x01H\x0c\x88\x01\x01\x12\x1a\n\rprocess_count\x18\x14 \x01(\x01H\r\x88\x01\x01\x12\x15\n\rreading_age_s\x18\x15 \x01(\x01\x12\r\n\x05stale\x18\x16 \x01(\x08\x12\x10\n\x08smoothed\x18\x17 \x01(\x08\x12\x1e\n\x11util_forecast_pct\x18\x18 \x01(\x01H\x0e\x88\x01\x01\x12#\n\x16util_trend_pct_per_min\x18\x19 \x01(\x01H\x0f\x88\x01\x01\x12\r\n\x05\x66lags\x18\x1a \x03(\t\x12\x19\n\x11reserved_vram_mib\x18\x1b \x01(\x04\x12\x14\n\x0c\x61\x63tive_tasks\x18\x1c \x01(\rB\x0f\n\r_util_gpu_pctB\x12\n\x10_util_memory_pctB\x12\n\x10_memory_used_mibB\x13\n\x11_memory_total_mibB\x10\n\x0e_temperature_cB\n\n\x08_power_wB\x10\n\x0e_power_limit_wB\x0f\n\r_sm_clock_mhzB\x0f\n\r_pcie_rx_mbpsB\x0f\n\r_pcie_tx_mbpsB\x10\n\x0e_ecc_correctedB\x12\n\x10_ecc_uncorrectedB\x0b\n\t_xid_lastB\x10\n\x0e_process_countB\x14\n\x12_util_forecast_pctB\x19\n\x17_util_trend_pct_per_min\"6\n\x10ListNodesRequest\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.gpulb.v1.NodeState\"2\n\x11ListNodesResponse\x12\x1d\n\x05nodes\x18\x01 \x03(\x0b\x32\x0e.gpulb.v1.Node\"!\n\x0eGetNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x90\x01\n\x0fListGpusRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\'\n\nnode_state\x18\x03 \x01(\x0e\x32\x13.gpulb.v1.NodeState\x12#\n\x06values\x18\x04 \x01(\x0e\x32\x13.gpulb.v1.ValueView\x12\x0f\n\x07metrics\x18\x05 \x03(\t\"/\n\x10ListGpusResponse\x12\x1b\n\x04gpus\x18\x01 \x03(\x0b\x32\r.gpulb.v1.Gpu\"a\n\x10WatchViewRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0fmin_interval_ms\x18\x02 \x01(\r\x12#\n\x06values\x18\x03 \x01(\x0e\x32\x13.gpulb.v1.ValueView\"W\n\nViewUpdate\x12\r\n\x05\x61t_ns\x18\x01 \x01(\x03\x12\x1d\n\x05nodes\x18\x02 \x03(\x0b\x32\x0e.gpulb.v1.Node\x12\x1b\n\x04gpus\x18\x03 \x03(\x0b\x32\r.gpulb.v1.Gpu\"4\n\x11NodeActionRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"2\n\x12NodeActionResponse\x12\x1c\n\x04node\x18\x01 \x01(\x0b\x32\x0e.gpulb.v1.Node*\xc0\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15NODE_STATE_CONNECTING\x10\x01\x12\x16\n\x12NODE_STATE_HEALTHY\x10\x02\x12\x1a\n\x16NODE_STATE_UNREACHABLE\x10\x03\x12\x16\n\x12NODE_STATE_REMOVED\x10\x04\x12\x17\n\x13NODE_STATE_CORDONED\x10\x05\x12\x17\n\x13NODE_STATE_DRAINING\x10\x06*T\n\tValueView\x12\x1a\n\x16VALUE_VIEW_UNSPECIFIED\x10\x00\x12\x12\n\x0eVALUE_VIEW_RAW\x10\x01\x12\x17\n\x13VALUE_VIEW_SMOOTHED\x10\x02\x32\xec\x03\n\x0f\x43lusterOperator\x12\x44\n\tListNodes\x12\x1a.gpulb.v1.ListNodesRequest\x1a\x1b.gpulb.v1.ListNodesResponse\x12\x33\n\x07GetNode\x12\x18.gpulb.v1.GetNodeRequest\x1a\x0e.gpulb.v1.Node\x12\x41\n\x08ListGpus\x12\x19.gpulb.v1.ListGpusRequest\x1a\x1a.gpulb.v1.ListGpusResponse\x12?\n\tWatchView\x12\x1a.gpulb.v1.WatchViewRequest\x1a\x14.gpulb.v1.ViewUpdate0\x01\x12G\n\nCordonNode\x12\x1b.gpulb.v1.NodeActionRequest\x1a\x1c.gpulb.v1.NodeActionResponse\x12\x46\n\tDrainNode\x12\x1b.gpulb.v1.NodeActionRequest\x1a\x1c.gpulb.v1.NodeActionResponse\x12I\n\x0cUncordonNode\x12\x1b.gpulb.v1.NodeActionRequest\x1a\x1c.gpulb.v1.NodeActionResponseB\x12Z\x10gpulb/v1;gpulbv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,34 +35,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z\020gpulb/v1;gpulbv1'
   _globals['_NODE_LABELSENTRY']._loaded_options = None
   _globals['_NODE_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_NODESTATE']._serialized_start=2216
-  _globals['_NODESTATE']._serialized_end=2408
-  _globals['_VALUEVIEW']._serialized_start=2410
-  _globals['_VALUEVIEW']._serialized_end=2494
+  _globals['_NODESTATE']._serialized_start=2263
+  _globals['_NODESTATE']._serialized_end=2455
+  _globals['_VALUEVIEW']._serialized_start=2457
+  _globals['_VALUEVIEW']._serialized_end=2541
   _globals['_NODE']._serialized_start=59
-  _globals['_NODE']._serialized_end=563
-  _globals['_NODE_LABELSENTRY']._serialized_start=482
-  _globals['_NODE_LABELSENTRY']._serialized_end=527
-  _globals['_GPU']._serialized_start=566
-  _globals['_GPU']._serialized_end=1580
-  _globals['_LISTNODESREQUEST']._serialized_start=1582
-  _globals['_LISTNODESREQUEST']._serialized_end=1636
-  _globals['_LISTNODESRESPONSE']._serialized_start=1638
-  _globals['_LISTNODESRESPONSE']._serialized_end=1688
-  _globals['_GETNODEREQUEST']._serialized_start=1690
-  _globals['_GETNODEREQUEST']._serialized_end=1723
-  _globals['_LISTGPUSREQUEST']._serialized_start=1726
-  _globals['_LISTGPUSREQUEST']._serialized_end=1870
-  _globals['_LISTGPUSRESPONSE']._serialized_start=1872
-  _globals['_LISTGPUSRESPONSE']._serialized_end=1919
-  _globals['_WATCHVIEWREQUEST']._serialized_start=1921
-  _globals['_WATCHVIEWREQUEST']._serialized_end=2018
-  _globals['_VIEWUPDATE']._serialized_start=2020
-  _globals['_VIEWUPDATE']._serialized_end=2107
-  _globals['_NODEACTIONREQUEST']._serialized_start=2109
-  _globals['_NODEACTIONREQUEST']._serialized_end=2161
-  _globals['_NODEACTIONRESPONSE']._serialized_start=2163
-  _globals['_NODEACTIONRESPONSE']._serialized_end=2213
-  _globals['_CLUSTEROPERATOR']._serialized_start=2497
-  _globals['_CLUSTEROPERATOR']._serialized_end=2989
+  _globals['_NODE']._serialized_end=610
+  _globals['_NODE_LABELSENTRY']._serialized_start=529
+  _globals['_NODE_LABELSENTRY']._serialized_end=574
+  _globals['_GPU']._serialized_start=613
+  _globals['_GPU']._serialized_end=1627
+  _globals['_LISTNODESREQUEST']._serialized_start=1629
+  _globals['_LISTNODESREQUEST']._serialized_end=1683
+  _globals['_LISTNODESRESPONSE']._serialized_start=1685
+  _globals['_LISTNODESRESPONSE']._serialized_end=1735
+  _globals['_GETNODEREQUEST']._serialized_start=1737
+  _globals['_GETNODEREQUEST']._serialized_end=1770
+  _globals['_LISTGPUSREQUEST']._serialized_start=1773
+  _globals['_LISTGPUSREQUEST']._serialized_end=1917
+  _globals['_LISTGPUSRESPONSE']._serialized_start=1919
+  _globals['_LISTGPUSRESPONSE']._serialized_end=1966
+  _globals['_WATCHVIEWREQUEST']._serialized_start=1968
+  _globals['_WATCHVIEWREQUEST']._serialized_end=2065
+  _globals['_VIEWUPDATE']._serialized_start=2067
+  _globals['_VIEWUPDATE']._serialized_end=2154
+  _globals['_NODEACTIONREQUEST']._serialized_start=2156
+  _globals['_NODEACTIONREQUEST']._serialized_end=2208
+  _globals['_NODEACTIONRESPONSE']._serialized_start=2210
+  _globals['_NODEACTIONRESPONSE']._serialized_end=2260
+  _globals['_CLUSTEROPERATOR']._serialized_start=2544
+  _globals['_CLUSTEROPERATOR']._serialized_end=3036
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,7 @@ VALUE_VIEW_RAW: ValueView
 VALUE_VIEW_SMOOTHED: ValueView
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "state", "hostname", "backend", "labels", "gpu_count", "model", "last_heartbeat_ns", "reading_age_s", "stale", "envelopes", "resyncs", "disk_await_ms", "disk_util_pct", "topology", "active_tasks", "sample_interval_ms")
+    __slots__ = ("node_id", "state", "hostname", "backend", "labels", "gpu_count", "model", "last_heartbeat_ns", "reading_age_s", "stale", "envelopes", "resyncs", "disk_await_ms", "disk_util_pct", "topology", "active_tasks", "sample_interval_ms", "agent_version", "driver_version")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class Node(_message.Message):
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_TASKS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: NodeState
     hostname: str
@@ -77,7 +79,9 @@ class Node(_message.Message):
     topology: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.TopologyLink]
     active_tasks: int
     sample_interval_ms: int
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., hostname: _Optional[str] = ..., backend: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., gpu_count: _Optional[int] = ..., model: _Optional[str] = ..., last_heartbeat_ns: _Optional[int] = ..., reading_age_s: _Optional[float] = ..., stale: _Optional[bool] = ..., envelopes: _Optional[int] = ..., resyncs: _Optional[int] = ..., disk_await_ms: _Optional[float] = ..., disk_util_pct: _Optional[float] = ..., topology: _Optional[_Iterable[_Union[_telemetry_pb2.TopologyLink, _Mapping]]] = ..., active_tasks: _Optional[int] = ..., sample_interval_ms: _Optional[int] = ...) -> None: ...
+    agent_version: str
+    driver_version: str
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., hostname: _Optional[str] = ..., backend: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., gpu_count: _Optional[int] = ..., model: _Optional[str] = ..., last_heartbeat_ns: _Optional[int] = ..., reading_age_s: _Optional[float] = ..., stale: _Optional[bool] = ..., envelopes: _Optional[int] = ..., resyncs: _Optional[int] = ..., disk_await_ms: _Optional[float] = ..., disk_util_pct: _Optional[float] = ..., topology: _Optional[_Iterable[_Union[_telemetry_pb2.TopologyLink, _Mapping]]] = ..., active_tasks: _Optional[int] = ..., sample_interval_ms: _Optional[int] = ..., agent_version: _Optional[str] = ..., driver_version: _Optional[str] = ...) -> None: ...
 
 class Gpu(_message.Message):
     __slots__ = ("node_id", "index", "uuid", "model", "node_state", "health", "util_gpu_pct", "util_memory_pct", "memory_used_mib", "memory_total_mib", "temperature_c", "power_w", "power_limit_w", "sm_clock_mhz", "pcie_rx_mbps", "pcie_tx_mbps", "ecc_corrected", "ecc_uncorrected", "xid_last", "process_count", "reading_age_s", "stale", "smoothed", "util_forecast_pct", "util_trend_pct_per_min", "flags", "reserved_vram_mib", "active_tasks")

@@ -6,6 +6,7 @@ prometheus-client's parser (and promtool where installed)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import subprocess
 import urllib.request
@@ -227,4 +228,60 @@ async def test_an_xid_on_a_real_backend_reaches_the_operator_and_prometheus():
     finally:
         await agent.stop()
         await asyncio.gather(task, return_exceptions=True)
+        await coord.stop(grace_s=0.1)
+
+
+async def test_each_hosts_driver_and_agent_release_reach_list_nodes_prometheus_and_the_cli(capsys):
+    """A host on NVML (the shipped fake library, driver 535) and one on the
+    simulator: ListNodes, gpulb_node_info and `gpulb nodes` tell which host
+    runs which driver and agent release (the simulator: no driver)."""
+    from agent.client import AGENT_VERSION, Agent, AgentConfig
+    from agent.fake_nvml import FakeNvml
+    from agent.nvml import NvmlBackend
+    from agent.sim import SimBackend
+    from coordinator.cli import main as gpulb
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0"))
+    port = await coord.start()
+    nv = FakeNvml.with_gpus(1)
+    nv.driver_version, nv.cuda_driver_version = "535.288.01", 12020
+    agents = [
+        Agent(AgentConfig(node_id="nvml-host", coordinator=f"127.0.0.1:{port}", interval_min_s=0.05, interval_max_s=0.1),
+              NvmlBackend(nvml=nv)),
+        Agent(AgentConfig(node_id="sim-host", coordinator=f"127.0.0.1:{port}", interval_min_s=0.05, interval_max_s=0.1),
+              SimBackend(gpus=1, seed=2)),
+    ]
+    tasks = [asyncio.create_task(a.run()) for a in agents]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            op = cpb_grpc.ClusterOperatorStub(ch)
+
+            async def both():
+                nodes = (await op.ListNodes(cpb.ListNodesRequest())).nodes
+                return {n.node_id: n for n in nodes} if len(nodes) == 2 else None
+
+            nodes = await _until(both, what="both hosts registered")
+        assert nodes["nvml-host"].driver_version == "535.288.01, CUDA 12.2"
+        assert nodes["sim-host"].driver_version == ""
+        assert nodes["nvml-host"].agent_version == nodes["sim-host"].agent_version == AGENT_VERSION != ""
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{coord.metrics_port}/metrics?per_gpu=0", timeout=5).read().decode()
+        )
+        info = {s.labels["node"]: s for f in text_string_to_metric_families(body) if f.name == "gpulb_node_info" for s in f.samples}
+        assert set(info) == {"nvml-host", "sim-host"} and all(s.value == 1.0 for s in info.values())
+        assert (info["nvml-host"].labels["driver"], info["nvml-host"].labels["backend"]) == ("535.288.01, CUDA 12.2", "nvml")
+        assert (info["sim-host"].labels["driver"], info["sim-host"].labels["agent_version"]) == ("", AGENT_VERSION)
+
+        capsys.readouterr()
+        assert await asyncio.to_thread(gpulb, ["--coordinator", f"127.0.0.1:{port}", "nodes"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        # the column's span from the dashes under the headers (models have spaces in them)
+        spans = [m.span() for m in re.finditer(r"-+", lines[1])]
+        start, end = next(span for span in spans if span[0] <= lines[0].index("DRIVER") < span[1])
+        driver = {line.split()[0]: line[start:end].strip() for line in lines[2:] if line.strip()}
+        assert driver == {"nvml-host": "535.288.01", "sim-host": "-"}
+    finally:
+        for a in agents:
+            await a.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await coord.stop(grace_s=0.1)

@@ -165,12 +165,13 @@ async def _ready(port: int, count: int):
     return gpus if len(full) == count else None
 
 
-def _register(node_id: str, gpus: int = 2) -> pb.AgentMessage:
+def _register(node_id: str, gpus: int = 2, **fields) -> pb.AgentMessage:
     return pb.AgentMessage(
         register=pb.Register(
             node_id=node_id,
             backend="sim",
             gpus=[pb.GpuInfo(index=i, uuid=f"GPU-{i}", model="X", memory_total_mib=1000) for i in range(gpus)],
+            **fields,
         )
     )
 
@@ -200,6 +201,9 @@ async def _raw_stream(port: int, messages: list[pb.AgentMessage]) -> tuple[grpc.
         ([pb.AgentMessage(heartbeat=pb.Heartbeat())], grpc.StatusCode.FAILED_PRECONDITION, "register"),
         ([_register("bad id!")], grpc.StatusCode.INVALID_ARGUMENT, "register.node_id"),
         ([_register("n", gpus=0)], grpc.StatusCode.INVALID_ARGUMENT, "register.gpus"),
+        # these reach ListNodes and Prometheus labels: bounded
+        ([_register("n", driver_version="5" * 129)], grpc.StatusCode.INVALID_ARGUMENT, "register.driver_version"),
+        ([_register("n", hostname="h" * 256)], grpc.StatusCode.INVALID_ARGUMENT, "register.hostname"),
         (
             [_register("bad-env"), pb.AgentMessage(telemetry=pb.Envelope(seq=1, compression=pb.COMPRESSION_SNAPPY, raw_size=4, payload=b"\xff\xff\xff"))],
             grpc.StatusCode.INVALID_ARGUMENT,
