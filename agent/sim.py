@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import structlog
+
 from agent.backend import (
     BackendUnavailable,
     GpuInfo,
@@ -30,6 +32,8 @@ from agent.backend import (
 )
 from agent.replay import ReplaySeries, load_genai
 from protos import telemetry_pb2 as pb
+
+log = structlog.get_logger("gpulb.agent.sim")
 
 __all__ = ["SimBackend", "SimTaskEvent", "Workload", "TaskEventKind"]
 
@@ -92,7 +96,7 @@ class _Task:
     started_s: float
     ends_s: float | None  # None: runs until released
     pid: int
-    seq: int  # placement order: the newest task is the one an OOM hits
+    seq: int  # placement order
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +182,15 @@ class SimBackend:
 
     Topology: GPUs (0, 1), (2, 3), ... are NVLink pairs; every other pair
     shares a PCIe switch. Placed tasks: a task whose VRAM does not fit next to
-    what the GPU holds is OOM-killed (it never starts); when the background
-    grows past the card, the newest task on it is OOM-killed; a task past its
-    duration finishes. Give each simulated host its own seed: UUIDs derive
-    from it.
+    what the GPU holds is OOM-killed (it never starts); a task past its
+    duration finishes. Other tenants' memory: when the background job grows
+    past what gpulb's tasks left free, *its* allocation is refused, as CUDA
+    refuses the process that asks for memory the card no longer has, not the
+    ones already holding theirs: the background gets what is free, runs on
+    with it (as a framework that catches the error and retries would), and
+    each such episode is counted (``tenant_ooms``, per GPU) and logged
+    (``sim_tenant_oom``): harm gpulb's placements did to a co-tenant. Give
+    each simulated host its own seed: UUIDs derive from it.
     """
 
     name = "sim"
@@ -252,6 +261,9 @@ class SimBackend:
         self._events: list[SimTaskEvent] = []
         self._seq = 0
         self._closed = False
+        #: per GPU: episodes of the background job refused memory gpulb's tasks held
+        self.tenant_ooms = [0] * gpus
+        self._tenant_refused = [False] * gpus
 
     # --- the GpuBackend seam ------------------------------------------------
 
@@ -375,20 +387,32 @@ class SimBackend:
         return 0.0, 0
 
     def _load_at(self, gpu: int, t: float) -> _Load:
-        bg_util, bg_vram = self._background_at(gpu, t)
+        return self._load_and_refused(gpu, t)[0]
+
+    def _load_and_refused(self, gpu: int, t: float) -> tuple[_Load, int]:
+        """The GPU's load at ``t``, and the MiB the background job asked for
+        beyond what gpulb's tasks left free (refused: 0 when it all fit)."""
+        bg_util, bg_asked = self._background_at(gpu, t)
         util = bg_util
         mem_util = bg_util * _MEM_UTIL_RATIO["background"]
-        vram = DRIVER_BASE_MIB + bg_vram
+        tasks_vram = 0
         procs = []
-        if bg_util > 0 or bg_vram > 0:
-            procs.append(GpuProcess(_BACKGROUND_PID + gpu, bg_vram))
         for task in self._tasks.values():
             if gpu in task.gpus and task.started_s <= t and (task.ends_s is None or t < task.ends_s):
                 util += task.share_pct
                 mem_util += task.share_pct * _MEM_UTIL_RATIO.get(task.kind, _DEFAULT_MEM_UTIL_RATIO)
-                vram += task.vram_mib
+                tasks_vram += task.vram_mib
                 procs.append(GpuProcess(task.pid, task.vram_mib))
-        return _Load(min(100.0, util), min(100.0, mem_util), vram, tuple(procs))
+        refused = 0
+        bg_vram = bg_asked
+        if tasks_vram:
+            # the tasks hold theirs; the background gets what is left of the card
+            bg_vram = min(bg_asked, max(0, self._total_mib - DRIVER_BASE_MIB - tasks_vram))
+            refused = bg_asked - bg_vram
+        if bg_util > 0 or bg_vram > 0:
+            procs.insert(0, GpuProcess(_BACKGROUND_PID + gpu, bg_vram))
+        vram = DRIVER_BASE_MIB + bg_vram + tasks_vram
+        return _Load(min(100.0, util), min(100.0, mem_util), vram, tuple(procs)), refused
 
     def _advance(self) -> None:
         """Move the model to the clock's now: temperatures, finished tasks,
@@ -417,20 +441,13 @@ class SimBackend:
             )
 
         for g in range(self._n):
-            used = self._load_at(g, now).vram_mib
-            while used > self._total_mib:
-                victims = [x for x in self._tasks.values() if g in x.gpus]
-                if not victims:
-                    break  # the background alone: the reading is clipped instead
-                newest = max(victims, key=lambda x: x.seq)
-                del self._tasks[newest.task_id]
-                self._events.append(
-                    SimTaskEvent(
-                        newest.task_id, "oom_killed", f"GPU {g}: {used} MiB used of {self._total_mib} MiB",
-                        float(newest.vram_mib),
-                    )
-                )
-                used = self._load_at(g, now).vram_mib
+            load, refused = self._load_and_refused(g, now)
+            if refused and not self._tenant_refused[g]:
+                # one episode: counted when the refusal starts, not at every sample of it
+                self.tenant_ooms[g] += 1
+                log.info("sim_tenant_oom", gpu=g, refused_mib=refused, used_mib=min(self._total_mib, load.vram_mib),
+                         gpulb_tasks=sum(1 for x in self._tasks.values() if g in x.gpus))
+            self._tenant_refused[g] = refused > 0
 
     def _read(self, gpu: int) -> GpuSample:
         load = self._load_at(gpu, self._t)

@@ -10,6 +10,7 @@ The workload itself is ``coordinator.demo_workload``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -23,6 +24,7 @@ import time
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TextIO
 
@@ -201,6 +203,7 @@ class PhaseFigures:
     util_std: float
     util_range: float
     hottest: str
+    tenant_ooms: int | None = None  # other tenants refused memory gpulb's tasks held (simulated hosts)
 
 
 def _p95(values: Sequence[float]) -> float:
@@ -215,6 +218,7 @@ def phase_figures(
     samples: Sequence[Sequence[GpuReading]],
     sla_misses: int,
     refused: int = 0,
+    tenant_ooms: int | None = None,
 ) -> PhaseFigures:
     """Figures of one phase.
 
@@ -262,6 +266,7 @@ def phase_figures(
         util_std=avg(stds),
         util_range=avg(ranges),
         hottest=hot[1] if hot else "-",
+        tenant_ooms=tenant_ooms,
     )
 
 
@@ -280,6 +285,10 @@ def render_summary(phases: Sequence[PhaseFigures]) -> str:
         row("tasks placed", lambda p: p.placed),
         row("tasks completed", lambda p: p.completed),
         row("tasks failed (OOM-killed)", lambda p: p.failed),
+    ]
+    if any(p.tenant_ooms is not None for p in phases):
+        rows.append(row("other tenants refused memory", lambda p: "-" if p.tenant_ooms is None else p.tenant_ooms))
+    rows += [
         row("never placed (cancelled at end)", lambda p: p.cancelled_queued),
         row("still running (cancelled at end)", lambda p: p.cancelled_running),
     ]
@@ -481,6 +490,12 @@ class _PhaseRecord:
     sla_misses: int = 0
     # why each task still queued at the end of the phase was waiting
     unplaced: list[tuple[str, str]] = field(default_factory=list)
+    # wall clock (time.time) from the first submission to the last cancel
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    # other tenants refused memory gpulb's tasks held, from the simulated
+    # hosts' logs once they stopped (None: not counted)
+    tenant_ooms: int | None = None
 
 
 def _phase_tasks(stub: tpb_grpc.SchedulerStub, prefix: str) -> list[tpb.Task]:
@@ -556,6 +571,7 @@ def _run_phase(
             f"{len(workload)} tasks over {window_s:g} s from {len(SCENARIOS)} concurrent clients"
         )
         t0 = time.monotonic()
+        record.started_at = time.time()
         by_scenario: dict[str, list[DemoTask]] = {}
         for task in workload:
             by_scenario.setdefault(task.scenario, []).append(task)
@@ -581,6 +597,7 @@ def _run_phase(
                     )
                 except grpc.RpcError:
                     pass  # it finished meanwhile
+        record.ended_at = time.time()
         for client in clients:
             client.join(timeout=10)
             record.refused += client.refused
@@ -711,6 +728,7 @@ def run_demo(args: argparse.Namespace) -> int:
             results = group.stop_all()
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
+        count_tenant_ooms(records, sorted(logs.glob("agent-*.log")))
         if records:
             print()
             print("summary (the same workload, and the same other tenants' load, for each policy)")
@@ -742,4 +760,25 @@ def _figures(record: _PhaseRecord) -> PhaseFigures:
         record.samples,
         record.sla_misses,
         refused=len(record.refused),
+        tenant_ooms=record.tenant_ooms,
     )
+
+
+def count_tenant_ooms(records: Sequence[_PhaseRecord], agent_logs: Iterable[Path]) -> None:
+    """Set each phase's ``tenant_ooms``: the simulated hosts' ``sim_tenant_oom``
+    events (another tenant's job refused memory gpulb's tasks held; JSON log
+    lines) whose time falls in the phase. Only the simulator knows of them: on
+    real hosts the refused process is not gpulb's to see."""
+    times: list[float] = []
+    for path in agent_logs:
+        for line in path.read_text(errors="replace").splitlines():
+            if '"sim_tenant_oom"' not in line:
+                continue
+            try:
+                event = json.loads(line)
+                times.append(datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp())
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line of a killed process
+    for record in records:
+        if record.ended_at > record.started_at:
+            record.tenant_ooms = sum(1 for t in times if record.started_at <= t <= record.ended_at)

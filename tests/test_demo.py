@@ -5,14 +5,15 @@ readable summary and leaves no process behind, also when interrupted."""
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,13 @@ def test_demo_balances_in_both_phases_and_leaves_nothing_behind(tmp_path):
         events = [json.loads(line).get("event") for line in (tmp_path / f"{agent}.log").read_text().splitlines()
                   if line.startswith("{")]
         assert events.count("sim_background_rewound") == 2, events
+    # other tenants refused memory: counted from the agents' logs, within the phases
+    refusals = sum(
+        1 for agent in ("agent-1", "agent-2")
+        for line in (tmp_path / f"{agent}.log").read_text().splitlines() if '"sim_tenant_oom"' in line
+    )
+    per_phase = [int(x) for x in rows["other tenants refused memory"]]
+    assert all(n >= 0 for n in per_phase) and sum(per_phase) <= refusals
     _assert_nothing_left(marker, port)
 
 
@@ -283,3 +291,26 @@ def test_killed_demo_takes_its_cluster_with_it():
     while _pids_with_marker(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     _assert_nothing_left(marker, port)
+
+
+def test_tenant_refusals_are_counted_into_the_phase_they_happened_in(tmp_path):
+    from coordinator.demo import _PhaseRecord, count_tenant_ooms
+
+    def line(event: str, at: str) -> str:
+        return json.dumps({"gpu": 0, "event": event, "level": "info", "timestamp": at})
+
+    (tmp_path / "agent-1.log").write_text("\n".join([
+        line("sim_tenant_oom", "2026-11-30T10:00:05.000000Z"),  # phase 1
+        line("sim_tenant_oom", "2026-11-30T10:00:09.500000Z"),  # phase 1
+        line("streaming", "2026-11-30T10:00:06.000000Z"),  # another event
+        line("sim_tenant_oom", "2026-11-30T10:00:12.000000Z"),  # between the phases
+    ]) + "\n")
+    (tmp_path / "agent-2.log").write_text(
+        line("sim_tenant_oom", "2026-11-30T10:00:21.000000Z") + "\n" + '{"event": "sim_tenant_oom", "timest'  # torn
+    )
+    t0 = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc).timestamp()
+    phases = [_PhaseRecord("round_robin", started_at=t0, ended_at=t0 + 10),
+              _PhaseRecord("load_aware", started_at=t0 + 15, ended_at=t0 + 25),
+              _PhaseRecord("binpack")]  # never ran: not counted
+    count_tenant_ooms(phases, sorted(tmp_path.glob("agent-*.log")))
+    assert [p.tenant_ooms for p in phases] == [2, 1, None]

@@ -286,21 +286,59 @@ def test_replay_series_missing_metric_reads_none() -> None:
     assert s.memory_mib_at(30) is not None
 
 
-def test_replay_workload_plays_the_series_and_oom_kills_when_it_grows() -> None:
+def test_replay_workload_plays_the_series_and_a_growing_tenant_is_refused_not_the_task() -> None:
+    """The other tenant's pod grows to the full card while a gpulb task holds
+    5,000 MiB: as on a real GPU, the allocation that fails is the pod's (the
+    process asking), the task runs on; the refusal is counted once per
+    episode, and the pod gets the card again once the task has gone."""
     clock = FakeClock()
     capacity = 24564 - DRIVER_BASE_MIB
     # 10 % of the card, then the full card a minute later
-    grow = _series([100, 1000], [40, 80], ref_mib=1000.0)
+    grow = _series([100, 1000, 1000, 1000, 1000], [40, 80, 80, 80, 80], ref_mib=1000.0)
     sim = SimBackend(gpus=1, clock=clock, workload="replay", replay=grow)
     s = sim.sample()[0]
     assert s.memory_used_mib == DRIVER_BASE_MIB + round(capacity * 0.1)
     assert abs(s.util_gpu_pct - 40) <= 6
-    sim.place("victim", [0], vram_mib=5000, gpu_share=0.1, duration_s=0, kind="inference")
+    sim.place("holder", [0], vram_mib=5000, gpu_share=0.1, duration_s=0, kind="inference")
     clock.now += 60
     s = sim.sample()[0]
-    assert [(e.task_id, e.kind) for e in sim.drain_events()] == [("victim", "started"), ("victim", "oom_killed")]
-    assert s.memory_used_mib == 24564
-    assert s.process_count == 1  # only the replayed pod
+    assert [(e.task_id, e.kind) for e in sim.drain_events()] == [("holder", "started")]  # not killed
+    assert s.memory_used_mib == 24564 and sim.tenant_ooms == [1]
+    pod, task = s.processes
+    assert (task.pid, task.used_memory_mib) != (0, 0) and task.used_memory_mib == 5000
+    assert pod.used_memory_mib == capacity - 5000  # what was left for it
+    clock.now += 30
+    sim.sample()
+    assert sim.tenant_ooms == [1]  # the same episode
+    assert sim.release("holder")
+    clock.now += 30
+    s = sim.sample()[0]
+    assert s.processes[0].used_memory_mib == capacity and sim.tenant_ooms == [1]
+    sim.place("again", [0], vram_mib=1, gpu_share=0.1, duration_s=0, kind="inference")
+    assert [(e.task_id, e.kind) for e in sim.drain_events()] == [("again", "oom_killed")]  # nothing free to start on
+
+
+def test_synthetic_tenants_refused_memory_are_counted_per_episode_and_tasks_never_die_of_it() -> None:
+    clock = FakeClock()
+    sim = SimBackend(gpus=2, clock=clock, seed=4)
+    # a task on each GPU holding half the card, placed once it fits: the
+    # background's busier steps (up to 16 GiB) then run into it
+    for g in range(2):
+        while True:
+            sim.place(f"big-{g}", [g], vram_mib=12_000, gpu_share=0.2, duration_s=0, kind="training")
+            if sim.drain_events()[-1].kind == "started":
+                break
+            clock.now += 1.0
+    episodes_seen = 0
+    for _ in range(3600):
+        clock.now += 1.0
+        samples = sim.sample()
+        assert all(s.memory_used_mib <= 24564 for s in samples)
+        episodes_seen += sum(sim._tenant_refused)
+    assert sim.drain_events() == []  # neither task died of it
+    assert all(count > 0 for count in sim.tenant_ooms)
+    # an episode spans several samples: counts are of starts, not of refused samples
+    assert sum(sim.tenant_ooms) < episodes_seen
 
 
 # --- replay: the real GenAI trace ------------------------------------------------
