@@ -4,7 +4,7 @@ reports, how fast the agent reacts, and whether placement follows real memory.
 Run from the repository root on a host with an NVIDIA driver and PyTorch
 (or CuPy) for the load::
 
-    python benchmarks/real_gpu.py [--out DIR] [--load-s 15] [--load-gib 64] [--xid] [--agent-user gpulb]
+    python benchmarks/real_gpu.py [--out DIR] [--load-s 15] [--load-gib 64] [--xid] [--agent-user gpulb] [--agent-wx]
 
 Steps, on loopback:
 
@@ -26,7 +26,11 @@ Steps, on loopback:
 With ``--agent-user gpulb`` (as root) the agent of step 3, its own
 ``--check`` against the coordinator, and the Xid watcher of ``--xid`` run as
 that user with its groups, as the systemd unit's ``User=gpulb`` does: whether
-NVML gives an unprivileged agent every field and the Xid events.
+NVML gives an unprivileged agent every field and the Xid events. With
+``--agent-wx`` they run under W^X memory (``PR_SET_MDWE``, Linux >= 6.3), as
+the unit's ``MemoryDenyWriteExecute=yes``: whether this driver's
+libnvidia-ml loads and works without writable-executable memory. Both
+together run the agent as the unit does, less its seccomp filter.
 
 Figures: the agent's sampling period per phase (ListNodes), how long after
 nvidia-smi the coordinator saw the load come and go, how far the
@@ -57,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from coordinator.demo import ProcessGroup, free_port, popen_as  # noqa: E402
+from coordinator.demo import ProcessGroup, deny_write_execute, free_port, popen_as  # noqa: E402
 from coordinator.ingestbench import process_cpu_s, scrape_metrics  # noqa: E402
 from coordinator.tables import render_table  # noqa: E402
 from protos import cluster_pb2 as cpb  # noqa: E402
@@ -282,14 +286,19 @@ except Exception as exc:
 
 
 _XID_WATCHER = r"""
-import json, sys, time
+import json, mmap, sys, time
 from agent.nvml import NvmlBackend
 
+try:  # whether this process runs under W^X (--agent-wx), as the unit's agent does
+    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC).close()
+    wx = False
+except OSError:
+    wx = True
 seconds = float(sys.argv[1])
 backend = NvmlBackend()
 try:
     before = [s.xid_last for s in backend.sample()]  # None: the GPU is not watched
-    print(json.dumps({"event": "ready", "xid": before}), flush=True)
+    print(json.dumps({"event": "ready", "xid": before, "write_xor_execute": wx}), flush=True)
     sys.stdin.readline()  # the faulting process has exited
     deadline, after = time.time() + seconds, before
     while time.time() < deadline:
@@ -317,7 +326,7 @@ def _next_event(stream) -> dict:
     return {}
 
 
-def _xid_check(user: str | None, seconds: float = 5.0) -> dict:
+def _xid_check(user: str | None, wx: bool = False, seconds: float = 5.0) -> dict:
     """A process that writes through a null pointer on GPU 0 (a page fault
     in that process only: the driver reports it as an Xid and cleans up its
     context), with the agent's NVML backend sampling in a process of its own,
@@ -325,7 +334,7 @@ def _xid_check(user: str | None, seconds: float = 5.0) -> dict:
     without privileges): which Xid it saw, and when."""
     watcher = subprocess.Popen([sys.executable, "-c", _XID_WATCHER, str(seconds)], cwd=ROOT,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               **popen_as(user))
+                               preexec_fn=deny_write_execute if wx else None, **popen_as(user))
     try:
         ready = _next_event(watcher.stdout)
         if ready.get("event") != "ready":
@@ -338,7 +347,8 @@ def _xid_check(user: str | None, seconds: float = 5.0) -> dict:
         if done.get("event") != "done":
             return {"error": "the watcher gave no result", "stderr": watcher.stderr.read()[-500:]}
         seen = done.get("xid") != ready["xid"]
-        return {"user": user or "(this one)", "xid_before": ready["xid"], "xid_after": done.get("xid"),
+        return {"user": user or "(this one)", "write_xor_execute": ready.get("write_xor_execute"),
+                "xid_before": ready["xid"], "xid_after": done.get("xid"),
                 "seen_after_s": round(done["t"] - started, 2) if seen else None,
                 "faulter": (proc.stdout + proc.stderr).strip()[-300:], "health_after": done.get("health")}
     finally:
@@ -467,10 +477,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-user", metavar="USER",
                    help="run the agent, its own --check and the Xid watcher as USER (with USER's groups), as the "
                         "systemd unit does with User=gpulb; needs root")
+    p.add_argument("--agent-wx", action="store_true",
+                   help="run the agent, its own --check and the Xid watcher under W^X memory (PR_SET_MDWE, Linux >= 6.3), "
+                        "as the unit's MemoryDenyWriteExecute=yes does")
     p.add_argument("--rehearse", action="store_true", help="no GPU: the simulated backend and a load that only sleeps (tries the script)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.agent_wx:
+        try:
+            subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=deny_write_execute)
+        except (subprocess.SubprocessError, OSError) as exc:
+            print(f"--agent-wx: this kernel cannot enforce W^X on a process (PR_SET_MDWE, Linux >= 6.3): {exc}",
+                  file=sys.stderr)
+            return 2
 
     from agent.check import check_coordinator, render_check, run_check
     from agent.nvml import NvmlBackend
@@ -510,32 +530,36 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     smi = None
     loader = None
-    summary: dict = {"check": check.to_dict(), "user_check": None, "pcie_overlap": overlap, "pcie_agreement": agreement}
+    summary: dict = {"agent_user": args.agent_user, "agent_write_xor_execute": args.agent_wx,
+                     "check": check.to_dict(), "user_check": None, "pcie_overlap": overlap, "pcie_agreement": agreement}
     try:
         coordinator = group.start("coordinator", [sys.executable, "-m", "coordinator.main", "--listen", target,
                                     "--metrics-listen", f"127.0.0.1:{mport}", "--log-format", "json", "--insecure"])
-        if args.agent_user:
+        if args.agent_user or args.agent_wx:
             deadline = time.time() + 30
-            while not check_coordinator(target)[0]:  # serving before the user's check asks it
+            while not check_coordinator(target)[0]:  # serving before the agent's check asks it
                 if time.time() > deadline or coordinator.poll() is not None:
                     raise RuntimeError(f"the coordinator never served (logs in {logs})")
                 time.sleep(0.2)
-            print(f"\n== 3a. gpulb-agent --check as {args.agent_user} (what the systemd unit's User= sees), against the coordinator", flush=True)
+            how = " and ".join(filter(None, [f"as {args.agent_user}" if args.agent_user else "",
+                                             "under W^X" if args.agent_wx else ""]))
+            print(f"\n== 3a. gpulb-agent --check {how} (as the systemd unit runs it), against the coordinator", flush=True)
             try:
                 proc = subprocess.run([sys.executable, "-m", "agent.main", "--check", "--backend", "sim" if args.rehearse else "nvml",
-                                       "--check-rounds", "5", "--sim-gpus", "1", "--coordinator", target], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                                      **popen_as(args.agent_user))
+                                       "--check-rounds", "5", "--sim-gpus", "1", "--coordinator", target],
+                                      cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                      preexec_fn=deny_write_execute if args.agent_wx else None, **popen_as(args.agent_user))
             except (OSError, KeyError) as exc:  # no such user, not root, or the user cannot run this Python
                 print(f"cannot run the agent as {args.agent_user}: {exc} (the interpreter and {ROOT} must be readable "
                       f"by that user)", file=sys.stderr)
                 raise SystemExit(2)
-            summary["user_check"] = {"user": args.agent_user, "exit_code": proc.returncode,
-                                     "output": (proc.stdout + proc.stderr)[-4000:]}
+            summary["user_check"] = {"user": args.agent_user, "write_xor_execute": args.agent_wx,
+                                     "exit_code": proc.returncode, "output": (proc.stdout + proc.stderr)[-4000:]}
             print(proc.stdout + proc.stderr, f"exit {proc.returncode}", flush=True)
         agent = group.start("agent", [sys.executable, "-m", "agent.main", "--backend", "sim" if args.rehearse else "nvml",
                                       "--sim-gpus", "1", "--sim-workload", "idle",
                                       "--coordinator", target, "--node-id", "gpu-host", "--log-format", "json"],
-                            user=args.agent_user)
+                            user=args.agent_user, write_xor_execute=args.agent_wx)
         poller = threading.Thread(target=_poll, args=(target, run, stop), daemon=True)
         poller.start()
         deadline = time.time() + 30
@@ -699,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.xid and not args.rehearse:
         print("\n== 4. an Xid: a process faults on GPU 0 while the NVML backend samples", flush=True)
         try:
-            summary["xid"] = _xid_check(args.agent_user)
+            summary["xid"] = _xid_check(args.agent_user, args.agent_wx)
         except Exception as exc:
             summary["xid"] = {"error": repr(exc)}
         print(json.dumps(summary["xid"], indent=1), flush=True)

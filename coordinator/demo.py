@@ -42,6 +42,7 @@ __all__ = [
     "free_port",
     "ProcessGroup",
     "popen_as",
+    "deny_write_execute",
     "add_demo_arguments",
     "GpuReading",
     "TaskOutcome",
@@ -94,6 +95,20 @@ def popen_as(user: str | None) -> dict:
     return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": os.getgrouplist(user, entry.pw_gid)}
 
 
+def deny_write_execute() -> None:
+    """In a child before exec: no memory may be writable and executable, or
+    become executable, from here on, across exec (``prctl(PR_SET_MDWE,
+    PR_MDWE_REFUSE_EXEC_GAIN)``, Linux >= 6.3): what systemd's
+    ``MemoryDenyWriteExecute=yes`` enforces, so a unit's W^X can be tried
+    without systemd. Raises OSError where the kernel cannot."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(65, 1, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"PR_SET_MDWE: {os.strerror(errno)} (needs Linux >= 6.3)")
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the demo dies, even by SIGKILL,
     so not even a killed demo leaves its cluster running (Linux only)."""
@@ -113,15 +128,25 @@ class ProcessGroup:
         self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, argv: list[str], user: str | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, argv: list[str], user: str | None = None, write_xor_execute: bool = False
+    ) -> subprocess.Popen:
         """Start ``argv`` logging to ``<name>.log``; as ``user`` (with that
         user's groups, as a systemd ``User=`` unit runs) when given: only root
-        can do that."""
+        can do that; with ``write_xor_execute``, under W^X memory as
+        ``MemoryDenyWriteExecute=yes`` runs it (see ``deny_write_execute``)."""
+        linux = sys.platform.startswith("linux")
+
+        def setup() -> None:
+            if write_xor_execute:
+                deny_write_execute()
+            _die_with_parent()
+
         log = open(self.log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=setup if linux or write_xor_execute else None,
             **popen_as(user),
         )
         log.close()
