@@ -50,6 +50,7 @@ from scheduler.scoring import (
     load_aware_node_bounds,
     load_aware_scores,
     load_aware_terms,
+    speed_loss_scores,
 )
 from scheduler.task import ScoreBreakdown, TaskSpec
 from scheduler.view import PlacementView
@@ -1342,6 +1343,7 @@ class Fragmentation(Policy):
 
     score_g = dF_node(g) + w_overcommit * max(0, load_g / 100 + share - 1)
               + w_pack * (free_memory_g - vram) / total_g + w_oom_risk * O(g)
+              + w_speed * (1 - fastest / slowdown_g)      (with learned speeds)
 
     ``dF`` and the overcommit are in GPUs (compute shares), so with the
     default ``w_overcommit = 1`` sharing a busy GPU's compute costs as much
@@ -1350,13 +1352,20 @@ class Fragmentation(Policy):
     ``O(g)`` is load_aware's learned chance of outgrowing the GPU
     (``scheduler.scoring``): packing fills the small cards first, which
     whole-GPU tasks then outgrow (on the openb replays fgd lost ~100 runs
-    to OOM without it, 46 with it, load_aware 8). The mix is the engine's
+    to OOM without it, 46 with it, load_aware 8). The speed term is the share
+    of the task's speed lost on g against the fastest GPU for its kind (the
+    predictor's slowdown column, as load_aware's completion term but without
+    its load stretch, which the overcommit term already counts): at weight 4
+    a card 2.4x slower costs 2.3 GPUs of fragment, so fgd sends work to the
+    GPUs that finish it soonest and packs among equally fast ones (on the
+    openb cluster mean response 11.6 -> 4.3 h, as load_aware's; 0 on a
+    homogeneous cluster but for learned per-node residuals). The mix is the engine's
     ``WorkloadMix`` (every queued task); without one, or before anything
     arrived, the task being placed stands for the mix.
     """
 
     NAME = "fgd"
-    DEFAULT_WEIGHTS = {"overcommit": 1.0, "pack": 0.01, "oom_risk": 2.0, "nvlink": 0.5}
+    DEFAULT_WEIGHTS = {"overcommit": 1.0, "pack": 0.01, "oom_risk": 2.0, "speed": 4.0, "nvlink": 0.5}
 
     def _shapes(self, spec: TaskSpec):
         mix = self.workload_mix
@@ -1393,6 +1402,9 @@ class Fragmentation(Policy):
         table = growth_table(view, spec, self.weights["oom_risk"])
         if table is not None:
             table.add_risk(scores, view.headroom, spec.vram_mib, self.weights["oom_risk"])
+        speed_loss = speed_loss_scores(view, spec, self.weights["speed"])
+        if speed_loss is not None:
+            scores += speed_loss
         return scores
 
     def terms(
@@ -1407,7 +1419,12 @@ class Fragmentation(Policy):
         if table is not None:
             risk[:] = [self.weights["oom_risk"] * table.risk_at(float(view.headroom[i]), spec.vram_mib) for i in r]
             terms["oom_risk"] = float(risk.mean())
-        terms["fragmentation"] = float((scores[r] - over - pack - risk).mean())
+        speed_loss = speed_loss_scores(view, spec, self.weights["speed"], r)
+        if speed_loss is not None:
+            terms["speed"] = float(speed_loss.mean())
+        else:
+            speed_loss = np.zeros(len(r))
+        terms["fragmentation"] = float((scores[r] - over - pack - risk - speed_loss).mean())
         return terms
 
 

@@ -80,6 +80,7 @@ if TYPE_CHECKING:  # the view imports the term functions below
 
 __all__ = [
     "LOAD_AWARE_WEIGHTS",
+    "speed_loss_scores",
     "memory_pressure",
     "temperature_penalty",
     "response_time_term",
@@ -172,6 +173,21 @@ def _weighted_speed(view: PlacementView, kind: str, weight: float) -> np.ndarray
         cached = weight * (fastest / np.where(known, column, 1.0))
         view.static_cache[key] = cached
     return cached
+
+
+def speed_loss_scores(view: PlacementView, spec: TaskSpec, weight: float, rows: np.ndarray | None = None) -> np.ndarray | None:
+    """``weight * (1 - fastest / slowdown_g)`` of every GPU (or of ``rows``):
+    the share of the task's speed lost on GPU g against the fastest for its
+    kind, from the learned slowdown columns; the completion term without its
+    load stretch, for a policy that counts shared compute by itself (fgd's
+    overcommit). 0 everywhere on a homogeneous cluster; None without learned
+    slowdowns or with ``weight`` 0."""
+    if not weight:
+        return None
+    floor = _completion_floor(view, spec.kind, weight)
+    if floor is None:
+        return None
+    return floor.copy() if rows is None else floor[rows]
 
 
 def _weighted_load(view: PlacementView, rows: object, weight: float) -> np.ndarray:

@@ -272,3 +272,34 @@ def test_when_every_gpu_is_past_its_compute_the_least_overloaded_takes_more() ->
     assert chosen.gpu_uuids == ("GPU-b-0",)
     assert chosen.score.terms["overcommit"] == pytest.approx(0.5)
     assert make_policy("binpack").choose(view, task, feasible(view, task)).gpu_uuids == ("GPU-a-0",)
+
+
+@pytest.mark.parametrize("speed, chosen", [(0.0, "slow"), (2.0, "fast"), (None, "fast")])
+def test_with_learned_speeds_the_gpu_that_finishes_sooner_wins_among_equal_fragments(speed: float | None, chosen: str) -> None:
+    # two idle 24 GiB cards, the first in rows three times slower for the
+    # task's kind (the predictor's slowdown column). The fragment either
+    # leaves is the same, so without the speed term the lowest row wins; with
+    # it the task loses 2/3 of its speed on the slow card, w * (1 - 1/3)
+    # against it, and fgd takes the fast one (None: the default weights).
+    import dataclasses
+
+    snap = ClusterSnapshot.build([NodeFacts("slow", 1, memory_total_mib=TOTAL), NodeFacts("fast", 1, memory_total_mib=TOTAL)],
+                                 memory_used_mib=[0.0, 0.0])
+    view = PlacementView(dataclasses.replace(snap, gpu_slowdown={"": np.asarray([3.0, 1.0]), "training": np.asarray([3.0, 1.0])}))
+    task = spec(vram_mib=8 * GIB, gpu_share=0.5, kind="training")
+    fgd = make_policy("fgd", None if speed is None else {"speed": speed})
+    fgd.workload_mix = mix_of((1, 8 * GIB, 0.5, 10))
+    weight = fgd.weights["speed"]
+    got = fgd.choose(view, task, feasible(view, task))
+    assert got.node_id == chosen
+    scores = fgd.gpu_scores(view, task)
+    if weight:
+        assert fgd.terms(view, task, [0], scores)["speed"] == pytest.approx(weight * (1 - 1 / 3))
+        assert got.score.terms["speed"] == pytest.approx(0.0)
+        # the fragment terms are the same on both: only the speed term differs
+        assert scores[0] - scores[1] == pytest.approx(weight * (1 - 1 / 3))
+    else:
+        assert "speed" not in got.score.terms and scores[0] == pytest.approx(scores[1])
+    # without learned speeds the term is absent whatever its weight
+    plain = PlacementView(snap)
+    assert "speed" not in fgd.choose(plain, task, feasible(plain, task)).score.terms
