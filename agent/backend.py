@@ -22,6 +22,7 @@ __all__ = [
     "BackendError",
     "BackendUnavailable",
     "DeviceLost",
+    "driver_version_of",
 ]
 
 
@@ -121,3 +122,10 @@ class GpuBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def driver_version_of(backend: GpuBackend) -> str:
+    """The NVIDIA driver and CUDA version a backend reads ("580.159.04, CUDA
+    13.0"): an optional ``driver_version`` attribute, which the NVML backend
+    has and the simulator does not; "" when not known."""
+    return str(getattr(backend, "driver_version", "") or "")

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agent.backend import GpuBackend, GpuInfo, GpuSample
+from agent.backend import GpuBackend, GpuInfo, GpuSample, driver_version_of
 from coordinator.tables import render_table
 from protos import telemetry_pb2 as pb
 from scheduler.cluster import lookup_model
@@ -184,7 +184,7 @@ def run_check(
         interval_min_s=interval_min_s,
         round_ms=round_ms,
         gpus=gpus,
-        driver_version=str(getattr(backend, "driver_version", "") or ""),
+        driver_version=driver_version_of(backend),
         topology=[
             {"gpu_a": link.gpu_a, "gpu_b": link.gpu_b, "kind": pb.LinkKind.Name(link.kind).removeprefix("LINK_KIND_").lower(), "nvlink_count": link.nvlink_count}
             for link in backend.topology()

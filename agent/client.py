@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import structlog
 
-from agent.backend import GpuBackend, GpuProcess
+from agent.backend import GpuBackend, GpuProcess, driver_version_of
 from agent.sampler import AdaptiveInterval
 from agent.telemetry import movement, process_lists, register_message, samples_to_matrix
 from protos import telemetry_pb2 as pb
@@ -248,7 +248,7 @@ class Agent:
                 version=AGENT_VERSION,
                 interval_min_ms=int(cfg.interval_min_s * 1000),
                 interval_max_ms=int(cfg.interval_max_s * 1000),
-                driver_version=str(getattr(self.backend, "driver_version", "") or ""),
+                driver_version=driver_version_of(self.backend),
             )
             await call.write(pb.AgentMessage(register=register))
             reader = asyncio.create_task(self._read_loop(call))

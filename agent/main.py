@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from agent.backend import BackendUnavailable, GpuBackend
+from agent.backend import BackendUnavailable, GpuBackend, driver_version_of
 from agent.client import Agent, AgentConfig
 from coordinator.sdnotify import Notifier, WatchdogPinger
 from protos.runtime import LOG_LEVELS, configure_logging
@@ -176,7 +176,7 @@ async def _run(settings: dict[str, Any]) -> int:
 
         loop.add_signal_handler(signal.SIGUSR1, rewind_background)
     log.info("agent_starting", node_id=config.node_id, backend=backend.name, gpus=len(agent.gpu_order), coordinator=config.coordinator, pid=os.getpid(),
-             **({"driver": backend.driver_version} if getattr(backend, "driver_version", "") else {}))
+             **({"driver": driver_version_of(backend)} if driver_version_of(backend) else {}))
     pinger.start()
     status = asyncio.create_task(_report_status(agent, notifier, backend.name))
     try:
