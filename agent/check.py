@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -81,6 +82,10 @@ class CheckReport:
     gpus: list[GpuCheck]
     topology: list[dict[str, Any]]
     driver_version: str = ""  # the NVIDIA driver and its CUDA version; "" off NVML
+    # how this check ran, against how the unit runs the agent (User=gpulb,
+    # MemoryDenyWriteExecute=yes): a check as root can pass where the service fails
+    process_user: str = ""
+    write_xor_execute: bool | None = None  # None: not known on this platform
 
     @property
     def round_ms_max(self) -> float:
@@ -185,11 +190,44 @@ def run_check(
         round_ms=round_ms,
         gpus=gpus,
         driver_version=driver_version_of(backend),
+        process_user=_process_user(),
+        write_xor_execute=_write_xor_execute(),
         topology=[
             {"gpu_a": link.gpu_a, "gpu_b": link.gpu_b, "kind": pb.LinkKind.Name(link.kind).removeprefix("LINK_KIND_").lower(), "nvlink_count": link.nvlink_count}
             for link in backend.topology()
         ],
     )
+
+
+#: how systemd/gpulb-agent.service runs the agent; a check that runs otherwise says so
+UNIT_USER = "gpulb"
+UNIT_CHECK_COMMAND = (
+    "systemd-run --pipe --wait -p User=gpulb -p SupplementaryGroups=video -p MemoryDenyWriteExecute=yes "
+    "/usr/local/bin/gpulb-agent --config /etc/gpulb/agent.toml --check"
+)
+
+
+def _process_user() -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError, AttributeError):
+        return ""
+
+
+def _write_xor_execute() -> bool | None:
+    """Whether this process may not map writable+executable memory (as under
+    the unit's MemoryDenyWriteExecute=yes): a probe mapping, closed at once."""
+    import mmap
+
+    try:
+        mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC).close()
+        return False
+    except PermissionError:
+        return True
+    except (OSError, AttributeError, ValueError):
+        return None  # no such protection flags here
 
 
 def _value(value: int | None, unit: str, error: str | None) -> str:
@@ -276,6 +314,13 @@ def render_check(report: CheckReport) -> str:
     out.append(
         "health: every GPU OK" if not bad else "health: " + ", ".join(f"GPU {g.index} {g.health}" for g in bad)
     )
+    if report.process_user:
+        wx = {True: "W^X enforced", False: "W^X not enforced", None: "W^X unknown"}[report.write_xor_execute]
+        line = f"process: user {report.process_user}, {wx}"
+        if report.process_user != UNIT_USER or report.write_xor_execute is False:
+            # informational: it does not fail the check, the device reads above are real
+            line += f" (the unit runs the agent as {UNIT_USER} under W^X; to check it that way: {UNIT_CHECK_COMMAND})"
+        out.append(line)
     out.append("check: " + ("PASS" if report.ok else "FAIL"))
     return "\n".join(out)
 

@@ -6,6 +6,7 @@ fastest sampling period."""
 from __future__ import annotations
 
 import json
+import os
 
 import pynvml
 import pytest
@@ -212,3 +213,41 @@ async def test_check_uses_the_agents_tls_and_certificate(tmp_path, logging_resto
         assert not ok and detail.startswith("TLS files unusable")
     finally:
         await coord.stop(grace_s=0.1)
+
+
+def test_check_says_how_it_ran_against_how_the_unit_runs_the_agent() -> None:
+    """A check as root without W^X can pass where the service (User=gpulb,
+    MemoryDenyWriteExecute=yes) fails: it says so and how to check the unit's
+    way; run the unit's way, it says nothing more. Informational: the verdict
+    stays the devices'."""
+    import dataclasses
+    import pwd
+
+    from agent.check import UNIT_CHECK_COMMAND
+
+    report = run_check(NvmlBackend(nvml=_gpus()), rounds=1, sleep=lambda s: None)
+    assert report.process_user == pwd.getpwuid(os.geteuid()).pw_name
+    assert report.write_xor_execute in (True, False)
+    as_root = dataclasses.replace(report, process_user="root", write_xor_execute=False)
+    line = next(l for l in render_check(as_root).splitlines() if l.startswith("process: "))
+    assert line.startswith("process: user root, W^X not enforced") and UNIT_CHECK_COMMAND in line
+    as_unit = dataclasses.replace(report, process_user="gpulb", write_xor_execute=True)
+    line = next(l for l in render_check(as_unit).splitlines() if l.startswith("process: "))
+    assert line == "process: user gpulb, W^X enforced"
+    assert render_check(as_root).endswith("check: PASS") and render_check(as_unit).endswith("check: PASS")
+
+
+def test_the_check_sees_write_xor_execute_when_it_is_in_force() -> None:
+    import subprocess
+    import sys
+
+    from coordinator.demo import deny_write_execute
+
+    argv = [sys.executable, "-m", "agent.main", "--check", "--backend", "sim", "--check-rounds", "1", "--no-coordinator", "--json"]
+    try:
+        under_wx = subprocess.run(argv, capture_output=True, text=True, timeout=60, preexec_fn=deny_write_execute)
+    except subprocess.SubprocessError:
+        pytest.skip("the kernel cannot enforce W^X on a process (PR_SET_MDWE, Linux < 6.3)")
+    plain = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert json.loads(under_wx.stdout)["write_xor_execute"] is True, under_wx.stdout + under_wx.stderr
+    assert json.loads(plain.stdout)["write_xor_execute"] is False
