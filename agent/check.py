@@ -30,7 +30,10 @@ from coordinator.tables import render_table
 from protos import telemetry_pb2 as pb
 from scheduler.cluster import lookup_model
 
-__all__ = ["CheckReport", "GpuCheck", "run_check", "render_check", "run_and_render", "check_coordinator", "SAMPLE_FIELDS"]
+__all__ = [
+    "CheckReport", "GpuCheck", "run_check", "render_check", "run_and_render", "check_coordinator", "SAMPLE_FIELDS",
+    "write_xor_execute_in_force",
+]
 
 #: GpuSample fields shown, in order, with their display unit
 SAMPLE_FIELDS: tuple[tuple[str, str], ...] = (
@@ -191,7 +194,7 @@ def run_check(
         gpus=gpus,
         driver_version=driver_version_of(backend),
         process_user=_process_user(),
-        write_xor_execute=_write_xor_execute(),
+        write_xor_execute=write_xor_execute_in_force(),
         topology=[
             {"gpu_a": link.gpu_a, "gpu_b": link.gpu_b, "kind": pb.LinkKind.Name(link.kind).removeprefix("LINK_KIND_").lower(), "nvlink_count": link.nvlink_count}
             for link in backend.topology()
@@ -216,7 +219,7 @@ def _process_user() -> str:
         return ""
 
 
-def _write_xor_execute() -> bool | None:
+def write_xor_execute_in_force() -> bool | None:
     """Whether this process may not map writable+executable memory (as under
     the unit's MemoryDenyWriteExecute=yes): a probe mapping, closed at once."""
     import mmap

@@ -219,21 +219,20 @@ class FakeNvml:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         self._initialized = False
 
-    def nvmlSystemGetDriverVersion(self) -> str:
-        self.calls["nvmlSystemGetDriverVersion"] += 1
+    def _system(self, fn: str, value: Any) -> Any:
+        """A system-wide read: ``value``, or FUNCTION_NOT_FOUND where it is None."""
+        self.calls[fn] += 1
         if not self._initialized:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
-        if self.driver_version is None:
+        if value is None:
             self._raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        return self.driver_version
+        return value
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self._system("nvmlSystemGetDriverVersion", self.driver_version)
 
     def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
-        self.calls["nvmlSystemGetCudaDriverVersion_v2"] += 1
-        if not self._initialized:
-            self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
-        if self.cuda_driver_version is None:
-            self._raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        return self.cuda_driver_version
+        return self._system("nvmlSystemGetCudaDriverVersion_v2", self.cuda_driver_version)
 
     def nvmlDeviceGetCount(self) -> int:
         self.calls["nvmlDeviceGetCount"] += 1

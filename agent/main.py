@@ -175,8 +175,9 @@ async def _run(settings: dict[str, Any]) -> int:
             log.info("sim_background_rewound", node_id=config.node_id)
 
         loop.add_signal_handler(signal.SIGUSR1, rewind_background)
+    driver = driver_version_of(backend)
     log.info("agent_starting", node_id=config.node_id, backend=backend.name, gpus=len(agent.gpu_order), coordinator=config.coordinator, pid=os.getpid(),
-             **({"driver": driver_version_of(backend)} if driver_version_of(backend) else {}))
+             **({"driver": driver} if driver else {}))
     pinger.start()
     status = asyncio.create_task(_report_status(agent, notifier, backend.name))
     try:

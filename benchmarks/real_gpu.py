@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from coordinator.demo import ProcessGroup, deny_write_execute, free_port, popen_as  # noqa: E402
+from coordinator.demo import ProcessGroup, can_deny_write_execute, deny_write_execute, free_port, popen_as  # noqa: E402
 from coordinator.ingestbench import process_cpu_s, scrape_metrics  # noqa: E402
 from coordinator.tables import render_table  # noqa: E402
 from protos import cluster_pb2 as cpb  # noqa: E402
@@ -286,14 +286,11 @@ except Exception as exc:
 
 
 _XID_WATCHER = r"""
-import json, mmap, sys, time
+import json, sys, time
+from agent.check import write_xor_execute_in_force
 from agent.nvml import NvmlBackend
 
-try:  # whether this process runs under W^X (--agent-wx), as the unit's agent does
-    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC).close()
-    wx = False
-except OSError:
-    wx = True
+wx = write_xor_execute_in_force()  # under --agent-wx, as the unit's agent runs
 seconds = float(sys.argv[1])
 backend = NvmlBackend()
 try:
@@ -484,13 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.agent_wx:
-        try:
-            subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=deny_write_execute)
-        except (subprocess.SubprocessError, OSError) as exc:
-            print(f"--agent-wx: this kernel cannot enforce W^X on a process (PR_SET_MDWE, Linux >= 6.3): {exc}",
-                  file=sys.stderr)
-            return 2
+    if args.agent_wx and not can_deny_write_execute():
+        print("--agent-wx: this kernel cannot enforce W^X on a process (PR_SET_MDWE, Linux >= 6.3)", file=sys.stderr)
+        return 2
 
     from agent.check import check_coordinator, render_check, run_check
     from agent.nvml import NvmlBackend

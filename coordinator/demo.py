@@ -43,6 +43,7 @@ __all__ = [
     "ProcessGroup",
     "popen_as",
     "deny_write_execute",
+    "can_deny_write_execute",
     "add_demo_arguments",
     "GpuReading",
     "TaskOutcome",
@@ -107,6 +108,16 @@ def deny_write_execute() -> None:
     if libc.prctl(65, 1, 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"PR_SET_MDWE: {os.strerror(errno)} (needs Linux >= 6.3)")
+
+
+def can_deny_write_execute() -> bool:
+    """Whether this kernel can put a child under W^X (``deny_write_execute``):
+    a throw-away child tries."""
+    try:
+        subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=deny_write_execute)
+        return True
+    except (subprocess.SubprocessError, OSError):
+        return False
 
 
 def _die_with_parent() -> None:

@@ -1422,9 +1422,7 @@ class Fragmentation(Policy):
         speed_loss = speed_loss_scores(view, spec, self.weights["speed"], r)
         if speed_loss is not None:
             terms["speed"] = float(speed_loss.mean())
-        else:
-            speed_loss = np.zeros(len(r))
-        terms["fragmentation"] = float((scores[r] - over - pack - risk - speed_loss).mean())
+        terms["fragmentation"] = float((scores[r] - over - pack - risk - (0.0 if speed_loss is None else speed_loss)).mean())
         return terms
 
 

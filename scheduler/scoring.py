@@ -181,13 +181,14 @@ def speed_loss_scores(view: PlacementView, spec: TaskSpec, weight: float, rows: 
     kind, from the learned slowdown columns; the completion term without its
     load stretch, for a policy that counts shared compute by itself (fgd's
     overcommit). 0 everywhere on a homogeneous cluster; None without learned
-    slowdowns or with ``weight`` 0."""
+    slowdowns or with ``weight`` 0. For all rows it is the view's cached
+    column: read it, do not write to it."""
     if not weight:
         return None
     floor = _completion_floor(view, spec.kind, weight)
-    if floor is None:
-        return None
-    return floor.copy() if rows is None else floor[rows]
+    if floor is None or rows is None:
+        return floor
+    return floor[rows]
 
 
 def _weighted_load(view: PlacementView, rows: object, weight: float) -> np.ndarray:

@@ -14,17 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.demo import ProcessGroup, deny_write_execute, popen_as
+from coordinator.demo import ProcessGroup, can_deny_write_execute, popen_as
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _kernel_enforces_wx() -> bool:
-    try:
-        subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=deny_write_execute)
-        return True
-    except (subprocess.SubprocessError, OSError):
-        return False
 
 
 @pytest.mark.slow
@@ -38,14 +30,14 @@ def test_real_gpu_script_runs_end_to_end_on_the_simulator(tmp_path: Path) -> Non
          # current one here, so the privilege drop itself is tested below
          "--agent-user", pwd.getpwuid(os.getuid()).pw_name,
          # and MemoryDenyWriteExecute=, where this kernel can enforce it
-         *(["--agent-wx"] if _kernel_enforces_wx() else [])],
+         *(["--agent-wx"] if can_deny_write_execute() else [])],
         capture_output=True, text=True, timeout=110, cwd=ROOT,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((out / "real_gpu.json").read_text())
     assert summary["check"]["ok"] is True and summary["check"]["backend"] == "sim"
     assert summary["user_check"]["exit_code"] == 0 and "check: PASS" in summary["user_check"]["output"]
-    assert summary["agent_write_xor_execute"] is _kernel_enforces_wx()
+    assert summary["agent_write_xor_execute"] is can_deny_write_execute()
     assert [p["phase"] for p in summary["phases"]] == ["calm", "load", "calm after"]
     assert all(p["period_ms_last"] in range(200, 2001) for p in summary["phases"])
     assert all(p["reading_age_s_max"] is not None and p["reading_age_s_max"] < 10 for p in summary["phases"])
@@ -84,7 +76,7 @@ def test_process_group_starts_a_child_as_the_named_user_with_its_groups(tmp_path
     assert [int(g) for g in groups.strip("[]\n").split(",") if g.strip()] == sorted(os.getgrouplist("nobody", entry.pw_gid))  # root's groups dropped
 
 
-@pytest.mark.skipif(not _kernel_enforces_wx(), reason="the kernel cannot enforce W^X on a process (PR_SET_MDWE, Linux < 6.3)")
+@pytest.mark.skipif(not can_deny_write_execute(), reason="the kernel cannot enforce W^X on a process (PR_SET_MDWE, Linux < 6.3)")
 def test_process_group_starts_a_child_under_write_xor_execute(tmp_path: Path) -> None:
     """What real_gpu.py --agent-wx relies on: the child (after exec) may not
     map writable+executable memory, as under MemoryDenyWriteExecute=yes; a
