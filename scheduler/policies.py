@@ -1344,6 +1344,7 @@ class Fragmentation(Policy):
     score_g = dF_node(g) + w_overcommit * max(0, load_g / 100 + share - 1)
               + w_pack * (free_memory_g - vram) / total_g + w_oom_risk * O(g)
               + w_speed * (1 - fastest / slowdown_g)      (with learned speeds)
+              + w_fill * P(vram / total_g)                (with learned memory growth)
 
     ``dF`` and the overcommit are in GPUs (compute shares), so with the
     default ``w_overcommit = 1`` sharing a busy GPU's compute costs as much
@@ -1359,13 +1360,23 @@ class Fragmentation(Policy):
     a card 2.4x slower costs 2.3 GPUs of fragment, so fgd sends work to the
     GPUs that finish it soonest and packs among equally fast ones (on the
     openb cluster mean response 11.6 -> 4.3 h, as load_aware's; 0 on a
-    homogeneous cluster but for learned per-node residuals). The mix is the engine's
+    homogeneous cluster but for learned per-node residuals). ``P`` is
+    load_aware's memory pressure (0 below the 70 % warn level, 1 at the 85 %
+    reject level) of the task's own ask on an otherwise empty card: a task
+    that alone nearly fills a card has no room left for the growth its next
+    phase may bring, and co-tenants do not matter to it (packing them is
+    fgd's point; their risk is ``O``). It takes whole-GPU tasks off the small
+    cards they would outgrow (on the openb cluster fgd's OOM kills 31 / 18 /
+    30 -> 8 / 12 / 17; load_aware 8 / 9 / 12); no openb ask fills 70 % of a
+    24 GiB card, so on RTX 4090 clusters it is 0. Like ``O`` it applies once
+    memory growth has been learned: it guards against growth, and where
+    none is known (the saturation runs) packing is all there is. The mix is the engine's
     ``WorkloadMix`` (every queued task); without one, or before anything
     arrived, the task being placed stands for the mix.
     """
 
     NAME = "fgd"
-    DEFAULT_WEIGHTS = {"overcommit": 1.0, "pack": 0.01, "oom_risk": 2.0, "speed": 4.0, "nvlink": 0.5}
+    DEFAULT_WEIGHTS = {"overcommit": 1.0, "pack": 0.01, "oom_risk": 2.0, "speed": 4.0, "fill": 2.0, "nvlink": 0.5}
 
     def _shapes(self, spec: TaskSpec):
         mix = self.workload_mix
@@ -1393,6 +1404,30 @@ class Fragmentation(Policy):
         pack *= self.weights["pack"]
         return over, pack
 
+    def _fill(self, view: PlacementView, spec: TaskSpec, rows: np.ndarray | None = None) -> np.ndarray | None:
+        """``w_fill * P(vram / total)`` of every GPU or of ``rows``; None when
+        it is 0 everywhere (no weight, no learned growth, or, as for most
+        tasks, an ask under the warn level of the smallest card)."""
+        weight = self.weights["fill"]
+        if not weight:
+            return None
+        cfg = view.config
+        warn = cfg.memory_warn_pct / 100.0
+        # against the smallest card, so a decision's breakdown shows the term
+        # (as 0 on a big card) whenever it took part in the choice
+        smallest = view.static_cache.get("fgd.inv_total_max")
+        if smallest is None:
+            smallest = view.static_cache["fgd.inv_total_max"] = float(view.inv_total.max()) if view.inv_total.size else 0.0
+        if spec.vram_mib * smallest <= warn or growth_table(view, spec, weight) is None:
+            return None
+        band = cfg.memory_reject_pct / 100.0 - warn
+        fill = spec.vram_mib * (view.inv_total if rows is None else view.inv_total[rows])
+        fill -= warn
+        fill *= weight / band
+        np.maximum(fill, 0.0, out=fill)
+        np.minimum(fill, weight, out=fill)
+        return fill
+
     def gpu_scores(self, view: PlacementView, spec: TaskSpec) -> np.ndarray:
         free = free_resources(view)
         scores = fragmentation_delta(view, spec, self._shapes(spec), free)
@@ -1405,6 +1440,9 @@ class Fragmentation(Policy):
         speed_loss = speed_loss_scores(view, spec, self.weights["speed"])
         if speed_loss is not None:
             scores += speed_loss
+        fill = self._fill(view, spec)
+        if fill is not None:
+            scores += fill
         return scores
 
     def terms(
@@ -1422,7 +1460,14 @@ class Fragmentation(Policy):
         speed_loss = speed_loss_scores(view, spec, self.weights["speed"], r)
         if speed_loss is not None:
             terms["speed"] = float(speed_loss.mean())
-        terms["fragmentation"] = float((scores[r] - over - pack - risk - (0.0 if speed_loss is None else speed_loss)).mean())
+        fill = self._fill(view, spec, r)
+        if fill is not None:
+            terms["fill"] = float(fill.mean())
+        rest = scores[r] - over - pack - risk
+        for term in (speed_loss, fill):
+            if term is not None:
+                rest -= term
+        terms["fragmentation"] = float(rest.mean())
         return terms
 
 

@@ -303,3 +303,40 @@ def test_with_learned_speeds_the_gpu_that_finishes_sooner_wins_among_equal_fragm
     # without learned speeds the term is absent whatever its weight
     plain = PlacementView(snap)
     assert "speed" not in fgd.choose(plain, task, feasible(plain, task)).score.terms
+
+
+@pytest.mark.parametrize("fill, learned, chosen", [(None, True, "big"), (0.0, True, "small"), (None, False, "small")])
+def test_a_task_that_alone_nearly_fills_a_card_goes_to_a_bigger_one_once_growth_is_learned(
+    fill: float | None, learned: bool, chosen: str
+) -> None:
+    # two idle cards, 16 GiB and 24 GiB, and a whole-GPU ask of 13,107 MiB: 80 %
+    # of the small card, past its 70 % warn level, and 53 % of the big one.
+    # Every run learned so far ended at its ask (the learned risk of outgrowing
+    # either card is 0), so only the fill term tells them apart: on the small
+    # card w * (0.8 - 0.7) / (0.85 - 0.7) = 2/3 w, on the big one 0. Without it
+    # packing takes the tightest fit; with nothing learned it is not applied.
+    from scheduler.memgrowth import GrowthTable
+    from scheduler.predictor import ANY_KIND
+
+    snap = ClusterSnapshot.build(
+        [NodeFacts("small", 1, model="Tesla T4", memory_total_mib=16_384.0),
+         NodeFacts("big", 1, model="RTX 4090", memory_total_mib=24_576.0)],
+        memory_used_mib=[0.0, 0.0],
+    )
+    if learned:
+        snap.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 20),
+                              "inference": GrowthTable.from_ratios([1.0] * 20)}
+    view = PlacementView(snap)
+    task = spec(vram_mib=13_107.0, gpu_share=1.0, kind="inference")
+    fgd = make_policy("fgd", None if fill is None else {"fill": fill})
+    got = fgd.choose(view, task, feasible(view, task))
+    assert got.node_id == chosen
+    terms = fgd.terms(view, task, [0], fgd.gpu_scores(view, task))
+    if fgd.weights["fill"] and learned:
+        assert terms["fill"] == pytest.approx(fgd.weights["fill"] * (13_107 / 16_384 - 0.7) / 0.15)
+        assert got.score.terms["fill"] == 0.0 and got.score.terms.get("oom_risk", 0.0) == 0.0
+    else:
+        assert "fill" not in terms
+    # an ask under the warn level of every card: no term at all
+    small_ask = spec(vram_mib=8_000.0, gpu_share=1.0, kind="inference")
+    assert "fill" not in fgd.terms(view, small_ask, [0], fgd.gpu_scores(view, small_ask))
