@@ -1371,6 +1371,8 @@ def _build_targets() -> dict[str, RpcTarget]:
         "CompleteTask": {"gpulb.v1.CompleteTaskRequest.task_id": _task_ids(), "gpulb.v1.CompleteTaskRequest.lease_id": _lease_ids()},
         "CancelTask": {"gpulb.v1.CancelTaskRequest.task_id": _task_ids()},
         "RenewLease": {"gpulb.v1.RenewLeaseRequest.task_id": _task_ids(), "gpulb.v1.RenewLeaseRequest.lease_id": _lease_ids()},
+        "MigrateTask": {"gpulb.v1.MigrateTaskRequest.task_id": _task_ids(), "gpulb.v1.MigrateTaskRequest.lease_id": _lease_ids(),
+                        "gpulb.v1.MigrateTaskRequest.to_gpu_uuid": POOLS.strategy("gpu_uuids")},
         "SetPolicy": {"gpulb.v1.SetPolicyRequest.name": POOLS.strategy("policies"),
                       "gpulb.v1.SetPolicyRequest.weights": _pool_dicts("weights", DOUBLES)},
     }
@@ -1393,6 +1395,7 @@ def _build_targets() -> dict[str, RpcTarget]:
         "CompleteTask": _leased_pair(tpb.CompleteTaskRequest, failed=st.booleans(), actual_duration_s=_FINITE),
         "CancelTask": st.builds(tpb.CancelTaskRequest, task_id=POOLS.strategy("task_ids"), reason=reason),
         "RenewLease": _leased_pair(tpb.RenewLeaseRequest, extend_s=_FINITE),
+        "MigrateTask": _leased_pair(tpb.MigrateTaskRequest, to_gpu_uuid=st.lists(POOLS.strategy("gpu_uuids"), min_size=1, max_size=2)),
         "GetQueue": st.just(tpb.GetQueueRequest()),
         "GetPolicy": st.just(tpb.GetPolicyRequest()),
         "SetPolicy": st.builds(tpb.SetPolicyRequest, name=st.one_of(st.just(""), POOLS.strategy("policies")),
@@ -1699,7 +1702,7 @@ def run_target(name: str, count: int, cluster: LiveCluster | None = None, client
     return tally
 
 
-_LEASE_USERS = frozenset({"CompleteTask", "RenewLease", "CancelTask", "WatchTask", "GetTask"})
+_LEASE_USERS = frozenset({"CompleteTask", "RenewLease", "MigrateTask", "CancelTask", "WatchTask", "GetTask"})
 
 TARGETS = ["decoder.apply", "decoder.admit+ingest", *RPC_TARGETS, "AgentGateway.Connect", "wire.undecodable"]
 

@@ -381,6 +381,29 @@ def cmd_complete(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("migrate")
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """Move a leased task's lease to other GPUs (a rebalance plan's move)."""
+    with _channel(args) as ch:
+        stub = tpb_grpc.SchedulerStub(ch)
+        uuids = []
+        for gpu in args.to:
+            node, sep, index = gpu.rpartition(":")
+            if gpu.startswith("GPU-") or not sep:
+                uuids.append(gpu)
+                continue
+            gpus = cpb_grpc.ClusterOperatorStub(ch).ListGpus(cpb.ListGpusRequest(node_id=node), timeout=args.timeout).gpus
+            found = [g.uuid for g in gpus if str(g.index) == index]
+            if not found:
+                raise SystemExit(f"gpulb: --to-gpu {gpu}: node {node!r} has no GPU {index}")
+            uuids.append(found[0])
+        lease = args.lease or stub.GetTask(tpb.GetTaskRequest(task_id=args.task), timeout=args.timeout).assignment.lease_id
+        task = stub.MigrateTask(tpb.MigrateTaskRequest(task_id=args.task, lease_id=lease, to_gpu_uuid=uuids), timeout=args.timeout).task
+    a = task.assignment
+    print(f"{task.spec.task_id}: {_task_state(task.state)} on {a.node_id}:{','.join(map(str, a.gpu_index))}, lease {a.lease_id}")
+    return 0
+
+
 @command("cancel")
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _channel(args) as ch:
@@ -571,6 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("task")
     complete.add_argument("--lease", help="lease id (default: the task's current lease)")
     complete.add_argument("--failed", action="store_true")
+
+    migrate = sub.add_parser("migrate", help="move a leased task to other GPUs in one step (a rebalance plan's move)")
+    migrate.add_argument("task")
+    migrate.add_argument("--to-gpu", dest="to", action="append", required=True, metavar="GPU",
+                         help="destination GPU, as its UUID or NODE:INDEX; once per GPU of the task")
+    migrate.add_argument("--lease", help="lease id (default: the task's current lease)")
 
     cancel = sub.add_parser("cancel", help="cancel a queued or leased task")
     cancel.add_argument("task")

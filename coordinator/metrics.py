@@ -156,6 +156,7 @@ class CoordinatorMetrics:
         self.node_transitions = Counter("gpulb_node_transitions_total", "Node liveness transitions, by new state", ["state"], registry=r)
         self.tasks_placed = Counter("gpulb_tasks_placed_total", "Tasks placed, by policy and priority class", ["policy", "priority"], registry=r)
         self.tasks_finished = Counter("gpulb_tasks_finished_total", "Tasks that reached a final state, by state", ["state"], registry=r)
+        self.tasks_migrated = Counter("gpulb_tasks_migrated_total", "Leases moved to other GPUs by MigrateTask (a rebalance plan's move)", registry=r)
         self.sla_misses = Counter("gpulb_p0_sla_misses_total", "P0 tasks that waited past the SLA bound", registry=r)
         self.decision_seconds = Histogram(
             "gpulb_schedule_decision_seconds",
@@ -251,6 +252,7 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_node_transitions_total",
     "gpulb_tasks_placed_total",
     "gpulb_tasks_finished_total",
+    "gpulb_tasks_migrated_total",
     "gpulb_p0_sla_misses_total",
     "gpulb_schedule_decision_seconds",
     "gpulb_task_wait_seconds",

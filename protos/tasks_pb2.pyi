@@ -263,6 +263,22 @@ class RenewLeaseResponse(_message.Message):
     task: Task
     def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ...) -> None: ...
 
+class MigrateTaskRequest(_message.Message):
+    __slots__ = ("task_id", "lease_id", "to_gpu_uuid")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    lease_id: str
+    to_gpu_uuid: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., to_gpu_uuid: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MigrateTaskResponse(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: Task
+    def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ...) -> None: ...
+
 class QueueClass(_message.Message):
     __slots__ = ("priority", "depth", "oldest_wait_s")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_tasks__pb2.RenewLeaseRequest.SerializeToString,
                 response_deserializer=protos_dot_tasks__pb2.RenewLeaseResponse.FromString,
                 _registered_method=True)
+        self.MigrateTask = channel.unary_unary(
+                '/gpulb.v1.Scheduler/MigrateTask',
+                request_serializer=protos_dot_tasks__pb2.MigrateTaskRequest.SerializeToString,
+                response_deserializer=protos_dot_tasks__pb2.MigrateTaskResponse.FromString,
+                _registered_method=True)
         self.GetQueue = channel.unary_unary(
                 '/gpulb.v1.Scheduler/GetQueue',
                 request_serializer=protos_dot_tasks__pb2.GetQueueRequest.SerializeToString,
@@ -142,6 +147,12 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MigrateTask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetQueue(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -202,6 +213,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.RenewLease,
                     request_deserializer=protos_dot_tasks__pb2.RenewLeaseRequest.FromString,
                     response_serializer=protos_dot_tasks__pb2.RenewLeaseResponse.SerializeToString,
+            ),
+            'MigrateTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateTask,
+                    request_deserializer=protos_dot_tasks__pb2.MigrateTaskRequest.FromString,
+                    response_serializer=protos_dot_tasks__pb2.MigrateTaskResponse.SerializeToString,
             ),
             'GetQueue': grpc.unary_unary_rpc_method_handler(
                     servicer.GetQueue,
@@ -435,6 +451,33 @@ class Scheduler:
             '/gpulb.v1.Scheduler/RenewLease',
             protos_dot_tasks__pb2.RenewLeaseRequest.SerializeToString,
             protos_dot_tasks__pb2.RenewLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpulb.v1.Scheduler/MigrateTask',
+            protos_dot_tasks__pb2.MigrateTaskRequest.SerializeToString,
+            protos_dot_tasks__pb2.MigrateTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,

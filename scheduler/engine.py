@@ -47,14 +47,15 @@ from scheduler.errors import (
     TaskFinished,
     UnknownPolicy,
     UnknownTask,
+    Unplaceable,
 )
-from scheduler.filters import describe, explain, feasible, never_fits
+from scheduler.filters import describe, explain, feasible, first_failure, never_fits
 from scheduler.fragmentation import WorkloadMix
 from scheduler.policies import POLICIES, Placement, Policy, make_policy
 from scheduler.queue import AgingQueue, Outcome
 from scheduler.reservations import LeaseBook, Reservations
 from scheduler.snapshot import ClusterSnapshot
-from scheduler.task import Assignment, Priority, Task, TaskSpec, TaskState
+from scheduler.task import Assignment, Priority, ScoreBreakdown, Task, TaskSpec, TaskState
 from scheduler.view import PlacementView
 
 __all__ = ["Scheduler", "SchedulerConfig", "ClassSummary", "QueueSummary", "PolicyInfo"]
@@ -136,6 +137,7 @@ class Scheduler:
         # they first did (``_urgent_sets``; stale ids are dropped as met)
         self._blocked_sets: list[dict[str, None]] = [{} for _ in Priority]
         self.placed = 0
+        self.migrated = 0  # leases moved to other GPUs (migrate)
 
     # ---- listeners --------------------------------------------------------------------
     def add_listener(self, listener: Listener) -> Callable[[], None]:
@@ -663,7 +665,9 @@ class Scheduler:
             )
         return "waiting: " + describe(result.rejected, result.total)
 
-    def _apply(self, task: Task, view: PlacementView, placement: Placement, now: float) -> None:
+    def _apply(self, task: Task, view: PlacementView, placement: Placement, now: float, *, moved: bool = False) -> None:
+        """Lease ``placement`` to ``task`` (``moved``: a migration, which is
+        neither a new placement nor an attempt: the retry rule counts attempts)."""
         spec = task.spec
         lease = self._leases.grant(spec.task_id, now, self.config.lease_s)
         # the readings the reservation fades against (stale ones too: see Reservations)
@@ -675,7 +679,8 @@ class Scheduler:
         self._policy.commit(view, placement)
         task.state = TaskState.LEASED
         task.reason = ""
-        task.attempts += 1
+        if not moved:
+            task.attempts += 1
         task.assignment = Assignment(
             node_id=placement.node_id,
             gpu_indices=placement.gpu_indices,
@@ -686,7 +691,10 @@ class Scheduler:
             placed_at=now,
         )
         self._by_node.setdefault(placement.node_id, set()).add(spec.task_id)
-        self.placed += 1
+        if moved:
+            self.migrated += 1
+        else:
+            self.placed += 1
         self._changed(task)
 
     # ---- leases -------------------------------------------------------------------------
@@ -755,6 +763,81 @@ class Scheduler:
             self._finish(task, TaskState.FAILED, "the lease holder reported failure", now)
         else:
             self._finish(task, TaskState.COMPLETED, "", now)
+        self._flush()
+        return copy.copy(task)
+
+    def migrate(
+        self, task_id: str, lease_id: str, to_gpu_uuids: Sequence[str], snapshot: ClusterSnapshot | None = None
+    ) -> Task:
+        """Move a leased task to other GPUs in one step: the old lease and its
+        reservation end and a new lease on ``to_gpu_uuids`` begins, in the
+        same call, so no queued task can take the destination between the
+        two (a rebalance plan's move, carried out by an executor that
+        checkpoints the task and restarts it there). The destination must be
+        on one node, none of the task's current GPUs, and pass every filter
+        for the task's spec as the cluster is now (``snapshot``, else the
+        last one dispatched on). The task keeps its id, priority, queue time
+        and attempts; its assignment, lease id and ``placed_at`` are new.
+
+        Raises NotLeaseHolder (not the live lease), InvalidArgument
+        (``to_gpu_uuid``: wrong count, repeated, unknown, on two nodes, or
+        one the task already has) and Unplaceable (the destination fails a
+        filter, named; its node is kept for a blocked multi-GPU task; or no
+        cluster view yet). Nothing changes on error.
+        """
+        now = self._clock()
+        try:
+            task = self._leased(task_id, lease_id, now)
+        finally:
+            self._flush()
+        spec = task.spec
+        uuids = tuple(to_gpu_uuids)
+        field = "to_gpu_uuid"
+        if len(uuids) != spec.num_gpus:
+            raise InvalidArgument(field, f"the task runs on {spec.num_gpus} GPU(s); {len(uuids)} given")
+        if len(set(uuids)) != len(uuids):
+            raise InvalidArgument(field, "a GPU is named twice")
+        current = set(task.assignment.gpu_uuids)  # type: ignore[union-attr]
+        mine = [u for u in uuids if u in current]
+        if mine:
+            raise InvalidArgument(field, f"{mine[0]} is already one of the task's GPUs")
+        snap = snapshot if snapshot is not None else self._last_snapshot
+        if snap is None:
+            raise Unplaceable("no cluster view yet: no dispatch has run")
+        view = self._view_for(snap)
+        rows = []
+        for u in uuids:
+            row = view.row_of.get(u)
+            if row is None:
+                raise InvalidArgument(field, f"unknown GPU {u!r}")
+            rows.append(row)
+        nodes = {int(snap.gpu_node[r]) for r in rows}
+        if len(nodes) != 1:
+            raise InvalidArgument(field, "the GPUs are on more than one node")
+        node = nodes.pop()
+        node_id = snap.node_ids[node]
+        if spec.needs_nvlink and spec.num_gpus > 1:
+            raise Unplaceable(f"{field}: an NVLink task is not migrated (its set must be one NVLink group); "
+                              "cancel it and submit it again")
+        for blocked, held in self._held_nodes.items():
+            if held == node_id and blocked in self._tasks and self._tasks[blocked].state == TaskState.QUEUED:
+                raise Unplaceable(f"{field}: node {node_id} is kept for the blocked task {blocked!r} while "
+                                  "gpulb's tasks there end")
+        for u, row in zip(uuids, rows):
+            failed = first_failure(view, spec, row, self.config)
+            if failed is not None:
+                raise Unplaceable(f"{field}: {u} on node {node_id} fails the {failed} filter for this task",
+                                  {failed: 1})
+        self._release(task)
+        placement = Placement(
+            node=node,
+            node_id=node_id,
+            rows=tuple(rows),
+            gpu_indices=tuple(int(snap.gpu_index[r]) for r in rows),
+            gpu_uuids=uuids,
+            score=ScoreBreakdown(policy="migration", total=0.0, terms={}, candidates=len(uuids)),
+        )
+        self._apply(task, view, placement, now, moved=True)
         self._flush()
         return copy.copy(task)
 

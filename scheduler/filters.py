@@ -45,6 +45,7 @@ __all__ = [
     "FilterResult",
     "feasible",
     "explain",
+    "first_failure",
     "describe",
     "never_fits",
     "nvlink_groups",
@@ -100,10 +101,29 @@ def feasible(view: PlacementView, spec: TaskSpec, config: SchedulerConfig | None
 
 def explain(view: PlacementView, spec: TaskSpec, config: SchedulerConfig | None = None) -> FilterResult:
     """The mask plus, per filter, how many GPUs it was the first to reject."""
-    cfg = config or view.config
     count = view.gpu_count
-    everything = np.ones(count, dtype=bool)
-    checks: list[tuple[str, np.ndarray]] = [
+    alive = np.ones(count, dtype=bool)
+    rejected: dict[str, int] = {}
+    for name, ok in _checks(view, spec, config or view.config):
+        newly = int(np.count_nonzero(alive & ~ok))
+        if newly:
+            rejected[name] = newly
+        alive &= ok
+    return FilterResult(mask=alive, rejected=rejected, total=count)
+
+
+def first_failure(view: PlacementView, spec: TaskSpec, row: int, config: SchedulerConfig | None = None) -> str | None:
+    """The first filter (in ``FILTERS`` order) GPU ``row`` fails for ``spec``; None when it passes them all."""
+    for name, ok in _checks(view, spec, config or view.config):
+        if not ok[row]:
+            return name
+    return None
+
+
+def _checks(view: PlacementView, spec: TaskSpec, cfg: SchedulerConfig) -> list[tuple[str, np.ndarray]]:
+    """Each filter's pass mask, in ``FILTERS`` order."""
+    everything = np.ones(view.gpu_count, dtype=bool)
+    return [
         ("node_unschedulable", view.node_ok),
         ("gpu_unhealthy", view.healthy),
         ("gpu_spec", view.spec_mask(spec.gpu_spec) if spec.gpu_spec else everything),
@@ -118,14 +138,6 @@ def explain(view: PlacementView, spec: TaskSpec, config: SchedulerConfig | None 
         ("nvlink", view.nvlink_ok if spec.needs_nvlink else everything),
         ("disk_await", view.io_ok if spec.io_heavy else everything),
     ]
-    alive = everything.copy()
-    rejected: dict[str, int] = {}
-    for name, ok in checks:
-        newly = int(np.count_nonzero(alive & ~ok))
-        if newly:
-            rejected[name] = newly
-        alive &= ok
-    return FilterResult(mask=alive, rejected=rejected, total=count)
 
 
 def describe(rejected: Mapping[str, int], total: int) -> str:

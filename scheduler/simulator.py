@@ -56,8 +56,10 @@ the learned ratios for the ``oom_risk`` term. The run's ask is what it
 reports against, so a re-run with a raised ask reports a smaller ratio, as it
 would on a real cluster. Turning either off (``--no-prediction``,
 ``--no-memory-learning``) shows what it is worth. The rebalance advisor
-(``advisor``) is off unless configured; its plans are carried out with a
-checkpoint-and-restart cost (``migration_cost_s``).
+(``advisor``) is off unless configured; its plans are carried out as an
+executor does through the coordinator's MigrateTask (``Scheduler.migrate``:
+the lease moves to the destination in one step, the restart never queues),
+with a checkpoint-and-restart cost (``migration_cost_s``).
 
 Telemetry. The scheduler sees what the coordinator's view would show, not the
 truth. A change is first sampled ``sample_delay_s`` later (the agent's stable
@@ -144,7 +146,7 @@ from scheduler.policies import POLICIES, make_policy
 from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
 from scheduler.reservations import Reservations, ReservedColumns
 from scheduler.snapshot import ClusterSnapshot, NodeFacts
-from scheduler.task import Task, TaskState
+from scheduler.task import TaskState
 from scheduler.traces import TraceTask, convert_openb, read_trace, scale_trace
 
 __all__ = [
@@ -470,8 +472,6 @@ class ColumnarReservations(Reservations):
 # event kinds, in the order they are handled at one instant
 _SUBMIT, _STEP, _VISIBLE, _SAMPLE, _ADVISE = 0, 1, 2, 3, 4
 
-# node label the simulator pins a migrated task's restart with (the plan's destination node)
-NODE_LABEL = "gpulb.sim/node"
 
 
 class _Run:
@@ -586,9 +586,6 @@ class Simulation:
         facts = [n.facts() if isinstance(n, ClusterNode) else n for n in nodes]
         if not facts:
             raise ValueError("the cluster has no nodes")
-        if cfg.advisor is not None:
-            # a migrated task restarts on its plan's destination node (by this label)
-            facts = [replace(f, labels={**f.labels, NODE_LABEL: f.node_id}) for f in facts]
         if cfg.prediction_prior not in ("cluster", "table", "none"):
             raise ValueError(f"prediction_prior must be 'cluster', 'table' or 'none', got {cfg.prediction_prior!r}")
         self.facts = facts
@@ -1189,17 +1186,7 @@ class Simulation:
         if snap is self._advised and advisor.state.streak == 0 and self._advisor_settled(snap):
             return False  # the same readings, averaged in already, and nothing pending: the same answer
         self._advised = snap
-        tasks: list[Task] = []
-        for run_id in self._running:
-            task = self.sched.get(run_id)
-            if task.state == TaskState.LEASED:
-                labels = task.spec.required_node_labels
-                if NODE_LABEL in labels:
-                    # the pin is how _migrate carried out an earlier move, not a
-                    # constraint of the task: judged with it, a task could move once only
-                    task = replace(task, spec=replace(task.spec, required_node_labels={
-                        k: v for k, v in labels.items() if k != NODE_LABEL}))
-                tasks.append(task)
+        tasks = [task for task in map(self.sched.get, self._running) if task.state == TaskState.LEASED]
         plan = advisor.evaluate(snap, tasks, self.now, reservations=self.sched.reservations,
                                 queued=self.sched.queued())
         if plan is None:
@@ -1210,7 +1197,7 @@ class Simulation:
             run = self._running.get(m.task_id)
             if run is None or run.rows != (self._row_of[m.from_gpu_uuid],):
                 continue
-            moved |= self._migrate(run, m.to_node_id)
+            moved |= self._migrate(run, m.to_gpu_uuid, snap)
         return moved
 
     def _advisor_settled(self, snap: ClusterSnapshot) -> bool:
@@ -1225,33 +1212,29 @@ class Simulation:
         known = np.isfinite(reading)
         return bool(np.all(np.abs(avg[known] - reading[known]) < 0.01))
 
-    def _migrate(self, run: _Run, to_node: str) -> bool:
-        """Checkpoint ``run`` now, end its lease, and queue the rest of its work
-        pinned to ``to_node`` (the executor a real cluster would run)."""
+    def _migrate(self, run: _Run, to_gpu_uuid: str, snap: ClusterSnapshot) -> bool:
+        """Checkpoint ``run`` now and restart the rest of its work on
+        ``to_gpu_uuid`` under a new lease, as an executor does through the
+        coordinator's MigrateTask: the scheduler moves the lease in one step
+        (``Scheduler.migrate``), so the restart never waits behind the queue.
+        False when the destination no longer takes it (the move is dropped)."""
         now = self.now
+        try:
+            task = self.sched.migrate(run.run_id, run.lease_id, (to_gpu_uuid,), snap)
+        except SchedulerError:
+            return False
         run.done += run.rate * (now - run.t_last)
         run.t_last = now
         left = max(run.work - run.done, 0.0)
         self._remove(run)
-        self.sched.complete(run.run_id, run.lease_id)
-        idx = run.idx
-        rec = self.records[idx]
+        rec = self.records[run.idx]
         rec.migrations += 1
         self.migrations += 1
-        task = self.tasks[idx]
-        run_id = f"{task.task_id}~m{rec.migrations}"
-        spec = replace(task.to_spec(task_id=run_id, vram_mib=run.ask), required_node_labels={NODE_LABEL: to_node})
-        result = self.sched.submit(spec)
-        if result.state == TaskState.REJECTED:  # the node left meanwhile: anywhere will do
-            spec = replace(spec, task_id=f"{run_id}~any", required_node_labels={})
-            result = self.sched.submit(spec)
-            if result.state == TaskState.REJECTED:
-                rec.state = "dropped"
-                rec.reason = result.reason
-                self._remaining -= 1
-                return False
-        self._queued[spec.task_id] = (idx, run.ask, now)
-        self._resume[spec.task_id] = (left, run.util)
+        # restarted as a fresh run of the same task: _start charges the
+        # migration's cost on the new GPU and keeps the load it had
+        self._queued[run.run_id] = (run.idx, run.ask, now)
+        self._resume[run.run_id] = (left, run.util)
+        self._start(task)
         return True
 
     def _kill(self, run: _Run, used: float) -> None:

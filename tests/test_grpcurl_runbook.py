@@ -98,6 +98,15 @@ async def test_runbook_commands_work_through_reflection_alone():
             assert submitted["assignment"]["node_id"] in {"sim-01", "sim-02"}
             assert submitted["assignment"]["score"]["policy"] == "load_aware"
             lease = submitted["assignment"]["lease_id"]
+            # move it to the other node's first GPU, as an executor carries out a rebalance plan's move
+            other = "sim-02" if submitted["assignment"]["node_id"] == "sim-01" else "sim-01"
+            dest = _objects(await grpcurl(target, "gpulb.v1.ClusterOperator/ListGpus", data={"node_id": other}))[0]["gpus"][0]["uuid"]
+            moved = _objects(await grpcurl(target, "gpulb.v1.Scheduler/MigrateTask",
+                                           data={"task_id": "runbook-1", "lease_id": lease, "to_gpu_uuid": [dest]}))[0]["task"]
+            assert moved["state"] == "TASK_STATE_LEASED" and moved["assignment"]["node_id"] == other
+            assert moved["assignment"]["gpu_uuid"] == [dest] and moved["assignment"]["lease_id"] != lease
+            assert moved["assignment"]["score"]["policy"] == "migration"
+            lease = moved["assignment"]["lease_id"]
             # watch it: the stream shows LEASED, then COMPLETED once the lease is completed
             watch = asyncio.ensure_future(grpcurl(target, "gpulb.v1.Scheduler/WatchTask", data={"task_id": "runbook-1"}))
             await asyncio.sleep(1.0)

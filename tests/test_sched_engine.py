@@ -452,3 +452,106 @@ def test_a_stale_node_only_takes_tasks_on_its_idle_gpus() -> None:
     assert placed[0].assignment.score.terms.keys() == {"stale"}
     waiting = sched.get("c")
     assert waiting.state == TaskState.QUEUED and "stale_busy 2" in waiting.reason
+
+
+# ---- migration -------------------------------------------------------------------------------------
+
+
+def two_nodes(used: list[float] | None = None) -> ClusterSnapshot:
+    nodes = [NodeFacts("a", 2, memory_total_mib=24 * GIB), NodeFacts("b", 2, memory_total_mib=24 * GIB)]
+    return ClusterSnapshot.build(nodes, memory_used_mib=used or [0.0] * 4)
+
+
+def test_a_migration_moves_the_lease_in_one_step_and_frees_the_old_gpu_for_the_queue() -> None:
+    # t (10 GiB) runs on a-0; b-0 has 8 GiB of other processes' memory, a-1
+    # and b-1 are nearly full. A 15 GiB task fits neither a-0 beside t nor
+    # b-0 (85 % of 24 GiB is 20.4), so it waits. Moving t to b-0 frees a-0,
+    # and the next dispatch places the waiting task there.
+    from scheduler.errors import Unplaceable
+
+    sched, clock = make(SchedulerConfig(policy="round_robin"))
+    seen: list[tuple[TaskState, str]] = []
+    sched.add_listener(lambda t: seen.append((t.state, t.assignment.lease_id if t.assignment else "")))
+    snap = two_nodes([0.0, 20 * GIB, 8 * GIB, 20 * GIB])
+    sched.submit(spec("t", vram_mib=10 * GIB, kind="training"), snap)
+    (t,) = sched.dispatch(snap)
+    assert t.assignment.gpu_uuids == ("GPU-a-0",)
+    sched.submit(spec("big", vram_mib=15 * GIB), snap)
+    assert sched.dispatch(snap) == [] and sched.get("big").state == TaskState.QUEUED
+    clock.now += 5
+    moved = sched.migrate("t", t.assignment.lease_id, ["GPU-b-0"])
+    assert moved.state == TaskState.LEASED and moved.assignment.gpu_uuids == ("GPU-b-0",)
+    assert moved.assignment.node_id == "b" and moved.assignment.lease_id != t.assignment.lease_id
+    assert moved.assignment.placed_at == clock.now and moved.assignment.score.policy == "migration"
+    assert moved.attempts == t.attempts and sched.migrated == 1 and sched.placed == 1
+    assert seen[-1] == (TaskState.LEASED, moved.assignment.lease_id)
+    # the old lease is gone, the new one works
+    with pytest.raises(NotLeaseHolder):
+        sched.renew("t", t.assignment.lease_id)
+    sched.renew("t", moved.assignment.lease_id)
+    (big,) = sched.dispatch(snap)
+    assert big.task_id == "big" and big.assignment.gpu_uuids == ("GPU-a-0",)
+    # and back again is refused while big holds a-0
+    with pytest.raises(Unplaceable, match="GPU-a-0 on node a fails the vram filter"):
+        sched.migrate("t", moved.assignment.lease_id, ["GPU-a-0"])
+    assert sched.get("t").assignment.lease_id == moved.assignment.lease_id
+    sched.complete("t", moved.assignment.lease_id)
+    assert sched.get("t").state == TaskState.COMPLETED
+
+
+@pytest.mark.parametrize(
+    "to, error, match",
+    [
+        (["GPU-b-0", "GPU-b-1"], InvalidArgument, "to_gpu_uuid: the task runs on 1 GPU"),
+        ([], InvalidArgument, "to_gpu_uuid: the task runs on 1 GPU"),
+        (["GPU-a-0"], InvalidArgument, "GPU-a-0 is already one of the task's GPUs"),
+        (["GPU-z-9"], InvalidArgument, "unknown GPU 'GPU-z-9'"),
+        (["GPU-b-1"], "Unplaceable", "GPU-b-1 on node b fails the memory_threshold filter"),
+    ],
+)
+def test_a_migration_that_cannot_be_made_names_why_and_changes_nothing(to, error, match) -> None:
+    from scheduler.errors import Unplaceable
+
+    sched, _ = make()
+    snap = two_nodes([0.0, 0.0, 0.0, 14 * GIB])
+    sched.submit(spec("t", vram_mib=8 * GIB), snap)
+    (t,) = sched.dispatch(snap)
+    assert t.assignment.gpu_uuids == ("GPU-a-0",)
+    with pytest.raises(Unplaceable if error == "Unplaceable" else error, match=match):
+        sched.migrate("t", t.assignment.lease_id, to)
+    with pytest.raises(NotLeaseHolder):
+        sched.migrate("t", "not-the-lease", ["GPU-b-0"])
+    with pytest.raises(UnknownTask):
+        sched.migrate("nobody", "x", ["GPU-b-0"])
+    after = sched.get("t")
+    assert after.assignment == t.assignment and sched.migrated == 0
+    # the reservation is still on a-0: a task filling a-0 cannot go there
+    sched.submit(spec("fill", vram_mib=18 * GIB), snap)
+    (fill,) = sched.dispatch(snap)
+    assert fill.assignment.gpu_uuids != ("GPU-a-0",)
+
+
+def test_a_migration_never_lands_on_a_node_kept_for_a_blocked_multi_gpu_task() -> None:
+    # one small task on each node (by label), then a pair that needs a whole
+    # node waits past the backfill bound and one node is kept for it while
+    # gpulb's task there ends: the other node's task may not move onto it.
+    from scheduler.errors import Unplaceable
+
+    sched, clock = make(SchedulerConfig(backfill_max_head_wait_s=1.0))
+    nodes = [NodeFacts(n, 2, memory_total_mib=24 * GIB, labels={"pool": n}) for n in ("a", "b")]
+    snap = ClusterSnapshot.build(nodes, memory_used_mib=[0.0] * 4)
+    for n in ("a", "b"):
+        sched.submit(spec(f"small-{n}", vram_mib=4 * GIB, required_node_labels={"pool": n}), snap)
+    placed = {t.task_id: t for t in sched.dispatch(snap)}
+    assert {t.assignment.node_id for t in placed.values()} == {"a", "b"}
+    sched.submit(spec("pair", num_gpus=2, vram_mib=20 * GIB, gpu_share=1.0), snap)
+    for _ in range(3):
+        clock.now += 2.0
+        sched.dispatch(snap)
+    kept = sched._held_nodes.get("pair")
+    assert kept in ("a", "b") and sched.get("pair").state == TaskState.QUEUED
+    mover = placed[f"small-{'b' if kept == 'a' else 'a'}"]
+    free_gpu = next(u for u in (f"GPU-{kept}-0", f"GPU-{kept}-1") if u != placed[f"small-{kept}"].assignment.gpu_uuids[0])
+    # (its label would keep it off that node too; the hold is checked first, and named)
+    with pytest.raises(Unplaceable, match=f"node {kept} is kept for the blocked task 'pair'"):
+        sched.migrate(mover.task_id, mover.assignment.lease_id, [free_gpu])

@@ -1,0 +1,118 @@
+"""MigrateTask against a real coordinator and simulated agents on loopback:
+a leased task's lease moves to another node's GPU in one call, the old
+host's agent stops it and the new one's starts it (seen in the readings the
+coordinator gets back), the move is counted, survives a restart, and bad
+input gets a precise status naming the field while nothing changes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from waiting import until
+from agent.fleet import SimFleet
+from coordinator.config import CoordinatorConfig
+from coordinator.server import Coordinator
+from coordinator.state import open_state_dir
+from protos import cluster_pb2 as cpb
+from protos import cluster_pb2_grpc as cpb_grpc
+from protos import tasks_pb2 as tpb
+from protos import tasks_pb2_grpc as tpb_grpc
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def _processes(ops: cpb_grpc.ClusterOperatorStub) -> dict[str, float]:
+    """GPU uuid -> compute processes the agent reports on it."""
+    gpus = (await ops.ListGpus(cpb.ListGpusRequest())).gpus
+    return {g.uuid: g.process_count for g in gpus if g.HasField("process_count")}
+
+
+async def test_a_migration_moves_the_task_between_hosts_and_refuses_bad_input_by_name(tmp_path, capsys):
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1), store=open_state_dir(tmp_path))
+    port = await coord.start()
+    target = f"127.0.0.1:{port}"
+    try:
+        async with SimFleet(target, hosts=2, gpus=1, workload="idle"):
+            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
+            async with grpc.aio.insecure_channel(target) as ch:
+                sched, ops = tpb_grpc.SchedulerStub(ch), cpb_grpc.ClusterOperatorStub(ch)
+                spec = tpb.TaskSpec(task_id="train-1", vram_mib=4096, gpu_share=0.5, kind="training",
+                                    priority=tpb.PRIORITY_P1, movable=True)
+                placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
+                assert placed.state == tpb.TASK_STATE_LEASED
+                src = placed.assignment.gpu_uuid[0]
+                (dest,) = [u for u in coord.dispatcher.snapshots.snapshot().gpu_uuid if u != src]
+                await until(lambda: _has(ops, src, 1), what="the task's process on its GPU")
+                lease = placed.assignment.lease_id
+
+                async def refused(to: list[str], lease_id: str = lease, task_id: str = "train-1") -> grpc.aio.AioRpcError:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await sched.MigrateTask(tpb.MigrateTaskRequest(task_id=task_id, lease_id=lease_id, to_gpu_uuid=to))
+                    return err.value
+
+                for to, code, words in (
+                    ([], grpc.StatusCode.INVALID_ARGUMENT, "to_gpu_uuid: the task runs on 1 GPU(s); 0 given"),
+                    ([dest, dest], grpc.StatusCode.INVALID_ARGUMENT, "to_gpu_uuid: the task runs on 1"),
+                    ([src], grpc.StatusCode.INVALID_ARGUMENT, f"to_gpu_uuid: {src} is already one of the task's GPUs"),
+                    (["GPU-nowhere"], grpc.StatusCode.INVALID_ARGUMENT, "to_gpu_uuid: unknown GPU 'GPU-nowhere'"),
+                ):
+                    err = await refused(to)
+                    assert err.code() == code and words in err.details(), err.details()
+                err = await refused([dest], lease_id="0" * 32)
+                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "not the task's current lease" in err.details()
+                err = await refused([dest], task_id="nobody")
+                assert err.code() == grpc.StatusCode.NOT_FOUND and "nobody" in err.details()
+                # a destination the task does not fit: its memory is held by another task
+                big = tpb.TaskSpec(task_id="big", vram_mib=18_000, gpu_share=0.2, kind="batch")
+                big_task = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=big), timeout=10)).task
+                assert big_task.assignment.gpu_uuid[0] == dest
+                err = await refused([dest])
+                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert f"to_gpu_uuid: {dest} on node {big_task.assignment.node_id} fails the" in err.details()
+                assert (await sched.GetTask(tpb.GetTaskRequest(task_id="train-1"))).assignment.lease_id == lease
+                await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="big", lease_id=big_task.assignment.lease_id))
+
+                moved = (await sched.MigrateTask(tpb.MigrateTaskRequest(task_id="train-1", lease_id=lease, to_gpu_uuid=[dest]))).task
+                assert moved.state == tpb.TASK_STATE_LEASED and list(moved.assignment.gpu_uuid) == [dest]
+                assert moved.assignment.node_id != placed.assignment.node_id
+                assert moved.assignment.lease_id != lease and moved.assignment.score.policy == "migration"
+                assert moved.attempts == placed.attempts
+                # the old host stopped it, the new one runs it
+                await until(lambda: _has(ops, src, 0), what="the source GPU without the task")
+                await until(lambda: _has(ops, dest, 1), what="the task on its destination")
+                text = coord.metrics.exposition(per_gpu=False).decode()
+                assert "gpulb_tasks_migrated_total 1.0" in text
+                # the old lease is dead, the new one lives
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await sched.RenewLease(tpb.RenewLeaseRequest(task_id="train-1", lease_id=lease))
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                await sched.RenewLease(tpb.RenewLeaseRequest(task_id="train-1", lease_id=moved.assignment.lease_id))
+                # and back, through the CLI, naming the GPU as NODE:INDEX (sync gRPC: off the loop)
+                from coordinator.cli import main as gpulb
+
+                capsys.readouterr()
+                back = f"{placed.assignment.node_id}:{placed.assignment.gpu_index[0]}"
+                assert await asyncio.to_thread(gpulb, ["--coordinator", target, "migrate", "train-1", "--to-gpu", back]) == 0
+                out = capsys.readouterr().out  # the coordinator's log lines land here too
+                assert f"\ntrain-1: leased on {back}, lease " in "\n" + out, out
+                moved = (await sched.GetTask(tpb.GetTaskRequest(task_id="train-1")))
+                assert list(moved.assignment.gpu_uuid) == [src] and moved.assignment.lease_id in out
+                await until(lambda: _has(ops, src, 1), what="the task back on its first GPU")
+    finally:
+        await coord.stop(0)
+    # the move was durable: a restarted coordinator knows the new lease
+    again = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"), store=open_state_dir(tmp_path))
+    await again.start()
+    try:
+        restored = again.dispatcher.engine.get("train-1")
+        assert restored.state.name == "LEASED" and restored.assignment.lease_id == moved.assignment.lease_id
+        assert restored.assignment.gpu_uuids == (src,)
+    finally:
+        await again.stop(0)
+
+
+async def _has(ops: cpb_grpc.ClusterOperatorStub, uuid: str, count: int) -> bool:
+    return (await _processes(ops)).get(uuid) == count
