@@ -464,6 +464,8 @@ def cmd_advisor(args: argparse.Namespace) -> int:
                                    [[g.kind or "(all)", g.samples, g.oom_kills, f"{g.p50:.3f}", f"{g.p95:.3f}",
                                      f"{g.p99:.3f}", f"{g.max:.3f}"] for g in got.memory_growth]))
             return 0
+        if args.action == "execute":
+            return _execute_plans(args, ch, stub)
         if args.action == "watch":
             for plan in stub.WatchPlans(apb.WatchPlansRequest(include_latest=True)):
                 if args.json:
@@ -486,6 +488,40 @@ def cmd_advisor(args: argparse.Namespace) -> int:
     else:
         print("no plan" + (" would be made now" if args.now else " yet"))
     return 0
+
+
+def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.AdvisorStub) -> int:
+    """``gpulb advisor execute``: carry out every plan from now on
+    (``coordinator.executor``); a line (or a JSON object) per move. Exit 0,
+    or 1 when a moved task's restart command failed (it holds a lease on its
+    new GPU and is not running: the operator's turn)."""
+    import shlex
+
+    from coordinator.executor import PlanExecutor
+
+    executor = PlanExecutor(
+        tpb_grpc.SchedulerStub(ch),
+        checkpoint=shlex.split(args.checkpoint or ""),
+        restart=shlex.split(args.restart or ""),
+        command_timeout_s=args.command_timeout,
+        rpc_timeout_s=args.timeout,
+    )
+    status = 0
+    seen = 0
+    for plan in stub.WatchPlans(apb.WatchPlansRequest(include_latest=False)):
+        for outcome in executor.execute(plan):
+            if outcome.outcome == "restart failed":
+                status = 1
+            if args.json:
+                print(json.dumps(outcome.to_dict()), flush=True)
+            else:
+                detail = f" ({outcome.detail})" if outcome.detail else ""
+                print(f"plan {outcome.plan_id}: {outcome.task_id} {outcome.from_gpu} -> {outcome.to_gpu}: "
+                      f"{outcome.outcome}, lease {outcome.lease_id}{detail}", flush=True)
+        seen += 1
+        if args.plans and seen >= args.plans:
+            break
+    return status
 
 
 @command("demo")
@@ -608,8 +644,13 @@ def build_parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch", help="follow a task's state changes until it ends")
     watch.add_argument("task")
 
-    advisor = sub.add_parser("advisor", help="learned GPU speeds and memory growth, rebalance plans (predictions | plan | watch)")
-    advisor.add_argument("action", choices=("predictions", "plan", "watch"))
+    advisor = sub.add_parser("advisor", help="learned GPU speeds and memory growth, rebalance plans (predictions | plan | watch | execute)")
+    advisor.add_argument("action", choices=("predictions", "plan", "watch", "execute"))
+    advisor.add_argument("--checkpoint", help="execute: command run before each move, the move in GPULB_* variables "
+                         "(coordinator/executor.py); a failure skips the move")
+    advisor.add_argument("--restart", help="execute: command run after each move (or in place when the move is refused)")
+    advisor.add_argument("--command-timeout", type=float, default=600.0, help="execute: s a checkpoint or restart may take")
+    advisor.add_argument("--plans", type=int, default=0, help="execute: stop after this many plans (0: run until stopped)")
     advisor.add_argument("--now", action="store_true", help="plan: evaluate the cluster now (a dry run that moves nothing)")
     advisor.add_argument("--model", help="predictions: only this GPU model")
     advisor.add_argument("--kind", help="predictions: only this task kind")

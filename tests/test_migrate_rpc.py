@@ -116,3 +116,84 @@ async def test_a_migration_moves_the_task_between_hosts_and_refuses_bad_input_by
 
 async def _has(ops: cpb_grpc.ClusterOperatorStub, uuid: str, count: int) -> bool:
     return (await _processes(ops)).get(uuid) == count
+
+
+async def test_gpulb_advisor_execute_carries_a_plan_out_and_the_load_evens(tmp_path, capsys):
+    """The whole loop on real processes' code paths: two training tasks share
+    one host's GPU (the other host was cordoned while they were placed), the
+    advisor's trigger fires, `gpulb advisor execute` runs the operator's
+    checkpoint command, MigrateTask and the restart command, the agents stop
+    and start the task, and the coordinator's readings show the two GPUs even."""
+    import json
+    import sys
+
+    from coordinator.cli import main as gpulb
+    from scheduler.advisor import AdvisorConfig
+
+    advisor = AdvisorConfig(persist=1, min_age_s=0.0, smoothing_alpha=1.0, cooldown_s=5.0, window_s=5.0)
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1, advisor_interval_s=0.3),
+                        advisor_config=advisor)
+    port = await coord.start()
+    target = f"127.0.0.1:{port}"
+    record = ("import json, os, sys; "
+              "open(sys.argv[1], 'a').write(json.dumps({k: v for k, v in os.environ.items() if k.startswith('GPULB_')}) + '\\n')")
+    checkpoints, restarts = tmp_path / "checkpoint.jsonl", tmp_path / "restart.jsonl"
+    try:
+        async with SimFleet(target, hosts=2, gpus=1, workload="idle"):
+            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
+            async with grpc.aio.insecure_channel(target) as ch:
+                sched, ops = tpb_grpc.SchedulerStub(ch), cpb_grpc.ClusterOperatorStub(ch)
+                await ops.CordonNode(cpb.NodeActionRequest(node_id="sim-02", reason="test"))
+                for name in ("train-a", "train-b"):
+                    spec = tpb.TaskSpec(task_id=name, vram_mib=4096, gpu_share=0.45, kind="training", priority=tpb.PRIORITY_P1)
+                    placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
+                    assert placed.assignment.node_id == "sim-01"
+                await ops.UncordonNode(cpb.NodeActionRequest(node_id="sim-02", reason="test"))
+                argv = ["--coordinator", target, "advisor", "execute", "--plans", "1", "--json",
+                        "--checkpoint", f"{sys.executable} -c \"{record}\" {checkpoints}",
+                        "--restart", f"{sys.executable} -c \"{record}\" {restarts}"]
+                capsys.readouterr()
+                assert await asyncio.to_thread(gpulb, argv) == 0
+                lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{\"plan_id\"")]
+                (outcome,) = lines
+                assert outcome["outcome"] == "moved" and outcome["to_gpu"] == "sim-02:0", outcome
+                moved = await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))
+                assert moved.assignment.node_id == "sim-02" and moved.assignment.lease_id == outcome["lease_id"]
+                (before,) = [json.loads(x) for x in checkpoints.read_text().splitlines()]
+                (after,) = [json.loads(x) for x in restarts.read_text().splitlines()]
+                assert before["GPULB_TASK_ID"] == after["GPULB_TASK_ID"] == outcome["task_id"]
+                assert before["GPULB_TO_NODE"] == "sim-01" and after["GPULB_TO_NODE"] == "sim-02"
+                assert after["GPULB_LEASE_ID"] == outcome["lease_id"] != before["GPULB_LEASE_ID"]
+
+                async def even() -> bool:
+                    gpus = (await ops.ListGpus(cpb.ListGpusRequest())).gpus
+                    utils = [g.util_gpu_pct for g in gpus]
+                    return len(utils) == 2 and all(35.0 <= u <= 55.0 for u in utils)
+
+                await until(even, what="both GPUs near 45 %")
+
+                # the same move again, with the lease it no longer holds: refused,
+                # and the restart command is run in place, under the old lease
+                from coordinator.executor import PlanExecutor
+                from protos import advisor_pb2 as apb
+
+                stale = apb.RebalancePlan(plan_id=99, moves=[apb.Migration(
+                    task_id=outcome["task_id"], lease_id=before["GPULB_LEASE_ID"], from_node_id="sim-01", from_gpu_index=0,
+                    from_gpu_uuid=before["GPULB_FROM_GPU_UUID"], to_node_id="sim-02", to_gpu_index=0,
+                    to_gpu_uuid=after["GPULB_TO_GPU_UUID"])])
+
+                def run(checkpoint: list[str]):
+                    with grpc.insecure_channel(target) as sync:
+                        return PlanExecutor(tpb_grpc.SchedulerStub(sync), checkpoint=checkpoint,
+                                            restart=[sys.executable, "-c", record, str(restarts)]).execute(stale)
+
+                (refused,) = await asyncio.to_thread(run, [])
+                assert refused.outcome == "refused" and "FAILED_PRECONDITION" in refused.detail
+                in_place = json.loads(restarts.read_text().splitlines()[-1])
+                assert in_place["GPULB_TO_NODE"] == "sim-01" and in_place["GPULB_LEASE_ID"] == before["GPULB_LEASE_ID"]
+                # a checkpoint that fails skips the move: nothing else runs
+                (skipped,) = await asyncio.to_thread(run, [sys.executable, "-c", "raise SystemExit('disk full')"])
+                assert skipped.outcome == "skipped" and "exited 1: disk full" in skipped.detail
+                assert len(restarts.read_text().splitlines()) == 2
+    finally:
+        await coord.stop(0)

@@ -1,0 +1,135 @@
+"""Carrying out the rebalance advisor's plans (``gpulb advisor execute``).
+
+The advisor proposes; an executor moves. For each move of a plan, in order:
+
+1. the operator's *checkpoint* command, if any (the task's workload saves its
+   state and stops); when it fails the move is skipped and the task runs on
+   where it is;
+2. ``MigrateTask``: the task's lease moves to the plan's destination GPU in
+   one step (``Scheduler.migrate``). The coordinator may refuse it (the lease
+   changed, the destination no longer fits): then the *restart* command runs
+   for the GPU the task came from, under its old lease, so the checkpointed
+   task resumes where it was;
+3. the operator's *restart* command, if any (the workload starts again from
+   its checkpoint on the new GPU, under the new lease).
+
+Each command runs without a shell, with the move in its environment:
+``GPULB_TASK_ID``, ``GPULB_LEASE_ID`` (the lease to run under: the new one
+for a restart after a move), ``GPULB_FROM_NODE``, ``GPULB_FROM_GPU_INDEX``,
+``GPULB_FROM_GPU_UUID``, ``GPULB_TO_NODE``, ``GPULB_TO_GPU_INDEX``,
+``GPULB_TO_GPU_UUID`` (where to restart), ``GPULB_PLAN_ID``. On a cluster of
+simulated agents no command is needed: the agents stop and start the task
+themselves when the coordinator releases and places it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+
+from protos import advisor_pb2 as apb
+from protos import tasks_pb2 as tpb
+from protos import tasks_pb2_grpc as tpb_grpc
+
+__all__ = ["MoveOutcome", "PlanExecutor", "move_env"]
+
+
+@dataclass(frozen=True)
+class MoveOutcome:
+    """What became of one move."""
+
+    plan_id: int
+    task_id: str
+    from_gpu: str  # NODE:INDEX
+    to_gpu: str  # NODE:INDEX
+    # "moved", "skipped" (checkpoint failed), "refused" (MigrateTask said no;
+    # restarted in place), "restart failed" (moved, but the restart command failed)
+    outcome: str
+    lease_id: str  # the lease the task runs under now
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def move_env(plan_id: int, move: apb.Migration, *, lease_id: str, to_node: str, to_index: int, to_uuid: str) -> dict[str, str]:
+    """The environment of a checkpoint or restart command (module docstring)."""
+    return {
+        "GPULB_PLAN_ID": str(plan_id),
+        "GPULB_TASK_ID": move.task_id,
+        "GPULB_LEASE_ID": lease_id,
+        "GPULB_FROM_NODE": move.from_node_id,
+        "GPULB_FROM_GPU_INDEX": str(move.from_gpu_index),
+        "GPULB_FROM_GPU_UUID": move.from_gpu_uuid,
+        "GPULB_TO_NODE": to_node,
+        "GPULB_TO_GPU_INDEX": str(to_index),
+        "GPULB_TO_GPU_UUID": to_uuid,
+    }
+
+
+class PlanExecutor:
+    """Carries out plans through a Scheduler stub (module docstring)."""
+
+    def __init__(
+        self,
+        scheduler: tpb_grpc.SchedulerStub,
+        *,
+        checkpoint: Sequence[str] = (),
+        restart: Sequence[str] = (),
+        command_timeout_s: float = 600.0,
+        rpc_timeout_s: float = 10.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.checkpoint = list(checkpoint)
+        self.restart = list(restart)
+        self.command_timeout_s = command_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+
+    def _run(self, argv: list[str], env: dict[str, str]) -> str:
+        """'' when the command succeeded (or there is none), else why not."""
+        if not argv:
+            return ""
+        try:
+            done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True,
+                                  timeout=self.command_timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return f"{argv[0]} ran past {self.command_timeout_s:g} s"
+        except OSError as exc:
+            return f"{argv[0]}: {exc}"
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+            return f"{argv[0]} exited {done.returncode}: {tail[0]}".rstrip(": ")
+        return ""
+
+    def execute(self, plan: apb.RebalancePlan) -> list[MoveOutcome]:
+        out = []
+        for m in plan.moves:
+            src, dst = f"{m.from_node_id}:{m.from_gpu_index}", f"{m.to_node_id}:{m.to_gpu_index}"
+            here = move_env(plan.plan_id, m, lease_id=m.lease_id, to_node=m.from_node_id, to_index=m.from_gpu_index,
+                            to_uuid=m.from_gpu_uuid)
+            failed = self._run(self.checkpoint, here)
+            if failed:
+                out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "skipped", m.lease_id, f"checkpoint: {failed}"))
+                continue
+            try:
+                task = self.scheduler.MigrateTask(
+                    tpb.MigrateTaskRequest(task_id=m.task_id, lease_id=m.lease_id, to_gpu_uuid=[m.to_gpu_uuid]),
+                    timeout=self.rpc_timeout_s,
+                ).task
+            except grpc.RpcError as exc:
+                why = f"{exc.code().name}: {exc.details()}"
+                again = self._run(self.restart, here)
+                detail = why if not again else f"{why}; restart in place: {again}"
+                out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "refused", m.lease_id, detail))
+                continue
+            a = task.assignment
+            there = move_env(plan.plan_id, m, lease_id=a.lease_id, to_node=a.node_id, to_index=a.gpu_index[0],
+                             to_uuid=a.gpu_uuid[0])
+            failed = self._run(self.restart, there)
+            out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "restart failed" if failed else "moved",
+                                   a.lease_id, failed))
+        return out
