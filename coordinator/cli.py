@@ -491,8 +491,9 @@ def cmd_advisor(args: argparse.Namespace) -> int:
 
 
 def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.AdvisorStub) -> int:
-    """``gpulb advisor execute``: carry out every plan from now on
-    (``coordinator.executor``); a line (or a JSON object) per move. Exit 0,
+    """``gpulb advisor execute``: carry out every plan from now on, or the one
+    on stdin (``--stdin``: the coordinator's ``advisor_hook`` runs it per
+    plan) (``coordinator.executor``); a line (or a JSON object) per move. Exit 0,
     or 1 when a moved task's restart command failed (it holds a lease on its
     new GPU and is not running: the operator's turn)."""
     import shlex
@@ -506,9 +507,19 @@ def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.Ad
         command_timeout_s=args.command_timeout,
         rpc_timeout_s=args.timeout,
     )
+    if args.stdin:
+        # one plan as the coordinator's advisor_hook writes it (Plan.to_dict)
+        from google.protobuf import json_format
+
+        try:
+            plans = [json_format.ParseDict(json.load(sys.stdin), apb.RebalancePlan(), ignore_unknown_fields=True)]
+        except (ValueError, json_format.ParseError) as exc:
+            raise SystemExit(f"gpulb: advisor execute --stdin: not a plan: {exc}") from None
+    else:
+        plans = stub.WatchPlans(apb.WatchPlansRequest(include_latest=False))
     status = 0
     seen = 0
-    for plan in stub.WatchPlans(apb.WatchPlansRequest(include_latest=False)):
+    for plan in plans:
         for outcome in executor.execute(plan):
             if outcome.outcome == "restart failed":
                 status = 1
@@ -651,6 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
     advisor.add_argument("--restart", help="execute: command run after each move (or in place when the move is refused)")
     advisor.add_argument("--command-timeout", type=float, default=600.0, help="execute: s a checkpoint or restart may take")
     advisor.add_argument("--plans", type=int, default=0, help="execute: stop after this many plans (0: run until stopped)")
+    advisor.add_argument("--stdin", action="store_true",
+                         help="execute: carry out the one plan on standard input (as the coordinator's advisor_hook gives it) "
+                         "instead of watching for plans")
     advisor.add_argument("--now", action="store_true", help="plan: evaluate the cluster now (a dry run that moves nothing)")
     advisor.add_argument("--model", help="predictions: only this GPU model")
     advisor.add_argument("--kind", help="predictions: only this task kind")

@@ -197,3 +197,44 @@ async def test_gpulb_advisor_execute_carries_a_plan_out_and_the_load_evens(tmp_p
                 assert len(restarts.read_text().splitlines()) == 2
     finally:
         await coord.stop(0)
+
+
+async def test_the_coordinators_advisor_hook_runs_the_executor_and_rebalances_by_itself():
+    """advisor_hook = "gpulb advisor execute --stdin ...": every plan the
+    coordinator makes is carried out without anyone watching."""
+    import shlex
+    import sys
+
+    from coordinator.demo import free_port
+    from scheduler.advisor import AdvisorConfig
+
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    hook = shlex.join([sys.executable, "-m", "coordinator.cli", "--coordinator", target, "advisor", "execute", "--stdin"])
+    advisor = AdvisorConfig(persist=1, min_age_s=0.0, smoothing_alpha=1.0, cooldown_s=5.0, window_s=5.0)
+    coord = Coordinator(CoordinatorConfig(listen=target, dispatch_interval_s=0.1, advisor_interval_s=0.3, advisor_hook=hook),
+                        advisor_config=advisor)
+    await coord.start()
+    try:
+        async with SimFleet(target, hosts=2, gpus=1, workload="idle"):
+            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
+            async with grpc.aio.insecure_channel(target) as ch:
+                sched, ops = tpb_grpc.SchedulerStub(ch), cpb_grpc.ClusterOperatorStub(ch)
+                await ops.CordonNode(cpb.NodeActionRequest(node_id="sim-02", reason="test"))
+                for name in ("train-a", "train-b"):
+                    spec = tpb.TaskSpec(task_id=name, vram_mib=4096, gpu_share=0.45, kind="training", priority=tpb.PRIORITY_P1)
+                    await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)
+                await ops.UncordonNode(cpb.NodeActionRequest(node_id="sim-02", reason="test"))
+
+                async def split() -> bool:
+                    tasks = (await sched.ListTasks(tpb.ListTasksRequest(state=tpb.TASK_STATE_LEASED))).tasks
+                    return sorted(t.assignment.node_id for t in tasks) == ["sim-01", "sim-02"]
+
+                await until(split, timeout=30, what="one task moved to sim-02 by the hook")
+                await until(lambda: coord.advisor.last_hook is not None, what="the hook's end")
+                assert coord.advisor.last_hook.outcome == "ok", coord.advisor.last_hook
+                assert "moved" in coord.advisor.last_hook.stdout_tail
+                text = coord.metrics.exposition(per_gpu=False).decode()
+                assert "gpulb_tasks_migrated_total 1.0" in text
+    finally:
+        await coord.stop(0)
