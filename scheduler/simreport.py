@@ -407,6 +407,7 @@ def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
     if floored:
         row("  floor: no placement below", [fmt(f["floors"]["util_std"], 2) if "floors" in f else "-" for f in figs])
     row("GPU util std, instantaneous %", [fmt(f["util_std_inst"], 2) for f in figs])
+    row("largest load difference, mean %", [fmt(f["util_spread"], 1) for f in figs])
     row("hottest GPU mean util %", [fmt(f["hottest_gpu_util"], 1) for f in figs])
     row("hottest node mean util %", [fmt(f["hottest_node_util"], 1) for f in figs])
     if floored:
@@ -417,6 +418,8 @@ def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
     row("  of which alone on the GPU", [fmt(f["oom_kills_alone"]) for f in figs])
     row("  an idle GPU had room when placed", [fmt(f["oom_kills_idle_room"]) for f in figs])
     row("P0 SLA misses", [fmt(f["sla_misses"]) for f in figs])
+    if any(f["plans"] for f in figs):
+        row("rebalance plans / migrations", [f"{f['plans']}/{f['migrations']}" for f in figs])
     row("throughput tasks/h", [fmt(f["throughput_per_h"], 1) for f in figs])
     row("makespan", [_dur(f["makespan_s"]) for f in figs])
     if any("saturation" in f for f in figs):

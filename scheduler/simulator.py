@@ -1462,6 +1462,46 @@ def _positive(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def advisor_config_from(options: Sequence[str]) -> AdvisorConfig:
+    """An ``AdvisorConfig`` from ``OPTION=VALUE`` strings (the ``[advisor]``
+    table's names; a set of kinds as a comma list); ValueError naming the
+    option when one is unknown or its value does not parse or validate."""
+    from dataclasses import fields
+
+    defaults = AdvisorConfig()
+    known = {f.name for f in fields(AdvisorConfig)}
+    changes: dict[str, object] = {}
+    for option in options:
+        name, sep, text = option.partition("=")
+        name, text = name.strip(), text.strip()
+        if not sep or name not in known:
+            raise ValueError(f"{option!r}: expected OPTION=VALUE with OPTION one of {', '.join(sorted(known))}")
+        default = getattr(defaults, name)
+        try:
+            if isinstance(default, bool):
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError("expected true or false")
+                value: object = text.lower() in ("true", "1", "yes")
+            elif isinstance(default, frozenset):
+                value = frozenset(k.strip() for k in text.split(",") if k.strip())
+            else:
+                value = type(default)(text)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {text!r}: {exc}") from None
+        changes[name] = value
+    return replace(defaults, **changes).validate()
+
+
 def simulate_main(argv: Sequence[str] | None = None) -> int:
     """``gpulb simulate``: replay a trace into a cluster under each policy."""
     from scheduler import simreport
@@ -1490,6 +1530,16 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                    help="score without learned memory growth (no oom_risk term; shows what it is worth)")
     p.add_argument("--saturate", action="store_true",
                    help="also run the FGD saturation measure (tasks never end)")
+    p.add_argument("--advisor", action="store_true",
+                   help="also run each policy with the rebalance advisor carrying out its plans (shown as POLICY+advisor)")
+    p.add_argument("--advisor-set", action="append", default=[], metavar="OPTION=VALUE",
+                   help="an [advisor] option for the --advisor runs, e.g. variance_threshold=100 or "
+                   "movable_kinds=training,batch (repeatable)")
+    p.add_argument("--migration-cost", type=_non_negative, default=SimConfig.migration_cost_s, metavar="S",
+                   help="s of work a migrated task redoes on its new GPU: checkpoint, transfer, restart (default 30)")
+    p.add_argument("--load-drift", type=_non_negative, default=0.0, metavar="SIGMA",
+                   help="tasks' utilisation walks after placement, a log-normal step of SIGMA per phase of work "
+                   "(default 0: constant); what the advisor is for")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (shown only on a terminal)")
@@ -1504,9 +1554,22 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     tasks.sort(key=lambda t: t.submit_s)
     if args.max_tasks > 0:
         tasks = tasks[: args.max_tasks]
+    try:
+        advisor = advisor_config_from(args.advisor_set) if args.advisor else None
+    except ValueError as exc:
+        print(f"gpulb simulate: --advisor-set: {exc}", file=sys.stderr)
+        return 2
     cfg = SimConfig(seed=args.seed, memory=args.memory, prediction=not args.no_prediction,
-                    memory_learning=not args.no_memory_learning)
-    results = simulate(tasks, nodes, args.policy, cfg, progress=not args.no_progress and sys.stderr.isatty())
+                    memory_learning=not args.no_memory_learning, migration_cost_s=args.migration_cost,
+                    util_drift=args.load_drift)
+    progress = not args.no_progress and sys.stderr.isatty()
+    results = simulate(tasks, nodes, args.policy, cfg, progress=progress)
+    if advisor is not None:
+        # each policy next to itself with the advisor: the same trace, draws and drift
+        with_advisor = simulate(tasks, nodes, args.policy, replace(cfg, advisor=advisor), progress=progress)
+        for r in with_advisor:
+            r.policy = f"{r.policy}+advisor"
+        results = [r for pair in zip(results, with_advisor) for r in pair]
     simreport.attach_floors(results, tasks, nodes)  # how far each policy is from the best the work allows
     if args.saturate:
         for r in results:
@@ -1519,6 +1582,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         "seed": args.seed,
         "memory": args.memory,
     }
+    if args.load_drift:
+        meta["load_drift"] = args.load_drift
+    if advisor is not None:
+        meta["migration_cost_s"] = args.migration_cost
+        meta.update({f"advisor.{o.partition('=')[0].strip()}": o.partition("=")[2].strip() for o in args.advisor_set})
     if args.json:
         json.dump(simreport.to_json(results, meta), sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -540,3 +540,44 @@ def test_util_std_floor_by_hand():
             assert f["hottest_node_util"] >= f["floors"]["hottest_node_util"] - 1e-9
             if cluster is nodes:
                 assert f["util_std"] >= util_std_floor(tasks, nodes, r.meta["window_start_s"], r.window_s) - 1e-9
+
+
+def test_command_line_runs_each_policy_with_and_without_the_advisor(tmp_path, capsys):
+    # A, B, C one per GPU; D joins A (the lowest row on the tie); B and C end at
+    # 100 s, leaving [90 %, 0, 0]: with the advisor one of A and D moves to an
+    # idle GPU and redoes --migration-cost s of work there; without it nothing moves
+    from scheduler.traces import TraceTask
+
+    def train(task_id, submit, duration, share):
+        return TraceTask(task_id, submit, duration, 1, 4_000.0, share, Priority.P1, "training")
+
+    trace = tmp_path / "trace.csv"
+    write_trace([train("A", 0.0, 20_000.0, 0.5), train("B", 0.0, 100.0, 0.5), train("C", 0.0, 100.0, 0.5),
+                 train("D", 1.0, 20_000.0, 0.4)], trace)
+    cluster = tmp_path / "cluster.csv"
+    assert trace_main(["cluster", "homogeneous", "--hosts", "3", "--gpus", "1", str(cluster)]) == 0
+    capsys.readouterr()
+    base = ["--trace", str(trace), "--cluster", str(cluster), "--policy", "round_robin,load_aware", "--memory", "asked",
+            "--no-progress"]
+    assert simulate_main(base + ["--json", "--advisor", "--migration-cost", "300", "--advisor-set", "cooldown_s=600"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = [p["policy"] for p in doc["policies"]]
+    assert names == ["round_robin", "round_robin+advisor", "load_aware", "load_aware+advisor"]
+    by = {p["policy"]: p for p in doc["policies"]}
+    assert (by["load_aware"]["plans"], by["load_aware"]["migrations"]) == (0, 0)
+    assert (by["load_aware+advisor"]["plans"], by["load_aware+advisor"]["migrations"]) == (1, 1)
+    # the move's cost is redone on the new GPU: makespan 20,000 s + 300 s (+ the start's visibility delay)
+    assert by["load_aware+advisor"]["makespan_s"] - by["load_aware"]["makespan_s"] == pytest.approx(300.0, abs=2.0)
+    assert doc["meta"]["migration_cost_s"] == 300.0 and doc["meta"]["advisor.cooldown_s"] == "600"
+    assert simulate_main(base + ["--advisor"]) == 0
+    text = capsys.readouterr().out
+    assert "load_aware+advisor" in text and "rebalance plans / migrations" in text and "largest load difference" in text
+    # bad options: exit 2 naming the option
+    assert simulate_main(base + ["--advisor", "--advisor-set", "nonsense=1"]) == 2
+    assert "'nonsense=1': expected OPTION=VALUE" in capsys.readouterr().err
+    assert simulate_main(base + ["--advisor", "--advisor-set", "hot_pct=200"]) == 2
+    assert "hot_pct: must be in [0, 100]" in capsys.readouterr().err
+    assert simulate_main(base + ["--advisor", "--advisor-set", "persist=two"]) == 2
+    assert "persist: 'two'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        simulate_main(base + ["--load-drift", "-1"])
