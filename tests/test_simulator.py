@@ -16,7 +16,7 @@ import random
 import numpy as np
 import pytest
 
-from scheduler.cluster import ClusterNode, homogeneous, write_cluster
+from scheduler.cluster import ClusterNode, homogeneous
 from scheduler.config import SchedulerConfig
 from scheduler.reservations import Reservations
 from scheduler.simreport import figures, ratios, render, to_json
