@@ -249,6 +249,7 @@ class Agent:
                 interval_min_ms=int(cfg.interval_min_s * 1000),
                 interval_max_ms=int(cfg.interval_max_s * 1000),
                 driver_version=driver_version_of(self.backend),
+                running_task_ids=self._running_task_ids(),
             )
             await call.write(pb.AgentMessage(register=register))
             reader = asyncio.create_task(self._read_loop(call))
@@ -400,6 +401,12 @@ class Agent:
                     )
                 )
             )
+
+    def _running_task_ids(self) -> list[str]:
+        """Tasks the backend runs for the coordinator (a simulated host), for
+        the registration; none for a backend that runs no tasks itself."""
+        running = getattr(self.backend, "running_task_ids", None)
+        return list(running()) if running is not None else []
 
     async def _read_loop(self, call) -> None:
         async for msg in call:

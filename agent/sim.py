@@ -343,6 +343,12 @@ class SimBackend:
         )
         self._events.append(SimTaskEvent(task_id, "started", f"GPUs {list(gpus)}"))
 
+    def running_task_ids(self) -> list[str]:
+        """Ids of the placed tasks running now, sorted (the agent's registration
+        carries them, so the coordinator can set right what a dropped stream lost)."""
+        self._advance()
+        return sorted(self._tasks)
+
     def release(self, task_id: str) -> bool:
         """Stop a running task (the coordinator cancelled or completed it).
         True if it was running. No event: the caller already knows."""

@@ -64,6 +64,7 @@ def register_message(
     interval_max_ms: int,
     supported: Mapping[int, Sequence[int]] | None = None,
     driver_version: str = "",
+    running_task_ids: Sequence[str] = (),
 ) -> pb.Register:
     msg = pb.Register(
         node_id=node_id,
@@ -75,6 +76,7 @@ def register_message(
         sample_interval_min_ms=interval_min_ms,
         sample_interval_max_ms=interval_max_ms,
         driver_version=driver_version,
+        running_task_ids=list(running_task_ids),
     )
     for info in inventory:
         gpu = msg.gpus.add(

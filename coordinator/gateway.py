@@ -144,6 +144,10 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                     )
                 )
             )
+            # what the host runs against what is leased there: a release or
+            # placement sent while its stream was down is not lost
+            self.coordinator.dispatcher.reconcile_node(node_id, set(first.register.running_task_ids),
+                                                       runs_tasks=first.register.backend == "sim")
             writer = asyncio.create_task(self._write_loop(session, context))
             reader = asyncio.create_task(self._read_loop(request_iterator, session, node))
             stopper = asyncio.create_task(self._wait_stop(session))

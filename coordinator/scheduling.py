@@ -237,6 +237,28 @@ class Dispatcher:
                 session.send(pb.CoordinatorMessage(release=pb.TaskRelease(task_id=task.task_id, reason=task.state.name.lower())))
             self.request()  # room was freed
 
+    def reconcile_node(self, node_id: str, running: set[str], *, runs_tasks: bool) -> tuple[int, int]:
+        """Right after a node (re)registered: release what its host runs that
+        is not leased there now (a release sent while its stream was down),
+        and, on a host that runs the tasks placed on it (``runs_tasks``: the
+        simulated backend; an NVML host's workloads are its clients'), place
+        again what is leased there but not running (a placement lost, or a
+        restarted host). Returns (released, placed again)."""
+        session = self.c.gateway.sessions.get(node_id)
+        if session is None:
+            return 0, 0
+        leased = {t.task_id: t for t in self.engine.leased_on(node_id)}
+        released = sorted(running - leased.keys())
+        for task_id in released:
+            session.send(pb.CoordinatorMessage(release=pb.TaskRelease(task_id=task_id, reason="not leased on this node")))
+        missing = [t for task_id, t in leased.items() if task_id not in running] if runs_tasks else []
+        for task in missing:
+            self._send_placement(task)
+        if released or missing:
+            log.info("node_tasks_reconciled", node_id=node_id, released=released,
+                     placed_again=[t.task_id for t in missing])
+        return len(released), len(missing)
+
     def _migrated(self, task: Task, from_node_id: str) -> None:
         """A lease moved to other GPUs (MigrateTask): the old node's agent
         stops the task, the new one's starts it."""

@@ -49,6 +49,8 @@ class SignalSettings:
     persist: int = 3
 
 MAX_GPUS_PER_NODE = 64
+#: tasks a host may say it runs at registration (64 GPUs x 64 tasks)
+MAX_RUNNING_TASKS = 4096
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 
@@ -85,6 +87,11 @@ def validate_register(reg: pb.Register) -> None:
         # shown by ListNodes and carried as Prometheus labels (gpulb_node_info)
         if len(getattr(reg, name)) > limit:
             raise RegistrationError(f"register.{name}", f"{len(getattr(reg, name))} characters; at most {limit}")
+    if len(reg.running_task_ids) > MAX_RUNNING_TASKS:
+        raise RegistrationError("register.running_task_ids", f"{len(reg.running_task_ids)} tasks; at most {MAX_RUNNING_TASKS}")
+    for i, task_id in enumerate(reg.running_task_ids):
+        if not 0 < len(task_id) <= 128:
+            raise RegistrationError(f"register.running_task_ids[{i}]", f"{len(task_id)} characters; a task id has 1-128")
     if len(reg.labels) > 64:
         raise RegistrationError("register.labels", f"{len(reg.labels)} labels; at most 64")
     for key, value in reg.labels.items():

@@ -121,7 +121,7 @@ class TopologyLink(_message.Message):
     def __init__(self, gpu_a: _Optional[int] = ..., gpu_b: _Optional[int] = ..., kind: _Optional[_Union[LinkKind, str]] = ..., nvlink_count: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "hostname", "agent_version", "backend", "labels", "gpus", "topology", "session_id", "sample_interval_min_ms", "sample_interval_max_ms", "driver_version")
+    __slots__ = ("node_id", "hostname", "agent_version", "backend", "labels", "gpus", "topology", "session_id", "sample_interval_min_ms", "sample_interval_max_ms", "driver_version", "running_task_ids")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class Register(_message.Message):
     SAMPLE_INTERVAL_MIN_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INTERVAL_MAX_MS_FIELD_NUMBER: _ClassVar[int]
     DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     hostname: str
     agent_version: str
@@ -151,7 +152,8 @@ class Register(_message.Message):
     sample_interval_min_ms: int
     sample_interval_max_ms: int
     driver_version: str
-    def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., agent_version: _Optional[str] = ..., backend: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., topology: _Optional[_Iterable[_Union[TopologyLink, _Mapping]]] = ..., session_id: _Optional[int] = ..., sample_interval_min_ms: _Optional[int] = ..., sample_interval_max_ms: _Optional[int] = ..., driver_version: _Optional[str] = ...) -> None: ...
+    running_task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., agent_version: _Optional[str] = ..., backend: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., topology: _Optional[_Iterable[_Union[TopologyLink, _Mapping]]] = ..., session_id: _Optional[int] = ..., sample_interval_min_ms: _Optional[int] = ..., sample_interval_max_ms: _Optional[int] = ..., driver_version: _Optional[str] = ..., running_task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FieldColumn(_message.Message):
     __slots__ = ("field", "presence", "values")

@@ -766,6 +766,10 @@ class Scheduler:
         self._flush()
         return copy.copy(task)
 
+    def leased_on(self, node_id: str) -> list[Task]:
+        """Copies of the tasks holding a lease on ``node_id``, by task id."""
+        return [copy.copy(self._tasks[t]) for t in sorted(self._by_node.get(node_id, ()))]
+
     def migrate(
         self, task_id: str, lease_id: str, to_gpu_uuids: Sequence[str], snapshot: ClusterSnapshot | None = None
     ) -> Task:
