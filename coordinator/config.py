@@ -51,7 +51,7 @@ class CoordinatorConfig:
     state_synchronous: str = _opt("NORMAL", "SQLite synchronous mode: NORMAL survives process crashes, FULL also power loss")
     finished_retention_s: float = _opt(86400.0, "finished tasks are kept this long for GetTask and idempotent resubmission", "s")
     advisor_interval_s: float = _opt(30.0, "period of the rebalance advisor's evaluation", "s")
-    advisor_hook: str = _opt("", "command run with each rebalance plan as JSON on stdin (the operator's executor); empty = none")
+    advisor_hook: str = _opt("", "command run with each rebalance plan as JSON on stdin (the operator's executor, e.g. gpulb --coordinator 127.0.0.1:50051 advisor execute --stdin); empty = none")
     advisor_hook_timeout_s: float = _opt(60.0, "the advisor hook is killed after this long", "s")
     event_loop: str = _opt(
         "auto",
