@@ -1357,14 +1357,16 @@ def simulate(
     *,
     progress: bool = False,
     stream: TextIO | None = None,
+    label_suffix: str = "",
 ) -> list[SimResult]:
-    """Run every policy on the same trace, cluster and memory draws."""
+    """Run every policy on the same trace, cluster and memory draws
+    (``label_suffix`` follows each policy's name on the progress bar)."""
     cfg = config or SimConfig()
     ordered = sorted(tasks, key=lambda t: t.submit_s)
     profiles = _memory_profiles(ordered, _resolve_memory(cfg.memory), cfg.seed)
     results = []
     for name in policies:
-        bar = _ProgressBar(name, stream or sys.stderr) if progress else None
+        bar = _ProgressBar(name + label_suffix, stream or sys.stderr) if progress else None
         sim = Simulation(ordered, nodes, name, cfg, profiles=profiles, progress=bar)
         results.append(sim.run())
         if bar is not None:
@@ -1566,7 +1568,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     results = simulate(tasks, nodes, args.policy, cfg, progress=progress)
     if advisor is not None:
         # each policy next to itself with the advisor: the same trace, draws and drift
-        with_advisor = simulate(tasks, nodes, args.policy, replace(cfg, advisor=advisor), progress=progress)
+        with_advisor = simulate(tasks, nodes, args.policy, replace(cfg, advisor=advisor), progress=progress,
+                                label_suffix="+advisor")
         for r in with_advisor:
             r.policy = f"{r.policy}+advisor"
         results = [r for pair in zip(results, with_advisor) for r in pair]
