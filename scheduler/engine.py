@@ -49,7 +49,7 @@ from scheduler.errors import (
     UnknownTask,
     Unplaceable,
 )
-from scheduler.filters import describe, explain, feasible, first_failure, never_fits
+from scheduler.filters import describe, explain, feasible, first_failure, never_fits, nvlink_groups
 from scheduler.fragmentation import WorkloadMix
 from scheduler.policies import POLICIES, Placement, Policy, make_policy
 from scheduler.queue import AgingQueue, Outcome
@@ -786,8 +786,9 @@ class Scheduler:
         Raises NotLeaseHolder (not the live lease), InvalidArgument
         (``to_gpu_uuid``: wrong count, repeated, unknown, on two nodes, or
         one the task already has) and Unplaceable (the destination fails a
-        filter, named; its node is kept for a blocked multi-GPU task; or no
-        cluster view yet). Nothing changes on error.
+        filter, named; an NVLink task's GPUs are not one NVLink-connected
+        group; its node is kept for a blocked multi-GPU task; or no cluster
+        view yet). Nothing changes on error.
         """
         now = self._clock()
         try:
@@ -821,8 +822,10 @@ class Scheduler:
         node = nodes.pop()
         node_id = snap.node_ids[node]
         if spec.needs_nvlink and spec.num_gpus > 1:
-            raise Unplaceable(f"{field}: an NVLink task is not migrated (its set must be one NVLink group); "
-                              "cancel it and submit it again")
+            indices = [int(snap.gpu_index[r]) for r in rows]
+            if len(nvlink_groups(snap.node_nvlink[node], indices)) != 1:
+                raise Unplaceable(f"{field}: the task needs NVLink and GPUs {indices} of node {node_id} "
+                                  "are not one NVLink-connected group")
         for blocked, held in self._held_nodes.items():
             if held == node_id and blocked in self._tasks and self._tasks[blocked].state == TaskState.QUEUED:
                 raise Unplaceable(f"{field}: node {node_id} is kept for the blocked task {blocked!r} while "

@@ -555,3 +555,23 @@ def test_a_migration_never_lands_on_a_node_kept_for_a_blocked_multi_gpu_task() -
     # (its label would keep it off that node too; the hold is checked first, and named)
     with pytest.raises(Unplaceable, match=f"node {kept} is kept for the blocked task 'pair'"):
         sched.migrate(mover.task_id, mover.assignment.lease_id, [free_gpu])
+
+
+def test_an_nvlink_task_moves_only_onto_one_nvlink_connected_group() -> None:
+    from scheduler.errors import Unplaceable
+
+    # node a: GPUs 0-1 linked; node b: 0-1 and 2-3 linked in pairs, no link
+    # between the pairs. b is full when the pair is placed (so it takes a),
+    # then empties.
+    nodes = [NodeFacts("a", 2, memory_total_mib=24 * GIB, nvlink_pairs=[(0, 1)]),
+             NodeFacts("b", 4, memory_total_mib=24 * GIB, nvlink_pairs=[(0, 1), (2, 3)])]
+    sched, _ = make()
+    full = ClusterSnapshot.build(nodes, memory_used_mib=[0.0, 0.0] + [22 * GIB] * 4)
+    sched.submit(spec("pair", num_gpus=2, needs_nvlink=True, vram_mib=4 * GIB), full)
+    (t,) = sched.dispatch(full)
+    assert t.assignment.gpu_uuids == ("GPU-a-0", "GPU-a-1")
+    empty = ClusterSnapshot.build(nodes, memory_used_mib=[0.0] * 6)
+    with pytest.raises(Unplaceable, match=r"needs NVLink and GPUs \[1, 2\] of node b are not one NVLink-connected group"):
+        sched.migrate("pair", t.assignment.lease_id, ["GPU-b-1", "GPU-b-2"], empty)
+    moved = sched.migrate("pair", t.assignment.lease_id, ["GPU-b-2", "GPU-b-3"], empty)
+    assert moved.assignment.gpu_uuids == ("GPU-b-2", "GPU-b-3") and moved.assignment.gpu_indices == (2, 3)
