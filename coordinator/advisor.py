@@ -180,6 +180,9 @@ class AdvisorRuntime:
         self._priors_from: object = None  # the snapshot layout the priors were read from
         self._columns_at: tuple | None = None  # (snapshot, clock s, annotated snapshot) of the last refresh
         self._started: dict[str, float] = {}  # task id -> clock s of its agent's STARTED event
+        # tasks moved to other GPUs while running (MigrateTask): their run time
+        # spans two GPUs and a restart, so it teaches no GPU's speed
+        self._migrated: set[str] = set()
         self._actual: dict[str, float] = {}  # task id -> s of run time its client reported
         self._gpus: tuple[object, dict[str, tuple[str, str]]] | None = None  # uuid -> (node, model)
         self._watchers: set[asyncio.Queue] = set()
@@ -279,6 +282,10 @@ class AdvisorRuntime:
         """The agent reported the task running: its run time counts from now."""
         self._started[task_id] = self.clock()
 
+    def task_migrated(self, task_id: str) -> None:
+        """The task's lease moved to other GPUs: its completion is not a speed sample."""
+        self._migrated.add(task_id)
+
     def note_actual_duration(self, task_id: str, actual_s: float) -> None:
         """The client reported the task's measured run time (CompleteTask.actual_duration_s)."""
         if isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0:
@@ -304,13 +311,15 @@ class AdvisorRuntime:
         started = self._started.pop(task.task_id, None)
         actual = self._actual.pop(task.task_id, None)
         peak = self._peaks.pop(task.task_id, None)
+        migrated = task.task_id in self._migrated
+        self._migrated.discard(task.task_id)
         if peak is not None and task.state in (TaskState.COMPLETED, TaskState.FAILED):
             ratio = self.growth.observe(task.spec.kind, task.spec.vram_mib, peak[0], oom_killed=peak[1])
             if ratio is not None:
                 log.debug("memory_growth_learned", task_id=task.task_id, kind=task.spec.kind,
                           asked_mib=task.spec.vram_mib, peak_mib=peak[0], ratio=round(ratio, 4), oom_killed=peak[1])
         a = task.assignment
-        if task.state != TaskState.COMPLETED or a is None or task.spec.duration_s <= 0:
+        if task.state != TaskState.COMPLETED or a is None or task.spec.duration_s <= 0 or migrated:
             return
         if actual is None:
             end = task.finished_at if task.finished_at is not None else self.clock()

@@ -267,6 +267,7 @@ class Dispatcher:
         if session is not None:
             session.send(pb.CoordinatorMessage(release=pb.TaskRelease(task_id=task.task_id, reason="migrated")))
         self._send_placement(task)
+        self.c.advisor.task_migrated(task.task_id)
         self.c.metrics.tasks_migrated.inc()
         log.info("task_migrated", task_id=task.task_id, from_node_id=from_node_id, node_id=a.node_id,
                  gpus=list(a.gpu_indices))

@@ -40,7 +40,7 @@ async def test_a_migration_moves_the_task_between_hosts_and_refuses_bad_input_by
             async with grpc.aio.insecure_channel(target) as ch:
                 sched, ops = tpb_grpc.SchedulerStub(ch), cpb_grpc.ClusterOperatorStub(ch)
                 spec = tpb.TaskSpec(task_id="train-1", vram_mib=4096, gpu_share=0.5, kind="training",
-                                    priority=tpb.PRIORITY_P1, movable=True)
+                                    priority=tpb.PRIORITY_P1, movable=True, duration_s=600.0)
                 placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
                 assert placed.state == tpb.TASK_STATE_LEASED
                 src = placed.assignment.gpu_uuid[0]
@@ -101,14 +101,24 @@ async def test_a_migration_moves_the_task_between_hosts_and_refuses_bad_input_by
                 moved = (await sched.GetTask(tpb.GetTaskRequest(task_id="train-1")))
                 assert list(moved.assignment.gpu_uuid) == [src] and moved.assignment.lease_id in out
                 await until(lambda: _has(ops, src, 1), what="the task back on its first GPU")
+                # a task that moved while running teaches no GPU's speed; one that did not does
+                learned = coord.advisor.predictor.samples
+                await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="train-1", lease_id=moved.assignment.lease_id,
+                                                                 actual_duration_s=5.0))
+                assert coord.advisor.predictor.samples == learned
+                other = tpb.TaskSpec(task_id="train-2", vram_mib=2048, gpu_share=0.3, kind="training", duration_s=600.0)
+                still = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=other), timeout=10)).task
+                await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="train-2", lease_id=still.assignment.lease_id,
+                                                                 actual_duration_s=5.0))
+                assert coord.advisor.predictor.samples == learned + 1
     finally:
         await coord.stop(0)
-    # the move was durable: a restarted coordinator knows the new lease
+    # the moves were durable: a restarted coordinator knows the last lease
     again = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"), store=open_state_dir(tmp_path))
     await again.start()
     try:
         restored = again.dispatcher.engine.get("train-1")
-        assert restored.state.name == "LEASED" and restored.assignment.lease_id == moved.assignment.lease_id
+        assert restored.state.name == "COMPLETED" and restored.assignment.lease_id == moved.assignment.lease_id
         assert restored.assignment.gpu_uuids == (src,)
     finally:
         await again.stop(0)
