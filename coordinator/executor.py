@@ -94,7 +94,7 @@ class PlanExecutor:
         if not argv:
             return ""
         try:
-            done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True,
+            done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, errors="replace",
                                   timeout=self.command_timeout_s, check=False)
         except subprocess.TimeoutExpired:
             return f"{argv[0]} ran past {self.command_timeout_s:g} s"
