@@ -211,6 +211,21 @@ async def test_gpulb_advisor_execute_carries_a_plan_out_and_the_load_evens(tmp_p
                 (skipped,) = await asyncio.to_thread(run, [sys.executable, "-c", "raise SystemExit('disk full')"])
                 assert skipped.outcome == "skipped" and "exited 1: disk full" in skipped.detail
                 assert len(restarts.read_text().splitlines()) == 2
+                # a move made whose restart fails: said so (the CLI exits 1 on it), the lease is on the new GPU
+                back = apb.RebalancePlan(plan_id=100, moves=[apb.Migration(
+                    task_id=outcome["task_id"], lease_id=outcome["lease_id"], from_node_id="sim-02", from_gpu_index=0,
+                    from_gpu_uuid=after["GPULB_TO_GPU_UUID"], to_node_id="sim-01", to_gpu_index=0,
+                    to_gpu_uuid=before["GPULB_FROM_GPU_UUID"])])
+
+                def run_back():
+                    with grpc.insecure_channel(target) as sync:
+                        return PlanExecutor(tpb_grpc.SchedulerStub(sync),
+                                            restart=[sys.executable, "-c", "raise SystemExit(4)"]).execute(back)
+
+                (failed,) = await asyncio.to_thread(run_back)
+                assert failed.outcome == "restart failed" and "exited 4" in failed.detail
+                now = await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))
+                assert now.assignment.node_id == "sim-01" and now.assignment.lease_id == failed.lease_id
     finally:
         await coord.stop(0)
 
