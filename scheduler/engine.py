@@ -138,6 +138,9 @@ class Scheduler:
         self._blocked_sets: list[dict[str, None]] = [{} for _ in Priority]
         self.placed = 0
         self.migrated = 0  # leases moved to other GPUs (migrate)
+        # queued task id -> the part of its shape key that depends on its spec
+        # alone (``_try_place``): a deep queue is walked at every dispatch
+        self._spec_shapes: dict[str, tuple] = {}
 
     # ---- listeners --------------------------------------------------------------------
     def add_listener(self, listener: Listener) -> Callable[[], None]:
@@ -585,14 +588,18 @@ class Scheduler:
         held = frozenset(held_cache[b] for b in fenced if held_cache[b] is not None)
         # Within one dispatch free resources only shrink, so a shape that did not
         # fit once will not fit later in the same dispatch: skip the work.
-        shape = (
-            spec.num_gpus,
-            spec.vram_mib,
-            self.config.memory_reject_for(spec.tenant),
-            spec.gpu_spec,
-            spec.needs_nvlink,
-            spec.io_heavy,
-            frozenset(spec.required_node_labels.items()),
+        of_spec = self._spec_shapes.get(spec.task_id)
+        if of_spec is None:
+            of_spec = self._spec_shapes[spec.task_id] = (
+                spec.num_gpus,
+                spec.vram_mib,
+                self.config.memory_reject_for(spec.tenant),
+                spec.gpu_spec,
+                spec.needs_nvlink,
+                spec.io_heavy,
+                frozenset(spec.required_node_labels.items()),
+            )
+        shape = of_spec + (
             held,
             # with estimates, whether a held node is open to it depends on how long it runs
             spec.duration_s if held and self.config.backfill_estimate_factor > 0 else 0.0,
@@ -669,6 +676,7 @@ class Scheduler:
         """Lease ``placement`` to ``task`` (``moved``: a migration, which is
         neither a new placement nor an attempt: the retry rule counts attempts)."""
         spec = task.spec
+        self._spec_shapes.pop(spec.task_id, None)
         lease = self._leases.grant(spec.task_id, now, self.config.lease_s)
         # the readings the reservation fades against (stale ones too: see Reservations)
         used = [float(view.used[r]) for r in placement.rows]
@@ -714,6 +722,7 @@ class Scheduler:
                 del self._by_node[assignment.node_id]
 
     def _finish(self, task: Task, state: TaskState, reason: str, now: float) -> None:
+        self._spec_shapes.pop(task.task_id, None)
         task.state = state
         task.reason = reason
         task.finished_at = now
@@ -990,6 +999,7 @@ class Scheduler:
         self._policies[policy.NAME] = policy
         self._policy = policy
         self._view = None  # per-snapshot caches read thresholds from the config
+        self._spec_shapes.clear()  # per-tenant memory thresholds are part of them
         return self.get_policy()
 
     def get_policy(self) -> PolicyInfo:

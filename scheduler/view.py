@@ -565,6 +565,7 @@ class PlacementView:
         self.reject_headroom = self.reject_total - self.committed
         self.load = self.util_base + self.res_util
         self.avail = self.base_ok & ~(self.stale & (self.active > 0))
+        self._any_room: bool | None = None  # any_room's answer until the next refresh
         if self.any_stale:
             free = np.bincount(
                 self.node[self.stale & (self.active == 0)], minlength=self.node_count
@@ -584,6 +585,7 @@ class PlacementView:
         res = self._reservations
         row_of = self.row_of
         derived = tuple(self._derived.values())
+        self._any_room = None
         stale_rows = []
         changed = []
         for gpu_uuid in gpu_uuids:
@@ -632,5 +634,9 @@ class PlacementView:
         self._reservations = reservations
 
     def any_room(self) -> bool:
-        """Whether any GPU could take any task at all right now (every task needs VRAM)."""
-        return bool(np.any(self.avail & (self.headroom > 0)))
+        """Whether any GPU could take any task at all right now (every task needs
+        VRAM). Kept until the next ``refresh``: a dispatch asks it after every
+        task that did not fit, thousands of times over an unchanged view."""
+        if self._any_room is None:
+            self._any_room = bool(np.any(self.avail & (self.headroom > 0)))
+        return self._any_room
