@@ -83,6 +83,8 @@ class Outcome(Enum):
 
 # dead promotion-heap entries tolerated before a rebuild is considered
 _COMPACT_AT = 1024
+#: the fence of a task with no barrier ahead of it
+_NO_FENCE: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True, eq=False)
@@ -312,16 +314,19 @@ class AgingQueue:
         # it holds a node. Holding one per barrier would, with many blocked
         # tasks, hold every node and stall the cluster as a global barrier did.
         head: tuple[int, str] | None = None
-        while True:
-            active = [c for c in range(CLASSES) if pos[c] < len(lists[c])]
-            if not active:
-                break
+        head_fence: frozenset[str] = _NO_FENCE
+        # classes with tasks left to offer, in class order (kept as classes run
+        # out rather than rebuilt per task: a deep queue is walked every dispatch)
+        active = [c for c in range(CLASSES) if lists[c]]
+        while active:
             c = self._pick(credit, active)
             entry = lists[c][pos[c]]
             pos[c] += 1
+            if pos[c] == len(lists[c]):
+                active.remove(c)
             if not self._live(entry):
                 continue
-            fenced = frozenset((head[1],)) if head is not None and head[0] <= entry.cls else frozenset()
+            fenced = head_fence if head is not None and head[0] <= entry.cls else _NO_FENCE
             outcome = try_place(entry.task, fenced)
             if outcome is Outcome.PLACED:
                 self._charge(entry.cls)
@@ -338,6 +343,7 @@ class AgingQueue:
                 and (can_hold is None or can_hold(entry.task))
             ):
                 head = (entry.cls, entry.task.task_id)
+                head_fence = frozenset((head[1],))
             if outcome is Outcome.EXHAUSTED:
                 break
         return placed
