@@ -91,9 +91,6 @@ class Dispatcher:
         self._waiters: dict[str, list[asyncio.Future]] = {}
         self._watchers: dict[str, set[asyncio.Queue]] = {}
         self._last_state: dict[str, TaskState] = {}
-        # leased task -> (lease id, node id) last told to the agents: a new lease
-        # while still LEASED is a migration (MigrateTask)
-        self._leased_on: dict[str, tuple[str, str]] = {}
         self._pass_handle: asyncio.Handle | None = None  # a pass scheduled for the end of this turn
         self._loop_task: asyncio.Task | None = None
         self.interval_s = coordinator.config.dispatch_interval_s
@@ -108,8 +105,6 @@ class Dispatcher:
         for task in tasks:
             if not task.terminal:
                 self._last_state[task.task_id] = task.state
-            if task.state == TaskState.LEASED and task.assignment is not None:
-                self._leased_on[task.task_id] = (task.assignment.lease_id, task.assignment.node_id)
 
     # ---- lifecycle ---------------------------------------------------------
     def start(self) -> None:
@@ -195,21 +190,12 @@ class Dispatcher:
     def _on_change(self, task: Task) -> None:
         previous = self._last_state.get(task.task_id)
         state = task.state
-        a = task.assignment
         if state != previous:
             self._transition(task, previous)
-        elif state == TaskState.LEASED and a is not None:
-            told = self._leased_on.get(task.task_id)
-            if told is not None and told[0] != a.lease_id:
-                self._migrated(task, told[1])
         if task.terminal:
             self._last_state.pop(task.task_id, None)
         else:
             self._last_state[task.task_id] = state
-        if state == TaskState.LEASED and a is not None:
-            self._leased_on[task.task_id] = (a.lease_id, a.node_id)
-        else:
-            self._leased_on.pop(task.task_id, None)
         for queue in list(self._watchers.get(task.task_id, ())):
             try:
                 queue.put_nowait(task)
@@ -259,10 +245,16 @@ class Dispatcher:
                      placed_again=[t.task_id for t in missing])
         return len(released), len(missing)
 
-    def _migrated(self, task: Task, from_node_id: str) -> None:
-        """A lease moved to other GPUs (MigrateTask): the old node's agent
-        stops the task, the new one's starts it."""
+    def migrate(self, task_id: str, lease_id: str, to_gpu_uuids: list[str]) -> Task:
+        """MigrateTask: the engine moves the lease (``Scheduler.migrate``, on the
+        current view); then the old node's agent stops the task and the new
+        one's starts it. A LEASED task that stays LEASED is no state change, so
+        this is the one place that knows where the task came from."""
+        before = self.engine.get(task_id).assignment  # None unless leased: migrate then refuses it
+        snapshot = self.snapshots.snapshot()
+        task = self.engine.migrate(task_id, lease_id, to_gpu_uuids, snapshot if snapshot.gpu_count else None)
         a = task.assignment
+        from_node_id = before.node_id if before is not None else ""
         session = self.c.gateway.sessions.get(from_node_id)
         if session is not None:
             session.send(pb.CoordinatorMessage(release=pb.TaskRelease(task_id=task.task_id, reason="migrated")))
@@ -272,6 +264,7 @@ class Dispatcher:
         log.info("task_migrated", task_id=task.task_id, from_node_id=from_node_id, node_id=a.node_id,
                  gpus=list(a.gpu_indices))
         self.request()  # room was freed on the old GPUs
+        return task
 
     def _send_placement(self, task: Task) -> None:
         a = task.assignment
@@ -585,9 +578,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         identity = self.c.authorize(context, admin=False)
         await self._owned(identity, request.task_id, context)
         try:
-            snapshot = self.d.snapshots.snapshot()
-            task = self.d.engine.migrate(request.task_id, request.lease_id, list(request.to_gpu_uuid),
-                                         snapshot if snapshot.gpu_count else None)
+            task = self.d.migrate(request.task_id, request.lease_id, list(request.to_gpu_uuid))
         except SchedulerError as exc:
             await self._fail(context, exc)
         await self._durable(context, self.c.task_changed_durably(task))

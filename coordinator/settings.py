@@ -31,7 +31,7 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from coordinator.config import CoordinatorConfig
 from protos.runtime import LOG_LEVELS
@@ -376,6 +376,34 @@ def _check_value(opt: Option, value: Any) -> str | None:
         if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
             return f"expected HOST:PORT with a port in 0-65535, got {value!r}"
     return None
+
+
+def section_from_text(name: str, assignments: Sequence[str]) -> Any:
+    """The ``[name]`` table's dataclass from ``OPTION=VALUE`` strings, spelled
+    as in the environment (lists comma-separated), every other option at its
+    default, validated. ValueError naming the option when one is unknown,
+    malformed, or its value does not convert or validate (a command's
+    ``--advisor-set`` style override)."""
+    section = next(s for s in SECTIONS if s.name == name)
+    by_name = {opt.name: opt for opt in options(section)}
+    changes: dict[str, Any] = {}
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        key, text = key.strip(), text.strip()
+        if not sep or key not in by_name:
+            raise ValueError(f"{assignment!r}: expected OPTION=VALUE with OPTION one of {', '.join(sorted(by_name))}")
+        opt = by_name[key]
+        try:
+            value = _convert(text, opt.type, text=True)
+        except _Invalid as exc:
+            raise ValueError(f"{key}: {text!r}: {exc}") from None
+        problem = _check_value(opt, value)
+        if problem:
+            raise ValueError(f"{key}: {problem}")
+        changes[key] = value
+    config = dataclasses.replace(section.cls(), **changes)
+    config.validate()
+    return config
 
 
 # ---- loading -------------------------------------------------------------------------------

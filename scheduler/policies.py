@@ -50,6 +50,7 @@ from scheduler.scoring import (
     load_aware_node_bounds,
     load_aware_scores,
     load_aware_terms,
+    memory_pressure,
     speed_loss_scores,
 )
 from scheduler.task import ScoreBreakdown, TaskSpec
@@ -1420,13 +1421,8 @@ class Fragmentation(Policy):
             smallest = view.static_cache["fgd.inv_total_max"] = float(view.inv_total.max()) if view.inv_total.size else 0.0
         if spec.vram_mib * smallest <= warn or growth_table(view, spec, weight) is None:
             return None
-        band = cfg.memory_reject_pct / 100.0 - warn
-        fill = spec.vram_mib * (view.inv_total if rows is None else view.inv_total[rows])
-        fill -= warn
-        fill *= weight / band
-        np.maximum(fill, 0.0, out=fill)
-        np.minimum(fill, weight, out=fill)
-        return fill
+        own = spec.vram_mib * (view.inv_total if rows is None else view.inv_total[rows])
+        return weight * memory_pressure(own, warn, cfg.memory_reject_pct / 100.0)
 
     def gpu_scores(self, view: PlacementView, spec: TaskSpec) -> np.ndarray:
         free = free_resources(view)

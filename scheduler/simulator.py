@@ -1454,54 +1454,23 @@ def _policies(text: str) -> list[str]:
     return names
 
 
-def _positive(text: str) -> float:
+def _number(text: str, *, zero: bool) -> float:
+    """An argparse value: a finite number > 0 (>= 0 with ``zero``)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        raise argparse.ArgumentTypeError(f"expected a number {'>=' if zero else '>'} 0, got {text!r}")
     return value
+
+
+def _positive(text: str) -> float:
+    return _number(text, zero=False)
 
 
 def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def advisor_config_from(options: Sequence[str]) -> AdvisorConfig:
-    """An ``AdvisorConfig`` from ``OPTION=VALUE`` strings (the ``[advisor]``
-    table's names; a set of kinds as a comma list); ValueError naming the
-    option when one is unknown or its value does not parse or validate."""
-    from dataclasses import fields
-
-    defaults = AdvisorConfig()
-    known = {f.name for f in fields(AdvisorConfig)}
-    changes: dict[str, object] = {}
-    for option in options:
-        name, sep, text = option.partition("=")
-        name, text = name.strip(), text.strip()
-        if not sep or name not in known:
-            raise ValueError(f"{option!r}: expected OPTION=VALUE with OPTION one of {', '.join(sorted(known))}")
-        default = getattr(defaults, name)
-        try:
-            if isinstance(default, bool):
-                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError("expected true or false")
-                value: object = text.lower() in ("true", "1", "yes")
-            elif isinstance(default, frozenset):
-                value = frozenset(k.strip() for k in text.split(",") if k.strip())
-            else:
-                value = type(default)(text)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {text!r}: {exc}") from None
-        changes[name] = value
-    return replace(defaults, **changes).validate()
+    return _number(text, zero=True)
 
 
 def simulate_main(argv: Sequence[str] | None = None) -> int:
@@ -1557,7 +1526,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     if args.max_tasks > 0:
         tasks = tasks[: args.max_tasks]
     try:
-        advisor = advisor_config_from(args.advisor_set) if args.advisor else None
+        from coordinator.settings import section_from_text  # the [advisor] table's own parsing
+
+        advisor = section_from_text("advisor", args.advisor_set) if args.advisor else None
     except ValueError as exc:
         print(f"gpulb simulate: --advisor-set: {exc}", file=sys.stderr)
         return 2

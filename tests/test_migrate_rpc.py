@@ -7,6 +7,7 @@ input gets a precise status naming the field while nothing changes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -135,6 +136,29 @@ async def _hot_spot(sched: tpb_grpc.SchedulerStub, ops: cpb_grpc.ClusterOperator
     await ops.UncordonNode(cpb.NodeActionRequest(node_id="sim-02", reason="test"))
 
 
+@contextlib.asynccontextmanager
+async def _hot_spot_cluster(listen: str = "127.0.0.1:0", **config):
+    """A coordinator whose advisor plans at once (persist 1, no minimum age, no
+    averaging, 0.3 s evaluations), two simulated 1-GPU hosts and the hot spot:
+    yields (coordinator, target, Scheduler stub, ClusterOperator stub)."""
+    from scheduler.advisor import AdvisorConfig
+
+    advisor = AdvisorConfig(persist=1, min_age_s=0.0, smoothing_alpha=1.0, cooldown_s=5.0, window_s=5.0)
+    coord = Coordinator(CoordinatorConfig(listen=listen, dispatch_interval_s=0.1, advisor_interval_s=0.3, **config),
+                        advisor_config=advisor)
+    port = await coord.start()
+    target = f"127.0.0.1:{port}"
+    try:
+        async with SimFleet(target, hosts=2, gpus=1, workload="idle"):
+            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
+            async with grpc.aio.insecure_channel(target) as ch:
+                sched, ops = tpb_grpc.SchedulerStub(ch), cpb_grpc.ClusterOperatorStub(ch)
+                await _hot_spot(sched, ops)
+                yield coord, target, sched, ops
+    finally:
+        await coord.stop(0)
+
+
 async def _has(ops: cpb_grpc.ClusterOperatorStub, uuid: str, count: int) -> bool:
     return (await _processes(ops)).get(uuid) == count
 
@@ -149,85 +173,72 @@ async def test_gpulb_advisor_execute_carries_a_plan_out_and_the_load_evens(tmp_p
     import sys
 
     from coordinator.cli import main as gpulb
-    from scheduler.advisor import AdvisorConfig
 
-    advisor = AdvisorConfig(persist=1, min_age_s=0.0, smoothing_alpha=1.0, cooldown_s=5.0, window_s=5.0)
-    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1, advisor_interval_s=0.3),
-                        advisor_config=advisor)
-    port = await coord.start()
-    target = f"127.0.0.1:{port}"
     record = ("import json, os, sys; "
               "open(sys.argv[1], 'a').write(json.dumps({k: v for k, v in os.environ.items() if k.startswith('GPULB_')}) + '\\n')")
     checkpoints, restarts = tmp_path / "checkpoint.jsonl", tmp_path / "restart.jsonl"
-    try:
-        async with SimFleet(target, hosts=2, gpus=1, workload="idle"):
-            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
-            async with grpc.aio.insecure_channel(target) as ch:
-                sched, ops = tpb_grpc.SchedulerStub(ch), cpb_grpc.ClusterOperatorStub(ch)
-                await _hot_spot(sched, ops)
-                argv = ["--coordinator", target, "advisor", "execute", "--plans", "1", "--json",
-                        "--checkpoint", f"{sys.executable} -c \"{record}\" {checkpoints}",
-                        "--restart", f"{sys.executable} -c \"{record}\" {restarts}"]
-                capsys.readouterr()
-                assert await asyncio.to_thread(gpulb, argv) == 0
-                lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{\"plan_id\"")]
-                (outcome,) = lines
-                assert outcome["outcome"] == "moved" and outcome["to_gpu"] == "sim-02:0", outcome
-                moved = await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))
-                assert moved.assignment.node_id == "sim-02" and moved.assignment.lease_id == outcome["lease_id"]
-                (before,) = [json.loads(x) for x in checkpoints.read_text().splitlines()]
-                (after,) = [json.loads(x) for x in restarts.read_text().splitlines()]
-                assert before["GPULB_TASK_ID"] == after["GPULB_TASK_ID"] == outcome["task_id"]
-                assert before["GPULB_TO_NODE"] == "sim-01" and after["GPULB_TO_NODE"] == "sim-02"
-                assert after["GPULB_LEASE_ID"] == outcome["lease_id"] != before["GPULB_LEASE_ID"]
+    async with _hot_spot_cluster() as (coord, target, sched, ops):
+        argv = ["--coordinator", target, "advisor", "execute", "--plans", "1", "--json",
+                "--checkpoint", f"{sys.executable} -c \"{record}\" {checkpoints}",
+                "--restart", f"{sys.executable} -c \"{record}\" {restarts}"]
+        capsys.readouterr()
+        assert await asyncio.to_thread(gpulb, argv) == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{\"plan_id\"")]
+        (outcome,) = lines
+        assert outcome["outcome"] == "moved" and outcome["to_gpu"] == "sim-02:0", outcome
+        moved = await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))
+        assert moved.assignment.node_id == "sim-02" and moved.assignment.lease_id == outcome["lease_id"]
+        (before,) = [json.loads(x) for x in checkpoints.read_text().splitlines()]
+        (after,) = [json.loads(x) for x in restarts.read_text().splitlines()]
+        assert before["GPULB_TASK_ID"] == after["GPULB_TASK_ID"] == outcome["task_id"]
+        assert before["GPULB_TO_NODE"] == "sim-01" and after["GPULB_TO_NODE"] == "sim-02"
+        assert after["GPULB_LEASE_ID"] == outcome["lease_id"] != before["GPULB_LEASE_ID"]
 
-                async def even() -> bool:
-                    gpus = (await ops.ListGpus(cpb.ListGpusRequest())).gpus
-                    utils = [g.util_gpu_pct for g in gpus]
-                    return len(utils) == 2 and all(35.0 <= u <= 55.0 for u in utils)
+        async def even() -> bool:
+            gpus = (await ops.ListGpus(cpb.ListGpusRequest())).gpus
+            utils = [g.util_gpu_pct for g in gpus]
+            return len(utils) == 2 and all(35.0 <= u <= 55.0 for u in utils)
 
-                await until(even, what="both GPUs near 45 %")
+        await until(even, what="both GPUs near 45 %")
 
-                # the same move again, with the lease it no longer holds: refused,
-                # and the restart command is run in place, under the old lease
-                from coordinator.executor import PlanExecutor
-                from protos import advisor_pb2 as apb
+        # the same move again, with the lease it no longer holds: refused,
+        # and the restart command is run in place, under the old lease
+        from coordinator.executor import PlanExecutor
+        from protos import advisor_pb2 as apb
 
-                stale = apb.RebalancePlan(plan_id=99, moves=[apb.Migration(
-                    task_id=outcome["task_id"], lease_id=before["GPULB_LEASE_ID"], from_node_id="sim-01", from_gpu_index=0,
-                    from_gpu_uuid=before["GPULB_FROM_GPU_UUID"], to_node_id="sim-02", to_gpu_index=0,
-                    to_gpu_uuid=after["GPULB_TO_GPU_UUID"])])
+        stale = apb.RebalancePlan(plan_id=99, moves=[apb.Migration(
+            task_id=outcome["task_id"], lease_id=before["GPULB_LEASE_ID"], from_node_id="sim-01", from_gpu_index=0,
+            from_gpu_uuid=before["GPULB_FROM_GPU_UUID"], to_node_id="sim-02", to_gpu_index=0,
+            to_gpu_uuid=after["GPULB_TO_GPU_UUID"])])
 
-                def run(checkpoint: list[str]):
-                    with grpc.insecure_channel(target) as sync:
-                        return PlanExecutor(tpb_grpc.SchedulerStub(sync), checkpoint=checkpoint,
-                                            restart=[sys.executable, "-c", record, str(restarts)]).execute(stale)
+        def run(checkpoint: list[str]):
+            with grpc.insecure_channel(target) as sync:
+                return PlanExecutor(tpb_grpc.SchedulerStub(sync), checkpoint=checkpoint,
+                                    restart=[sys.executable, "-c", record, str(restarts)]).execute(stale)
 
-                (refused,) = await asyncio.to_thread(run, [])
-                assert refused.outcome == "refused" and "FAILED_PRECONDITION" in refused.detail
-                in_place = json.loads(restarts.read_text().splitlines()[-1])
-                assert in_place["GPULB_TO_NODE"] == "sim-01" and in_place["GPULB_LEASE_ID"] == before["GPULB_LEASE_ID"]
-                # a checkpoint that fails skips the move: nothing else runs
-                (skipped,) = await asyncio.to_thread(run, [sys.executable, "-c", "raise SystemExit('disk full')"])
-                assert skipped.outcome == "skipped" and "exited 1: disk full" in skipped.detail
-                assert len(restarts.read_text().splitlines()) == 2
-                # a move made whose restart fails: said so (the CLI exits 1 on it), the lease is on the new GPU
-                back = apb.RebalancePlan(plan_id=100, moves=[apb.Migration(
-                    task_id=outcome["task_id"], lease_id=outcome["lease_id"], from_node_id="sim-02", from_gpu_index=0,
-                    from_gpu_uuid=after["GPULB_TO_GPU_UUID"], to_node_id="sim-01", to_gpu_index=0,
-                    to_gpu_uuid=before["GPULB_FROM_GPU_UUID"])])
+        (refused,) = await asyncio.to_thread(run, [])
+        assert refused.outcome == "refused" and "FAILED_PRECONDITION" in refused.detail
+        in_place = json.loads(restarts.read_text().splitlines()[-1])
+        assert in_place["GPULB_TO_NODE"] == "sim-01" and in_place["GPULB_LEASE_ID"] == before["GPULB_LEASE_ID"]
+        # a checkpoint that fails skips the move: nothing else runs
+        (skipped,) = await asyncio.to_thread(run, [sys.executable, "-c", "raise SystemExit('disk full')"])
+        assert skipped.outcome == "skipped" and "exited 1: disk full" in skipped.detail
+        assert len(restarts.read_text().splitlines()) == 2
+        # a move made whose restart fails: said so (the CLI exits 1 on it), the lease is on the new GPU
+        back = apb.RebalancePlan(plan_id=100, moves=[apb.Migration(
+            task_id=outcome["task_id"], lease_id=outcome["lease_id"], from_node_id="sim-02", from_gpu_index=0,
+            from_gpu_uuid=after["GPULB_TO_GPU_UUID"], to_node_id="sim-01", to_gpu_index=0,
+            to_gpu_uuid=before["GPULB_FROM_GPU_UUID"])])
 
-                def run_back():
-                    with grpc.insecure_channel(target) as sync:
-                        return PlanExecutor(tpb_grpc.SchedulerStub(sync),
-                                            restart=[sys.executable, "-c", "raise SystemExit(4)"]).execute(back)
+        def run_back():
+            with grpc.insecure_channel(target) as sync:
+                return PlanExecutor(tpb_grpc.SchedulerStub(sync),
+                                    restart=[sys.executable, "-c", "raise SystemExit(4)"]).execute(back)
 
-                (failed,) = await asyncio.to_thread(run_back)
-                assert failed.outcome == "restart failed" and "exited 4" in failed.detail
-                now = await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))
-                assert now.assignment.node_id == "sim-01" and now.assignment.lease_id == failed.lease_id
-    finally:
-        await coord.stop(0)
+        (failed,) = await asyncio.to_thread(run_back)
+        assert failed.outcome == "restart failed" and "exited 4" in failed.detail
+        now = await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))
+        assert now.assignment.node_id == "sim-01" and now.assignment.lease_id == failed.lease_id
 
 
 async def test_the_coordinators_advisor_hook_runs_the_executor_and_rebalances_by_itself():
@@ -237,31 +248,17 @@ async def test_the_coordinators_advisor_hook_runs_the_executor_and_rebalances_by
     import sys
 
     from coordinator.demo import free_port
-    from scheduler.advisor import AdvisorConfig
 
-    port = free_port()
-    target = f"127.0.0.1:{port}"
+    target = f"127.0.0.1:{free_port()}"
     hook = shlex.join([sys.executable, "-m", "coordinator.cli", "--coordinator", target, "advisor", "execute", "--stdin"])
-    advisor = AdvisorConfig(persist=1, min_age_s=0.0, smoothing_alpha=1.0, cooldown_s=5.0, window_s=5.0)
-    coord = Coordinator(CoordinatorConfig(listen=target, dispatch_interval_s=0.1, advisor_interval_s=0.3, advisor_hook=hook),
-                        advisor_config=advisor)
-    await coord.start()
-    try:
-        async with SimFleet(target, hosts=2, gpus=1, workload="idle"):
-            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
-            async with grpc.aio.insecure_channel(target) as ch:
-                sched, ops = tpb_grpc.SchedulerStub(ch), cpb_grpc.ClusterOperatorStub(ch)
-                await _hot_spot(sched, ops)
+    async with _hot_spot_cluster(target, advisor_hook=hook) as (coord, _, sched, ops):
+        async def split() -> bool:
+            tasks = (await sched.ListTasks(tpb.ListTasksRequest(state=tpb.TASK_STATE_LEASED))).tasks
+            return sorted(t.assignment.node_id for t in tasks) == ["sim-01", "sim-02"]
 
-                async def split() -> bool:
-                    tasks = (await sched.ListTasks(tpb.ListTasksRequest(state=tpb.TASK_STATE_LEASED))).tasks
-                    return sorted(t.assignment.node_id for t in tasks) == ["sim-01", "sim-02"]
-
-                await until(split, timeout=30, what="one task moved to sim-02 by the hook")
-                await until(lambda: coord.advisor.last_hook is not None, what="the hook's end")
-                assert coord.advisor.last_hook.outcome == "ok", coord.advisor.last_hook
-                assert "moved" in coord.advisor.last_hook.stdout_tail
-                text = coord.metrics.exposition(per_gpu=False).decode()
-                assert "gpulb_tasks_migrated_total 1.0" in text
-    finally:
-        await coord.stop(0)
+        await until(split, timeout=30, what="one task moved to sim-02 by the hook")
+        await until(lambda: coord.advisor.last_hook is not None, what="the hook's end")
+        assert coord.advisor.last_hook.outcome == "ok", coord.advisor.last_hook
+        assert "moved" in coord.advisor.last_hook.stdout_tail
+        text = coord.metrics.exposition(per_gpu=False).decode()
+        assert "gpulb_tasks_migrated_total 1.0" in text
