@@ -363,7 +363,8 @@ class AdvisorRuntime:
             trigger=plan.trigger,
             variance_before=round(plan.variance_before, 1),
             variance_after=round(plan.variance_after, 1),
-            moves=[f"{m.task_id}: {m.from_node_id}/{m.from_gpu_index} -> {m.to_node_id}/{m.to_gpu_index}" for m in plan.moves],
+            moves=[f"{m.task_id}: {m.from_node_id}/{','.join(map(str, m.from_gpu_indexes))} -> "
+                   f"{m.to_node_id}/{','.join(map(str, m.to_gpu_indexes))}" for m in plan.moves],
         )
         for queue in list(self._watchers):
             try:
@@ -528,6 +529,10 @@ def _move_to_proto(m: Move) -> apb.Migration:
         from_util_pct=m.from_util_pct,
         to_util_pct=m.to_util_pct,
         variance_after=m.variance_after,
+        from_gpu_indexes=m.from_gpu_indexes,
+        from_gpu_uuids=m.from_gpu_uuids,
+        to_gpu_indexes=m.to_gpu_indexes,
+        to_gpu_uuids=m.to_gpu_uuids,
     )
 
 

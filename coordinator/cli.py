@@ -426,9 +426,15 @@ def _ratio_pct(value: float) -> str:
     return "-" if value != value else f"{value * 100:.1f}%"  # NaN: nothing predicted yet
 
 
+def _indexes(many, first: int) -> str:
+    """GPU indexes of one side of a move (a coordinator before multi-GPU moves sends the first alone)."""
+    return ",".join(map(str, many)) if len(many) else str(first)
+
+
 def _plan_lines(plan) -> list[str]:
     moves = [
-        [m.task_id, m.kind, f"{m.from_node_id}:{m.from_gpu_index}", f"{m.to_node_id}:{m.to_gpu_index}",
+        [m.task_id, m.kind, f"{m.from_node_id}:{_indexes(m.from_gpu_indexes, m.from_gpu_index)}",
+         f"{m.to_node_id}:{_indexes(m.to_gpu_indexes, m.to_gpu_index)}",
          fmt(m.load_pct, 1, "%"), fmt(m.from_util_pct, 1, "%"), fmt(m.to_util_pct, 1, "%"), fmt(m.variance_after, 0)]
         for m in plan.moves
     ]

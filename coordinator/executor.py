@@ -17,7 +17,10 @@ Each command runs without a shell, with the move in its environment:
 ``GPULB_TASK_ID``, ``GPULB_LEASE_ID`` (the lease to run under: the new one
 for a restart after a move), ``GPULB_FROM_NODE``, ``GPULB_FROM_GPU_INDEX``,
 ``GPULB_FROM_GPU_UUID``, ``GPULB_TO_NODE``, ``GPULB_TO_GPU_INDEX``,
-``GPULB_TO_GPU_UUID`` (where to restart), ``GPULB_PLAN_ID``. On a cluster of
+``GPULB_TO_GPU_UUID`` (where to restart; the first GPU of a multi-GPU
+task), ``GPULB_FROM_GPU_INDEXES``, ``GPULB_FROM_GPU_UUIDS``,
+``GPULB_TO_GPU_INDEXES``, ``GPULB_TO_GPU_UUIDS`` (every GPU, comma-separated:
+ready for ``CUDA_VISIBLE_DEVICES``), ``GPULB_PLAN_ID``. On a cluster of
 simulated agents no command is needed: the agents stop and start the task
 themselves when the coordinator releases and places it.
 """
@@ -56,18 +59,31 @@ class MoveOutcome:
         return dict(self.__dict__)
 
 
-def move_env(plan_id: int, move: apb.Migration, *, lease_id: str, to_node: str, to_index: int, to_uuid: str) -> dict[str, str]:
+def _gpus(indexes: Sequence[int], uuids: Sequence[str], index: int, uuid: str) -> tuple[list[int], list[str]]:
+    """A side of a move, every GPU (a plan from a coordinator before
+    multi-GPU moves names only the first)."""
+    return (list(indexes), list(uuids)) if uuids else ([index], [uuid])
+
+
+def move_env(plan_id: int, move: apb.Migration, *, lease_id: str, to_node: str, to_indexes: Sequence[int],
+             to_uuids: Sequence[str]) -> dict[str, str]:
     """The environment of a checkpoint or restart command (module docstring)."""
+    from_indexes, from_uuids = _gpus(move.from_gpu_indexes, move.from_gpu_uuids, move.from_gpu_index,
+                                     move.from_gpu_uuid)
     return {
         "GPULB_PLAN_ID": str(plan_id),
         "GPULB_TASK_ID": move.task_id,
         "GPULB_LEASE_ID": lease_id,
         "GPULB_FROM_NODE": move.from_node_id,
-        "GPULB_FROM_GPU_INDEX": str(move.from_gpu_index),
-        "GPULB_FROM_GPU_UUID": move.from_gpu_uuid,
+        "GPULB_FROM_GPU_INDEX": str(from_indexes[0]),
+        "GPULB_FROM_GPU_UUID": from_uuids[0],
+        "GPULB_FROM_GPU_INDEXES": ",".join(map(str, from_indexes)),
+        "GPULB_FROM_GPU_UUIDS": ",".join(from_uuids),
         "GPULB_TO_NODE": to_node,
-        "GPULB_TO_GPU_INDEX": str(to_index),
-        "GPULB_TO_GPU_UUID": to_uuid,
+        "GPULB_TO_GPU_INDEX": str(to_indexes[0]),
+        "GPULB_TO_GPU_UUID": to_uuids[0],
+        "GPULB_TO_GPU_INDEXES": ",".join(map(str, to_indexes)),
+        "GPULB_TO_GPU_UUIDS": ",".join(to_uuids),
     }
 
 
@@ -108,16 +124,19 @@ class PlanExecutor:
     def execute(self, plan: apb.RebalancePlan) -> list[MoveOutcome]:
         out = []
         for m in plan.moves:
-            src, dst = f"{m.from_node_id}:{m.from_gpu_index}", f"{m.to_node_id}:{m.to_gpu_index}"
-            here = move_env(plan.plan_id, m, lease_id=m.lease_id, to_node=m.from_node_id, to_index=m.from_gpu_index,
-                            to_uuid=m.from_gpu_uuid)
+            from_indexes, from_uuids = _gpus(m.from_gpu_indexes, m.from_gpu_uuids, m.from_gpu_index, m.from_gpu_uuid)
+            to_indexes, to_uuids = _gpus(m.to_gpu_indexes, m.to_gpu_uuids, m.to_gpu_index, m.to_gpu_uuid)
+            src = f"{m.from_node_id}:{','.join(map(str, from_indexes))}"
+            dst = f"{m.to_node_id}:{','.join(map(str, to_indexes))}"
+            here = move_env(plan.plan_id, m, lease_id=m.lease_id, to_node=m.from_node_id, to_indexes=from_indexes,
+                            to_uuids=from_uuids)
             failed = self._run(self.checkpoint, here)
             if failed:
                 out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "skipped", m.lease_id, f"checkpoint: {failed}"))
                 continue
             try:
                 task = self.scheduler.MigrateTask(
-                    tpb.MigrateTaskRequest(task_id=m.task_id, lease_id=m.lease_id, to_gpu_uuid=[m.to_gpu_uuid]),
+                    tpb.MigrateTaskRequest(task_id=m.task_id, lease_id=m.lease_id, to_gpu_uuid=to_uuids),
                     timeout=self.rpc_timeout_s,
                 ).task
             except grpc.RpcError as exc:
@@ -127,8 +146,8 @@ class PlanExecutor:
                 out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "refused", m.lease_id, detail))
                 continue
             a = task.assignment
-            there = move_env(plan.plan_id, m, lease_id=a.lease_id, to_node=a.node_id, to_index=a.gpu_index[0],
-                             to_uuid=a.gpu_uuid[0])
+            there = move_env(plan.plan_id, m, lease_id=a.lease_id, to_node=a.node_id, to_indexes=a.gpu_index,
+                             to_uuids=a.gpu_uuid)
             failed = self._run(self.restart, there)
             out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "restart failed" if failed else "moved",
                                    a.lease_id, failed))

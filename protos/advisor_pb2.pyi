@@ -79,7 +79,7 @@ class MemoryGrowth(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., samples: _Optional[int] = ..., oom_kills: _Optional[int] = ..., p50: _Optional[float] = ..., p95: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class Migration(_message.Message):
-    __slots__ = ("task_id", "lease_id", "kind", "from_node_id", "from_gpu_index", "from_gpu_uuid", "to_node_id", "to_gpu_index", "to_gpu_uuid", "load_pct", "from_util_pct", "to_util_pct", "variance_after")
+    __slots__ = ("task_id", "lease_id", "kind", "from_node_id", "from_gpu_index", "from_gpu_uuid", "to_node_id", "to_gpu_index", "to_gpu_uuid", "load_pct", "from_util_pct", "to_util_pct", "variance_after", "from_gpu_indexes", "from_gpu_uuids", "to_gpu_indexes", "to_gpu_uuids")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,10 @@ class Migration(_message.Message):
     FROM_UTIL_PCT_FIELD_NUMBER: _ClassVar[int]
     TO_UTIL_PCT_FIELD_NUMBER: _ClassVar[int]
     VARIANCE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    FROM_GPU_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    FROM_GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    TO_GPU_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    TO_GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     lease_id: str
     kind: str
@@ -106,7 +110,11 @@ class Migration(_message.Message):
     from_util_pct: float
     to_util_pct: float
     variance_after: float
-    def __init__(self, task_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., kind: _Optional[str] = ..., from_node_id: _Optional[str] = ..., from_gpu_index: _Optional[int] = ..., from_gpu_uuid: _Optional[str] = ..., to_node_id: _Optional[str] = ..., to_gpu_index: _Optional[int] = ..., to_gpu_uuid: _Optional[str] = ..., load_pct: _Optional[float] = ..., from_util_pct: _Optional[float] = ..., to_util_pct: _Optional[float] = ..., variance_after: _Optional[float] = ...) -> None: ...
+    from_gpu_indexes: _containers.RepeatedScalarFieldContainer[int]
+    from_gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    to_gpu_indexes: _containers.RepeatedScalarFieldContainer[int]
+    to_gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., kind: _Optional[str] = ..., from_node_id: _Optional[str] = ..., from_gpu_index: _Optional[int] = ..., from_gpu_uuid: _Optional[str] = ..., to_node_id: _Optional[str] = ..., to_gpu_index: _Optional[int] = ..., to_gpu_uuid: _Optional[str] = ..., load_pct: _Optional[float] = ..., from_util_pct: _Optional[float] = ..., to_util_pct: _Optional[float] = ..., variance_after: _Optional[float] = ..., from_gpu_indexes: _Optional[_Iterable[int]] = ..., from_gpu_uuids: _Optional[_Iterable[str]] = ..., to_gpu_indexes: _Optional[_Iterable[int]] = ..., to_gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RebalancePlan(_message.Message):
     __slots__ = ("plan_id", "created_at_ns", "trigger", "variance_before", "variance_after", "spread_before", "spread_after", "moves", "dry_run")

@@ -47,26 +47,34 @@ per ``window_s``:
 
 1. a task's *load* is its part of its GPU's measured utilisation, split
    between the GPU's tasks in proportion to their declared ``gpu_share``
-   (equal parts when none declares one);
+   (equal parts when none declares one); on several GPUs, the mean of its
+   parts;
 2. a task may move when it is *movable* (``spec.movable`` or its kind is in
    ``movable_kinds``; never when its kind is in ``pinned_kinds``, inference by
-   default), runs on one GPU, was placed at least ``min_age_s`` ago, and is not
-   cooling down from an earlier move;
-3. sources are GPUs hotter than the mean, hottest first; for each of its
-   movable tasks the destination is the coolest GPU that passes the
-   scheduler's own filters (``scheduler.filters.feasible`` over a
-   ``PlacementView`` with the live reservations) for the task's spec, after
-   the memory of moves already planned, is not the source, and is not much
-   slower for the task: its slowdown (the snapshot's learned ``gpu_slowdown``
-   for the task's kind, else ``1 / node_speed``) at most ``max_slowdown_ratio``
-   times the source's (on a mixed cluster a move must not trade a hot fast
-   GPU for a cool one 20 times slower);
+   default), was placed at least ``min_age_s`` ago, and is not cooling down
+   from an earlier move;
+3. sources are GPUs hotter than the mean, hottest first (a multi-GPU task
+   counts under its hottest GPU); for each of its movable tasks the
+   destination is the coolest GPU that passes the scheduler's own filters
+   (``scheduler.filters.feasible`` over a ``PlacementView`` with the live
+   reservations) for the task's spec, after the memory of moves already
+   planned, is not the source, and is not much slower for the task: its
+   slowdown (the snapshot's learned ``gpu_slowdown`` for the task's kind,
+   else ``1 / node_speed``) at most ``max_slowdown_ratio`` times the
+   source's (on a mixed cluster a move must not trade a hot fast GPU for a
+   cool one 20 times slower). A task on ``k`` GPUs moves whole, to ``k``
+   GPUs of one node (as ``Scheduler.migrate`` takes it): per node its ``k``
+   coolest that pass, for an NVLink task only when those are one
+   NVLink-connected group;
 4. moving load ``l`` from a source at ``u_h`` to a destination at ``u_c``
    (gap ``d = u_h - u_c``) changes the variance by ``2 l (l - d) / N``; the
    move is taken only when it narrows the pair's difference by at least
    ``margin_pct``: ``margin / 2 <= l <= d - margin / 2`` (so it always lowers
-   the variance, and never makes the destination the new hot spot). Among a
-   source's tasks the one with the largest variance reduction wins;
+   the variance, and never makes the destination the new hot spot). On
+   ``k`` GPUs the sources and destinations pair hottest with hottest (the
+   pairing that leaves the smallest gap largest) and every pair must pass;
+   the node with the largest total gap wins. Among a source's tasks the one
+   with the largest variance reduction wins;
 5. no plan while tasks wait in the queue (``pause_when_queued``): the
    scheduler is already filling the cool GPUs with new work, and a migrated
    task restarts through that queue, behind what waits there;
@@ -87,7 +95,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from scheduler.config import SchedulerConfig
-from scheduler.filters import feasible
+from scheduler.filters import feasible, nvlink_groups
 from scheduler.reservations import Reservations
 from scheduler.snapshot import ClusterSnapshot
 from scheduler.task import Task, TaskState
@@ -198,7 +206,12 @@ class Trigger:
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """Migrate one task from one GPU to another."""
+    """Migrate one task from its GPUs to as many GPUs of one node.
+
+    The ``*_gpu_index`` / ``*_gpu_uuid`` fields name the first GPU of each
+    side (all a single-GPU task has); the ``*_gpu_indexes`` / ``*_gpu_uuids``
+    tuples name every GPU, the source in the task's order and the
+    destination by index."""
 
     task_id: str
     lease_id: str
@@ -209,13 +222,25 @@ class Move:
     to_node_id: str
     to_gpu_index: int
     to_gpu_uuid: str
-    load_pct: float  # % utilisation the move shifts
-    from_util_pct: float  # source utilisation before the move (%)
-    to_util_pct: float  # destination utilisation before the move (%)
+    load_pct: float  # % utilisation the move shifts, per GPU
+    from_util_pct: float  # source utilisation before the move (%, mean over its GPUs)
+    to_util_pct: float  # destination utilisation before the move (%, mean over its GPUs)
     variance_after: float  # %² expected once this move and the ones before it are done
+    from_gpu_indexes: tuple[int, ...] = ()
+    from_gpu_uuids: tuple[str, ...] = ()
+    to_gpu_indexes: tuple[int, ...] = ()
+    to_gpu_uuids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # a single-GPU move named by its first GPUs alone
+        for many, one in (("from_gpu_indexes", "from_gpu_index"), ("from_gpu_uuids", "from_gpu_uuid"),
+                          ("to_gpu_indexes", "to_gpu_index"), ("to_gpu_uuids", "to_gpu_uuid")):
+            if not getattr(self, many):
+                object.__setattr__(self, many, (getattr(self, one),))
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        out = {name: getattr(self, name) for name in self.__slots__}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,15 +404,16 @@ def plan_moves(
         r = row_of.get(uuid)
         if r is not None:
             busy[r] = True
-    # movable single-GPU tasks per source row
-    candidates: dict[int, list[tuple[str, float]]] = {}
+    # movable tasks per source row: a multi-GPU task under its hottest GPU
+    candidates: dict[int, list[tuple[str, float, tuple[int, ...]]]] = {}
     for task_id, (rows, load) in loads.items():
         task = by_id[task_id]
-        if len(rows) != 1 or task_id in cooling_task_set or not is_movable(task, cfg):
+        if task_id in cooling_task_set or not is_movable(task, cfg):
             continue
         if now - task.assignment.placed_at < cfg.min_age_s:  # type: ignore[union-attr]
             continue
-        candidates.setdefault(rows[0], []).append((task_id, load))
+        source = max(rows, key=lambda r: util[r])
+        candidates.setdefault(source, []).append((task_id, load, rows))
     if not candidates:
         return [], before, before, spread0, spread0
 
@@ -402,61 +428,107 @@ def plan_moves(
         mean = float(u[counted].mean())
         free = counted & ~busy
         coolest = float(u[free].min()) if free.any() else math.inf
-        best: tuple[float, int, int, str, float] | None = None
+        best: tuple[float, tuple[int, ...], tuple[int, ...], str, float] | None = None
         sources = [r for r in sorted(candidates, key=lambda r: -u[r]) if not busy[r] and counted[r] and u[r] > mean]
         for h in sources[:_MAX_SOURCES]:
-            for task_id, load in candidates[h]:
+            for task_id, load, rows in candidates[h]:
                 if task_id in cooling_task_set or not (half <= load <= u[h] - coolest - half):
                     continue  # not even the coolest GPU would make this move worth it
+                own = list(rows)
+                if len(rows) > 1 and (busy[own].any() or not counted[own].all()):
+                    continue
                 spec = by_id[task_id].spec
                 mask = feasible(view, spec) & counted & ~busy
-                mask[h] = False
+                mask[own] = False
                 slow = slowdowns.get(spec.kind)
                 if slow is None:
                     slow = slowdowns[spec.kind] = _slowdown_of(snapshot, spec.kind)
-                mask &= slow <= slow[h] * cfg.max_slowdown_ratio
+                mask &= slow <= slow[own].max() * cfg.max_slowdown_ratio
                 mask &= view.headroom - added_vram >= spec.vram_mib
                 mask &= view.reject_headroom - added_vram > spec.vram_mib
                 if not mask.any():
                     continue
-                c = int(np.argmin(np.where(mask, u, np.inf)))
-                gap = float(u[h] - u[c])
-                if not (half <= load <= gap - half) or load <= 0:
+                # sources and destinations paired hottest with hottest: every
+                # pair's gap must fit the load with the margin (for one GPU:
+                # the destination is the coolest)
+                src = np.asarray(sorted(rows, key=lambda r: -u[r]))
+                dests = _destination_sets(snapshot, mask, u, len(rows), spec.needs_nvlink)
+                if not len(dests):
                     continue
-                gain = 2.0 * load * (gap - load) / n
+                gaps = u[src][None, :] - u[dests[:, ::-1]]
+                ok = (gaps.min(axis=1) >= load + half) & (load >= half) & (load > 0)
+                if not ok.any():
+                    continue
+                total_gap = np.where(ok, gaps.sum(axis=1), -np.inf)
+                pick = int(np.argmax(total_gap))
+                # moving load l from each source to its destination changes
+                # the variance by 2 l (l - gap) / N per pair
+                gain = 2.0 * load * float(total_gap[pick] - len(rows) * load) / n
                 if best is None or gain > best[0]:
-                    best = (gain, h, c, task_id, load)
+                    best = (gain, tuple(rows), tuple(int(r) for r in dests[pick]), task_id, load)
             if best is not None:
                 break  # the hottest source with a useful move
         if best is None:
             break
-        _, h, c, task_id, load = best
+        _, src_rows, dst_rows, task_id, load = best
         task = by_id[task_id]
-        from_util, to_util = float(u[h]), float(u[c])
-        u[h] = max(0.0, u[h] - load)
-        u[c] = min(100.0, u[c] + load)
-        busy[h] = busy[c] = True
-        added_vram[c] += task.spec.vram_mib
+        dst_rows = tuple(sorted(dst_rows, key=lambda r: int(s.gpu_index[r])))
+        from_util, to_util = float(u[list(src_rows)].mean()), float(u[list(dst_rows)].mean())
+        for r in src_rows:
+            u[r] = max(0.0, u[r] - load)
+        for r in dst_rows:
+            u[r] = min(100.0, u[r] + load)
+            added_vram[r] += task.spec.vram_mib
+        busy[list(src_rows + dst_rows)] = True
         cooling_task_set.add(task_id)
         moves.append(
             Move(
                 task_id=task_id,
                 lease_id=task.assignment.lease_id,  # type: ignore[union-attr]
                 kind=task.spec.kind,
-                from_node_id=s.node_ids[int(s.gpu_node[h])],
-                from_gpu_index=int(s.gpu_index[h]),
-                from_gpu_uuid=s.gpu_uuid[h],
-                to_node_id=s.node_ids[int(s.gpu_node[c])],
-                to_gpu_index=int(s.gpu_index[c]),
-                to_gpu_uuid=s.gpu_uuid[c],
+                from_node_id=s.node_ids[int(s.gpu_node[src_rows[0]])],
+                from_gpu_index=int(s.gpu_index[src_rows[0]]),
+                from_gpu_uuid=s.gpu_uuid[src_rows[0]],
+                to_node_id=s.node_ids[int(s.gpu_node[dst_rows[0]])],
+                to_gpu_index=int(s.gpu_index[dst_rows[0]]),
+                to_gpu_uuid=s.gpu_uuid[dst_rows[0]],
                 load_pct=load,
                 from_util_pct=from_util,
                 to_util_pct=to_util,
                 variance_after=float(np.var(u[counted])),
+                from_gpu_indexes=tuple(int(s.gpu_index[r]) for r in src_rows),
+                from_gpu_uuids=tuple(s.gpu_uuid[r] for r in src_rows),
+                to_gpu_indexes=tuple(int(s.gpu_index[r]) for r in dst_rows),
+                to_gpu_uuids=tuple(s.gpu_uuid[r] for r in dst_rows),
             )
         )
     after = float(np.var(u[counted]))
     return moves, before, after, spread0, spread(u)
+
+
+def _destination_sets(
+    snapshot: ClusterSnapshot, mask: np.ndarray, u: np.ndarray, count: int, needs_nvlink: bool
+) -> np.ndarray:
+    """Candidate destinations for a task on ``count`` GPUs, one per node with
+    enough GPUs in ``mask``: that node's ``count`` coolest (by ``u``), ascending,
+    as rows of a ``(nodes, count)`` array (the coolest GPU alone for one GPU).
+    For an NVLink task on several GPUs, a node whose coolest set is not one
+    NVLink-connected group offers none (``Scheduler.migrate`` would refuse it)."""
+    if count == 1:
+        return np.asarray([[int(np.argmin(np.where(mask, u, np.inf)))]]) if mask.any() else np.zeros((0, 1), int)
+    rows = np.flatnonzero(mask)
+    nodes = np.asarray(snapshot.gpu_node)[rows]
+    order = np.lexsort((u[rows], nodes))
+    rows, nodes = rows[order], nodes[order]
+    starts = np.flatnonzero(np.r_[True, nodes[1:] != nodes[:-1]]) if rows.size else np.zeros(0, int)
+    sizes = np.diff(np.r_[starts, rows.size])
+    sets = rows[starts[sizes >= count][:, None] + np.arange(count)]
+    if needs_nvlink and len(sets):
+        index = np.asarray(snapshot.gpu_index)
+        linked = [len(nvlink_groups(snapshot.node_nvlink[int(snapshot.gpu_node[g[0]])],
+                                    [int(index[r]) for r in g])) == 1 for g in sets]
+        sets = sets[np.asarray(linked, dtype=bool)]
+    return sets
 
 
 def _smooth(snapshot: ClusterSnapshot, state: AdvisorState, alpha: float) -> tuple[tuple[str, ...], np.ndarray]:
@@ -546,14 +618,18 @@ def advise(
         spread_after=spread1,
         moves=tuple(moves),
     )
+    # the averages the plan expects (the GPUs of a plan's moves are disjoint)
+    judged_util = np.clip(np.nan_to_num(smoothed, nan=0.0), 0.0, 100.0)
     expected = smoothed.copy()
     row_of = {u: i for i, u in enumerate(uuids)}
     for m in moves:
         moved_at[m.task_id] = now
-        touched_at[m.from_gpu_uuid] = now
-        touched_at[m.to_gpu_uuid] = now
-        expected[row_of[m.from_gpu_uuid]] = max(0.0, m.from_util_pct - m.load_pct)
-        expected[row_of[m.to_gpu_uuid]] = min(100.0, m.to_util_pct + m.load_pct)
+        for uuid in m.from_gpu_uuids:
+            touched_at[uuid] = now
+            expected[row_of[uuid]] = max(0.0, judged_util[row_of[uuid]] - m.load_pct)
+        for uuid in m.to_gpu_uuids:
+            touched_at[uuid] = now
+            expected[row_of[uuid]] = min(100.0, judged_util[row_of[uuid]] + m.load_pct)
     nxt = replace(
         nxt,
         smoothed_util=expected,

@@ -1195,9 +1195,9 @@ class Simulation:
         moved = False
         for m in plan.moves:
             run = self._running.get(m.task_id)
-            if run is None or run.rows != (self._row_of[m.from_gpu_uuid],):
+            if run is None or sorted(run.rows) != sorted(self._row_of[u] for u in m.from_gpu_uuids):
                 continue
-            moved |= self._migrate(run, m.to_gpu_uuid, snap)
+            moved |= self._migrate(run, m.to_gpu_uuids, snap)
         return moved
 
     def _advisor_settled(self, snap: ClusterSnapshot) -> bool:
@@ -1212,15 +1212,15 @@ class Simulation:
         known = np.isfinite(reading)
         return bool(np.all(np.abs(avg[known] - reading[known]) < 0.01))
 
-    def _migrate(self, run: _Run, to_gpu_uuid: str, snap: ClusterSnapshot) -> bool:
+    def _migrate(self, run: _Run, to_gpu_uuids: Sequence[str], snap: ClusterSnapshot) -> bool:
         """Checkpoint ``run`` now and restart the rest of its work on
-        ``to_gpu_uuid`` under a new lease, as an executor does through the
+        ``to_gpu_uuids`` under a new lease, as an executor does through the
         coordinator's MigrateTask: the scheduler moves the lease in one step
         (``Scheduler.migrate``), so the restart never waits behind the queue.
         False when the destination no longer takes it (the move is dropped)."""
         now = self.now
         try:
-            task = self.sched.migrate(run.run_id, run.lease_id, (to_gpu_uuid,), snap)
+            task = self.sched.migrate(run.run_id, run.lease_id, tuple(to_gpu_uuids), snap)
         except SchedulerError:
             return False
         run.done += run.rate * (now - run.t_last)

@@ -156,16 +156,70 @@ def test_a_move_must_narrow_the_gap_by_the_margin():
     assert plan_moves(snap, slivers, now=NOW, config=AdvisorConfig(margin_pct=10.0))[0] == []
 
 
-def test_new_tasks_and_multi_gpu_tasks_stay():
+def test_new_tasks_stay():
     snap = snapshot([100.0, 0.0, 50.0, 50.0])
     young = leased("young", snap, 0, share=1.0, placed_at=NOW - 10.0)
     assert plan_moves(snap, [young], now=NOW)[0] == []
-    nodes = [NodeFacts("a", 2), NodeFacts("b", 2)]
-    snap2 = snapshot([100.0, 100.0, 0.0, 0.0], nodes=nodes)
-    multi = leased("multi", snap2, 0, share=1.0)
-    a = multi.assignment
-    multi = replace(multi, assignment=replace(a, gpu_indices=(0, 1), gpu_uuids=tuple(snap2.gpu_uuid[:2])))
-    assert plan_moves(snap2, [multi], now=NOW)[0] == []
+    assert len(plan_moves(snap, [replace(young, spec=replace(young.spec, gpu_share=0.5)),
+                                 leased("old", snap, 0, kind="inference")], now=NOW + 60.0)[0]) == 1
+
+
+def on_gpus(task: Task, snap: ClusterSnapshot, rows) -> Task:
+    """``task`` leased on several GPU rows of one node."""
+    a = replace(task.assignment, gpu_indices=tuple(int(snap.gpu_index[r]) for r in rows),
+                gpu_uuids=tuple(snap.gpu_uuid[r] for r in rows))
+    return replace(task, spec=replace(task.spec, num_gpus=len(rows)), assignment=a)
+
+
+def test_a_multi_gpu_task_moves_as_one_to_the_coolest_node_with_room_for_all_of_it():
+    nodes = [NodeFacts("hot", 2), NodeFacts("half", 2), NodeFacts("cool", 2)]
+    snap = snapshot([90.0, 90.0, 80.0, 10.0, 20.0, 30.0], nodes=nodes)
+    train = on_gpus(leased("train", snap, 0, share=0.5), snap, [0, 1])
+    serve = on_gpus(leased("serve", snap, 0, kind="inference", share=0.5), snap, [0, 1])
+    moves, before, after, _, _ = plan_moves(snap, [train, serve], now=NOW)
+    # "half" has the coolest GPU but not two cool ones: its 80 % GPU would
+    # end at 125 %; "cool" takes both halves of 90 %
+    assert len(moves) == 1
+    m = moves[0]
+    assert (m.task_id, m.from_node_id, m.to_node_id) == ("train", "hot", "cool")
+    assert m.from_gpu_uuids == tuple(snap.gpu_uuid[:2]) and m.from_gpu_indexes == (0, 1)
+    assert m.to_gpu_uuids == tuple(snap.gpu_uuid[4:]) and m.to_gpu_indexes == (0, 1)
+    assert (m.from_gpu_uuid, m.to_gpu_uuid) == (snap.gpu_uuid[0], snap.gpu_uuid[4])
+    assert m.load_pct == pytest.approx(45.0)  # per GPU
+    assert (m.from_util_pct, m.to_util_pct) == (pytest.approx(90.0), pytest.approx(25.0))
+    expected = np.var([45.0, 45.0, 80.0, 10.0, 65.0, 75.0])
+    assert after == pytest.approx(expected) == m.variance_after and after < before
+    d = m.to_dict()
+    assert d["to_gpu_uuids"] == list(snap.gpu_uuid[4:]) and json.loads(json.dumps(d)) == d
+
+
+def test_a_multi_gpu_move_narrows_every_pair_by_the_margin():
+    nodes = [NodeFacts("hot", 2), NodeFacts("other", 2)]
+    # the sources are 90 and 50; the destinations 0 and 40: paired hottest
+    # with hottest the gaps are 50 and 50, room for 40 % but not 46 %
+    snap = snapshot([90.0, 50.0, 40.0, 0.0], nodes=nodes)
+    fits = on_gpus(leased("t", snap, 0, share=1.0), snap, [0, 1])
+    fits = replace(fits, spec=replace(fits.spec, gpu_share=0.5))
+    serve = on_gpus(leased("s", snap, 0, kind="inference", share=0.625), snap, [0, 1])
+    # its part of the readings: (90 + 50) / 2 * 0.5 / 1.125 = 31 % per GPU
+    assert [m.to_node_id for m in plan_moves(snap, [fits, serve], now=NOW)[0]] == ["other"]
+    alone = on_gpus(leased("alone", snap, 0, share=1.0), snap, [0, 1])  # 70 % per GPU: a gap of 50 cannot take it
+    assert plan_moves(snap, [alone], now=NOW)[0] == []
+
+
+def test_an_nvlink_task_moves_only_onto_one_nvlink_group():
+    nodes = [NodeFacts("hot", 2, nvlink_pairs=[(0, 1)]),
+             NodeFacts("split", 4, nvlink_pairs=[(0, 1), (2, 3)]),
+             NodeFacts("linked", 2, nvlink_pairs=[(0, 1)])]
+    # on "split" the two coolest GPUs (0 and 2) are on different links
+    snap = snapshot([90.0, 90.0, 5.0, 60.0, 5.0, 60.0, 20.0, 20.0], nodes=nodes)
+    train = on_gpus(leased("train", snap, 0, share=0.5), snap, [0, 1])
+    serve = on_gpus(leased("serve", snap, 0, kind="inference", share=0.5), snap, [0, 1])
+    moves = plan_moves(snap, [train, serve], now=NOW)[0]
+    assert [(m.to_node_id, m.to_gpu_indexes) for m in moves] == [("split", (0, 2))]
+    train = replace(train, spec=replace(train.spec, needs_nvlink=True))
+    moves = plan_moves(snap, [train, serve], now=NOW)[0]
+    assert [(m.to_node_id, m.to_gpu_indexes) for m in moves] == [("linked", (0, 1))]
 
 
 def test_task_loads_split_measured_util_by_declared_share():
@@ -397,24 +451,24 @@ def test_config_is_validated():
 # ---- the simulator carries plans out -------------------------------------------------------------
 
 
-def _sim_tasks():
+def _sim_tasks(gpus: int = 1):
     from scheduler.traces import TraceTask
 
     def t(task_id, submit, duration, share):
-        return TraceTask(task_id, submit, duration, 1, 4_000.0, share, Priority.P1, "training")
+        return TraceTask(task_id, submit, duration, gpus, 4_000.0, share, Priority.P1, "training")
 
-    # A, B, C one per GPU; D joins A (lowest row on the tie); B and C end at 100 s,
-    # leaving [90 %, 0, 0]: the advisor moves A or D to an idle GPU
+    # A, B, C one per node; D joins A (lowest row on the tie); B and C end at 100 s,
+    # leaving [90 %, 0, 0] on each GPU of the nodes: the advisor moves A or D to an idle node
     return [t("A", 0.0, 20_000.0, 0.5), t("B", 0.0, 100.0, 0.5), t("C", 0.0, 100.0, 0.5), t("D", 1.0, 20_000.0, 0.4)]
 
 
-@pytest.mark.parametrize("cost_s", [30.0, 300.0])
-def test_simulator_applies_plans_with_a_checkpoint_and_restart_cost(cost_s):
+@pytest.mark.parametrize("cost_s, gpus", [(30.0, 1), (300.0, 1), (30.0, 2)])
+def test_simulator_applies_plans_with_a_checkpoint_and_restart_cost(cost_s, gpus):
     from scheduler.simulator import SimConfig, Simulation
 
-    nodes = [NodeFacts(f"n{i}", 1) for i in range(3)]
+    nodes = [NodeFacts(f"n{i}", gpus) for i in range(3)]
     cfg = SimConfig(memory="asked", advisor=AdvisorConfig(), migration_cost_s=cost_s)
-    r = Simulation(_sim_tasks(), nodes, "load_aware", cfg).run()
+    r = Simulation(_sim_tasks(gpus), nodes, "load_aware", cfg).run()
     assert (r.plans, r.migrations) == (1, 1)
     (moved,) = [x for x in r.records if x.migrations]
     assert moved.task_id in ("A", "D") and moved.state == "completed" and moved.runs == 2
@@ -422,7 +476,7 @@ def test_simulator_applies_plans_with_a_checkpoint_and_restart_cost(cost_s):
     assert moved.finish_s == pytest.approx(moved.submit_s + 20_000.0 + cost_s, abs=1.0)
     stay = next(x for x in r.records if x.task_id in ("A", "D") and not x.migrations)
     assert stay.finish_s == pytest.approx(stay.submit_s + 20_000.0, abs=1.0)
-    off = Simulation(_sim_tasks(), nodes, "load_aware", replace(cfg, advisor=None)).run()
+    off = Simulation(_sim_tasks(gpus), nodes, "load_aware", replace(cfg, advisor=None)).run()
     assert (off.plans, off.migrations) == (0, 0)
 
 

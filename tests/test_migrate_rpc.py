@@ -125,22 +125,23 @@ async def test_a_migration_moves_the_task_between_hosts_and_refuses_bad_input_by
         await again.stop(0)
 
 
-async def _hot_spot(sched: tpb_grpc.SchedulerStub, ops: cpb_grpc.ClusterOperatorStub) -> None:
-    """Two training tasks of 45 % on sim-01's one GPU (sim-02 cordoned while
-    they are placed), sim-02 idle: a variance of 2,025 %²."""
+async def _hot_spot(sched: tpb_grpc.SchedulerStub, ops: cpb_grpc.ClusterOperatorStub, gpus: int = 1) -> None:
+    """Two training tasks of 45 % on all of sim-01's ``gpus`` GPUs (sim-02
+    cordoned while they are placed), sim-02 idle: a variance of 2,025 %²."""
     await ops.CordonNode(cpb.NodeActionRequest(node_id="sim-02", reason="test"))
     for name in ("train-a", "train-b"):
-        spec = tpb.TaskSpec(task_id=name, vram_mib=4096, gpu_share=0.45, kind="training", priority=tpb.PRIORITY_P1)
+        spec = tpb.TaskSpec(task_id=name, vram_mib=4096, gpu_share=0.45, kind="training", priority=tpb.PRIORITY_P1,
+                            num_gpus=gpus)
         placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
         assert placed.assignment.node_id == "sim-01"
     await ops.UncordonNode(cpb.NodeActionRequest(node_id="sim-02", reason="test"))
 
 
 @contextlib.asynccontextmanager
-async def _hot_spot_cluster(listen: str = "127.0.0.1:0", **config):
+async def _hot_spot_cluster(listen: str = "127.0.0.1:0", gpus: int = 1, **config):
     """A coordinator whose advisor plans at once (persist 1, no minimum age, no
-    averaging, 0.3 s evaluations), two simulated 1-GPU hosts and the hot spot:
-    yields (coordinator, target, Scheduler stub, ClusterOperator stub)."""
+    averaging, 0.3 s evaluations), two simulated hosts of ``gpus`` GPUs and
+    the hot spot: yields (coordinator, target, Scheduler stub, ClusterOperator stub)."""
     from scheduler.advisor import AdvisorConfig
 
     advisor = AdvisorConfig(persist=1, min_age_s=0.0, smoothing_alpha=1.0, cooldown_s=5.0, window_s=5.0)
@@ -149,11 +150,11 @@ async def _hot_spot_cluster(listen: str = "127.0.0.1:0", **config):
     port = await coord.start()
     target = f"127.0.0.1:{port}"
     try:
-        async with SimFleet(target, hosts=2, gpus=1, workload="idle"):
-            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2, what="2 GPUs")
+        async with SimFleet(target, hosts=2, gpus=gpus, workload="idle"):
+            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 2 * gpus, what=f"{2 * gpus} GPUs")
             async with grpc.aio.insecure_channel(target) as ch:
                 sched, ops = tpb_grpc.SchedulerStub(ch), cpb_grpc.ClusterOperatorStub(ch)
-                await _hot_spot(sched, ops)
+                await _hot_spot(sched, ops, gpus)
                 yield coord, target, sched, ops
     finally:
         await coord.stop(0)
@@ -239,6 +240,40 @@ async def test_gpulb_advisor_execute_carries_a_plan_out_and_the_load_evens(tmp_p
         assert failed.outcome == "restart failed" and "exited 4" in failed.detail
         now = await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))
         assert now.assignment.node_id == "sim-01" and now.assignment.lease_id == failed.lease_id
+
+
+async def test_a_two_gpu_task_moves_whole_to_the_idle_host(tmp_path, capsys):
+    """Two 2-GPU training tasks of 45 % share sim-01's two GPUs; the plan
+    moves one of them, both GPUs at once, onto sim-02's two, and the restart
+    command gets every GPU (``GPULB_TO_GPU_INDEXES``, ready for CUDA_VISIBLE_DEVICES)."""
+    import json
+    import sys
+
+    from coordinator.cli import main as gpulb
+
+    record = ("import json, os, sys; "
+              "open(sys.argv[1], 'a').write(json.dumps({k: v for k, v in os.environ.items() if k.startswith('GPULB_')}) + '\\n')")
+    restarts = tmp_path / "restart.jsonl"
+    async with _hot_spot_cluster(gpus=2) as (coord, target, sched, ops):
+        argv = ["--coordinator", target, "advisor", "execute", "--plans", "1", "--json",
+                "--restart", f"{sys.executable} -c \"{record}\" {restarts}"]
+        capsys.readouterr()
+        assert await asyncio.to_thread(gpulb, argv) == 0
+        (outcome,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{\"plan_id\"")]
+        assert (outcome["outcome"], outcome["from_gpu"], outcome["to_gpu"]) == ("moved", "sim-01:0,1", "sim-02:0,1")
+        moved = (await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))).assignment
+        assert moved.node_id == "sim-02" and list(moved.gpu_index) == [0, 1]
+        (env,) = [json.loads(x) for x in restarts.read_text().splitlines()]
+        assert env["GPULB_FROM_GPU_INDEXES"] == env["GPULB_TO_GPU_INDEXES"] == "0,1"
+        assert env["GPULB_TO_GPU_UUIDS"].split(",") == list(moved.gpu_uuid)
+        assert env["GPULB_TO_GPU_UUID"] == moved.gpu_uuid[0] and env["GPULB_LEASE_ID"] == moved.lease_id
+        assert len(set(env["GPULB_FROM_GPU_UUIDS"].split(",")) & set(moved.gpu_uuid)) == 0
+
+        async def even() -> bool:
+            utils = [g.util_gpu_pct for g in (await ops.ListGpus(cpb.ListGpusRequest())).gpus]
+            return len(utils) == 4 and all(35.0 <= u <= 55.0 for u in utils)
+
+        await until(even, what="all four GPUs near 45 %")
 
 
 async def test_the_coordinators_advisor_hook_runs_the_executor_and_rebalances_by_itself():
