@@ -227,7 +227,9 @@ def _task_rows(tasks) -> list[list]:
     for t in tasks:
         a = t.assignment
         placed = a.node_id and a.placed_at_ns
-        wait = ((a.placed_at_ns if placed else now) - t.submitted_at_ns) / 1e9 if t.submitted_at_ns else None
+        # the wait ends when the run first started (a migration is no wait)
+        started = (a.run_started_at_ns or a.placed_at_ns) if placed else now
+        wait = (started - t.submitted_at_ns) / 1e9 if t.submitted_at_ns else None
         rows.append([
             t.spec.task_id,
             t.spec.tenant or "-",

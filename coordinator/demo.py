@@ -373,7 +373,8 @@ def _readings(gpus: Iterable[cpb.Gpu]) -> list[GpuReading]:
 
 def _outcome(task: tpb.Task) -> TaskOutcome:
     placed = task.HasField("assignment") and task.assignment.placed_at_ns > 0
-    wait = max(0.0, (task.assignment.placed_at_ns - task.submitted_at_ns) / 1e9) if placed else None
+    started = task.assignment.run_started_at_ns or task.assignment.placed_at_ns
+    wait = max(0.0, (started - task.submitted_at_ns) / 1e9) if placed else None
     return TaskOutcome(task.spec.labels.get("scenario", "?"), task.state, wait, placed)
 
 

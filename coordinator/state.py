@@ -251,6 +251,7 @@ def assignment_to_json(a: Assignment, base: TimeBase) -> str:
             "lease_id": a.lease_id,
             "lease_expires_at": base.to_wall(a.lease_expires_at),
             "placed_at": base.to_wall(a.placed_at),
+            **({} if a.run_started_at is None else {"run_started_at": base.to_wall(a.run_started_at)}),
             "score": {
                 "policy": a.score.policy,
                 "total": a.score.total,
@@ -272,6 +273,7 @@ def assignment_from_json(text: str, base: TimeBase) -> Assignment:
         lease_id=d["lease_id"],
         lease_expires_at=base.from_wall(d["lease_expires_at"]),
         placed_at=base.from_wall(d["placed_at"]),
+        run_started_at=base.from_wall(d["run_started_at"]) if "run_started_at" in d else None,
         score=ScoreBreakdown(policy=s["policy"], total=float(s["total"]), terms=dict(s["terms"]), candidates=int(s["candidates"])),
     )
 

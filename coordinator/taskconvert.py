@@ -108,6 +108,7 @@ def task_to_proto(task: Task, wall: WallClock, *, sla_s: float = 5.0) -> tpb.Tas
                 lease_id=a.lease_id,
                 lease_expires_at_ns=wall.ns(a.lease_expires_at),
                 placed_at_ns=wall.ns(a.placed_at),
+                run_started_at_ns=wall.ns(a.run_start),
                 score=tpb.ScoreBreakdown(
                     policy=a.score.policy,
                     total=a.score.total,

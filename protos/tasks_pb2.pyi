@@ -118,7 +118,7 @@ class ScoreBreakdown(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., total: _Optional[float] = ..., terms: _Optional[_Mapping[str, float]] = ..., candidates: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("node_id", "gpu_index", "gpu_uuid", "lease_id", "lease_expires_at_ns", "score", "placed_at_ns")
+    __slots__ = ("node_id", "gpu_index", "gpu_uuid", "lease_id", "lease_expires_at_ns", "score", "placed_at_ns", "run_started_at_ns")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class Assignment(_message.Message):
     LEASE_EXPIRES_AT_NS_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     PLACED_AT_NS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STARTED_AT_NS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpu_index: _containers.RepeatedScalarFieldContainer[int]
     gpu_uuid: _containers.RepeatedScalarFieldContainer[str]
@@ -133,7 +134,8 @@ class Assignment(_message.Message):
     lease_expires_at_ns: int
     score: ScoreBreakdown
     placed_at_ns: int
-    def __init__(self, node_id: _Optional[str] = ..., gpu_index: _Optional[_Iterable[int]] = ..., gpu_uuid: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_at_ns: _Optional[int] = ..., score: _Optional[_Union[ScoreBreakdown, _Mapping]] = ..., placed_at_ns: _Optional[int] = ...) -> None: ...
+    run_started_at_ns: int
+    def __init__(self, node_id: _Optional[str] = ..., gpu_index: _Optional[_Iterable[int]] = ..., gpu_uuid: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_at_ns: _Optional[int] = ..., score: _Optional[_Union[ScoreBreakdown, _Mapping]] = ..., placed_at_ns: _Optional[int] = ..., run_started_at_ns: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("spec", "state", "effective_priority", "submitted_at_ns", "assignment", "reason", "finished_at_ns", "sla_missed", "attempts")

@@ -474,12 +474,12 @@ class Scheduler:
             other = self._tasks.get(other_id)
             if other is None or other.assignment is None:
                 continue
-            placed_at = other.assignment.placed_at
-            end = placed_at + other.spec.duration_s / speed
+            started = other.assignment.run_start
+            end = started + other.spec.duration_s / speed
             if other.spec.duration_s <= 0 or end <= now:
                 # no estimate, or past it: expect it to run as long again as
                 # it has run (the age estimate of heavy-tailed runs), >= 1 s
-                end = now + max(now - placed_at, 1.0)
+                end = now + max(now - started, 1.0)
             for gpu_uuid in other.assignment.gpu_uuids:
                 row = view.row_of.get(gpu_uuid)
                 if row in free_at and not fits[row]:
@@ -517,7 +517,8 @@ class Scheduler:
 
     def _drain_time(self, index: int, view: PlacementView, now: float) -> tuple[float, float]:
         """``(when, speed)``: when the leases on node ``index`` are expected to
-        have ended, the latest ``placed_at + duration_s / speed`` among them
+        have ended, the latest ``run_start + duration_s / speed`` among them
+        (a migrated run counts from its first placement: it resumes)
         (``now`` with none; -inf when one has no estimate, as nothing can be
         known to end before it), and the node's speed (1.0 when unknown)."""
         s = view.snapshot
@@ -529,7 +530,7 @@ class Scheduler:
                 continue
             if task.spec.duration_s <= 0:
                 return -math.inf, speed
-            end = max(end, task.assignment.placed_at + task.spec.duration_s / speed)
+            end = max(end, task.assignment.run_start + task.spec.duration_s / speed)
         return end, speed
 
     def _finish_by_waiting(
@@ -557,7 +558,7 @@ class Scheduler:
                     task = self._tasks.get(task_id)
                     if task is None or task.assignment is None or task.spec.duration_s <= 0:
                         continue
-                    end = task.assignment.placed_at + task.spec.duration_s / speeds[index]
+                    end = task.assignment.run_start + task.spec.duration_s / speeds[index]
                     ends[index] = min(ends[index], max(now, end))
             cache["lease_ends"] = ends
         could = self._could_host(spec, view)
@@ -697,6 +698,7 @@ class Scheduler:
             lease_expires_at=lease.expires_at,
             score=placement.score,
             placed_at=now,
+            run_started_at=task.assignment.run_start if moved and task.assignment is not None else None,
         )
         self._by_node.setdefault(placement.node_id, set()).add(spec.task_id)
         if moved:
@@ -790,7 +792,9 @@ class Scheduler:
         on one node, none of the task's current GPUs, and pass every filter
         for the task's spec as the cluster is now (``snapshot``, else the
         last one dispatched on). The task keeps its id, priority, queue time
-        and attempts; its assignment, lease id and ``placed_at`` are new.
+        and attempts; its assignment, lease id and ``placed_at`` are new
+        (``run_started_at`` keeps the run's first placement, which is what
+        the backfill's estimates of when it ends count from).
 
         Raises NotLeaseHolder (not the live lease), InvalidArgument
         (``to_gpu_uuid``: wrong count, repeated, unknown, on two nodes, or

@@ -166,7 +166,15 @@ class Assignment:
     lease_id: str
     lease_expires_at: float  # monotonic s
     score: ScoreBreakdown
-    placed_at: float  # monotonic s
+    placed_at: float  # monotonic s: this placement (a migration's is the move)
+    # monotonic s of the run's first placement, kept across migrations (a
+    # checkpointed run resumes, it does not start over); None: placed_at
+    run_started_at: float | None = None
+
+    @property
+    def run_start(self) -> float:
+        """When this run began: its first placement, before any migration."""
+        return self.placed_at if self.run_started_at is None else self.run_started_at
 
 
 @dataclass(eq=False)

@@ -81,6 +81,10 @@ async def test_a_migration_moves_the_task_between_hosts_and_refuses_bad_input_by
                 assert moved.assignment.node_id != placed.assignment.node_id
                 assert moved.assignment.lease_id != lease and moved.assignment.score.policy == "migration"
                 assert moved.attempts == placed.attempts
+                # the run goes on from where it was: it began at the first placement
+                first = placed.assignment.placed_at_ns
+                assert moved.assignment.run_started_at_ns == placed.assignment.run_started_at_ns == first
+                assert moved.assignment.placed_at_ns > first
                 # the old host stopped it, the new one runs it
                 await until(lambda: _has(ops, src, 0), what="the source GPU without the task")
                 await until(lambda: _has(ops, dest, 1), what="the task on its destination")
@@ -121,6 +125,8 @@ async def test_a_migration_moves_the_task_between_hosts_and_refuses_bad_input_by
         restored = again.dispatcher.engine.get("train-1")
         assert restored.state.name == "COMPLETED" and restored.assignment.lease_id == moved.assignment.lease_id
         assert restored.assignment.gpu_uuids == (src,)
+        a = restored.assignment
+        assert a.run_started_at is not None and a.run_started_at < a.placed_at
     finally:
         await again.stop(0)
 

@@ -10,6 +10,7 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Scheduler
+from scheduler.errors import Unplaceable
 from scheduler.snapshot import ClusterSnapshot, NodeFacts
 from scheduler.task import Priority, TaskSpec, TaskState
 
@@ -357,3 +358,30 @@ def test_the_node_kept_is_the_one_that_would_finish_the_task_first():
     sched.submit(TaskSpec(task_id="s", priority=Priority.P2, kind="batch", vram_mib=1024, gpu_share=0.1), snapshot)
     sched.dispatch(snapshot)
     assert sched._held_nodes["ft"] == "fast"
+
+
+def test_a_migrated_task_is_expected_to_end_when_its_run_would_have_not_a_whole_run_after_the_move():
+    # s0 (1,000 s) and s1 (1,200 s) each fill one GPU of two on their node,
+    # so the 2-GPU head fits nowhere. At 900 s s0 moves to its node's other
+    # GPU: its run still ends near 1,000 s, not 900 + 1,000 s, so n0 is the
+    # node that frees first and the one the head keeps.
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=10.0, backfill_max_skips=10_000,
+                                      backfill_estimate_factor=2.0, lease_s=100_000.0), clock=clock)
+    snapshot = nodes(2, 2)
+    for i, duration in ((0, 1_000.0), (1, 1_200.0)):
+        sched.submit(TaskSpec(task_id=f"s{i}", priority=Priority.P2, kind="batch", vram_mib=18432, gpu_share=0.2,
+                              duration_s=duration, required_node_labels={"host": f"n{i}"}), snapshot)
+    sched.dispatch(snapshot)
+    sched.submit(TaskSpec(task_id="big", priority=Priority.P2, kind="training", num_gpus=2, vram_mib=18432,
+                          gpu_share=1.0, duration_s=5_000.0), snapshot)
+    assert sched.dispatch(snapshot) == []
+    clock.now = 900.0
+    s0 = sched.get("s0").assignment
+    moved = sched.migrate("s0", s0.lease_id, ["GPU-n0-1"]).assignment
+    assert (moved.placed_at, moved.run_started_at, moved.run_start) == (900.0, 0.0, 0.0)
+    assert sched.dispatch(snapshot) == []
+    assert sched._held_nodes["big"] == "n0"
+    # moved again, within the node: refused while the head keeps it
+    with pytest.raises(Unplaceable, match="node n0 is kept for the blocked task 'big'"):
+        sched.migrate("s0", moved.lease_id, ["GPU-n0-0"])
