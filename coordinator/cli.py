@@ -390,15 +390,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         stub = tpb_grpc.SchedulerStub(ch)
         uuids = []
         for gpu in args.to:
-            node, sep, index = gpu.rpartition(":")
+            node, sep, indexes = gpu.rpartition(":")
             if gpu.startswith("GPU-") or not sep:
                 uuids.append(gpu)
                 continue
             gpus = cpb_grpc.ClusterOperatorStub(ch).ListGpus(cpb.ListGpusRequest(node_id=node), timeout=args.timeout).gpus
-            found = [g.uuid for g in gpus if str(g.index) == index]
-            if not found:
-                raise SystemExit(f"gpulb: --to-gpu {gpu}: node {node!r} has no GPU {index}")
-            uuids.append(found[0])
+            for index in indexes.split(","):  # NODE:0,1 as a plan prints a multi-GPU move
+                found = [g.uuid for g in gpus if str(g.index) == index.strip()]
+                if not found:
+                    raise SystemExit(f"gpulb: --to-gpu {gpu}: node {node!r} has no GPU {index}")
+                uuids.append(found[0])
         lease = args.lease or stub.GetTask(tpb.GetTaskRequest(task_id=args.task), timeout=args.timeout).assignment.lease_id
         task = stub.MigrateTask(tpb.MigrateTaskRequest(task_id=args.task, lease_id=lease, to_gpu_uuid=uuids), timeout=args.timeout).task
     a = task.assignment
@@ -653,7 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
     migrate = sub.add_parser("migrate", help="move a leased task to other GPUs in one step (a rebalance plan's move)")
     migrate.add_argument("task")
     migrate.add_argument("--to-gpu", dest="to", action="append", required=True, metavar="GPU",
-                         help="destination GPU, as its UUID or NODE:INDEX; once per GPU of the task")
+                         help="destination GPU, as its UUID or NODE:INDEX[,INDEX...] (as `advisor plan` prints "
+                              "a move); every GPU of the task, in one or several --to-gpu")
     migrate.add_argument("--lease", help="lease id (default: the task's current lease)")
 
     cancel = sub.add_parser("cancel", help="cancel a queued or leased task")

@@ -280,6 +280,13 @@ async def test_a_two_gpu_task_moves_whole_to_the_idle_host(tmp_path, capsys):
             return len(utils) == 4 and all(35.0 <= u <= 55.0 for u in utils)
 
         await until(even, what="all four GPUs near 45 %")
+        # and back by hand, both GPUs named as the plan's table names them
+        argv = ["--coordinator", target, "migrate", outcome["task_id"], "--to-gpu", "sim-01:0,1"]
+        assert await asyncio.to_thread(gpulb, argv) == 0
+        back = (await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))).assignment
+        assert back.node_id == "sim-01" and list(back.gpu_index) == [0, 1]
+        with pytest.raises(SystemExit, match="node 'sim-02' has no GPU 7"):
+            await asyncio.to_thread(gpulb, ["--coordinator", target, "migrate", outcome["task_id"], "--to-gpu", "sim-02:0,7"])
 
 
 async def test_the_coordinators_advisor_hook_runs_the_executor_and_rebalances_by_itself():
