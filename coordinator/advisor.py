@@ -39,6 +39,7 @@ from protos import advisor_pb2 as apb
 from protos import advisor_pb2_grpc as apb_grpc
 from scheduler.advisor import Advisor, AdvisorConfig, Move, Plan, Trigger
 from scheduler.config import SchedulerConfig
+from scheduler.fragmentation import WorkloadMix
 from scheduler.memgrowth import MemoryGrowth, MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
 from scheduler.reservations import Reservations
@@ -147,6 +148,7 @@ class AdvisorRuntime:
         clock: Callable[[], float],
         reservations: Callable[[], Reservations | None] | None = None,
         queued: Callable[[], int] | None = None,
+        workload_mix: Callable[[], WorkloadMix | None] | None = None,
         advisor_config: AdvisorConfig | None = None,
         predictor_config: PredictorConfig | None = None,
         growth_config: MemoryGrowthConfig | None = None,
@@ -157,7 +159,8 @@ class AdvisorRuntime:
     ) -> None:
         """``snapshot``: the current ``ClusterSnapshot``; ``tasks``: the leased
         tasks; ``queued``: tasks waiting in the scheduler's queue (the advisor
-        pauses while any wait); ``clock``: monotonic seconds (the scheduler's); ``unix_ns``:
+        pauses while any wait); ``workload_mix``: the scheduler's arrivals (they
+        size the advisor's reserve); ``clock``: monotonic seconds (the scheduler's); ``unix_ns``:
         clock seconds -> Unix ns for the wire (default: offset taken now)."""
         if not (math.isfinite(interval_s) and interval_s > 0):
             raise ValueError(f"advisor interval_s must be > 0, got {interval_s!r}")
@@ -165,6 +168,7 @@ class AdvisorRuntime:
         self._tasks = tasks
         self._reservations = reservations or (lambda: None)
         self._queued = queued or (lambda: 0)
+        self._workload_mix = workload_mix or (lambda: None)
         self.clock = clock
         if unix_ns is None:
             offset = time.time_ns() - int(clock() * 1e9)
@@ -352,7 +356,7 @@ class AdvisorRuntime:
         if snap.gpu_count == 0:
             return None
         plan = self.advisor.evaluate(snap, self._leased(), now, reservations=self._reservations(),
-                                     queued=self._queued())
+                                     queued=self._queued(), workload_mix=self._workload_mix())
         if plan is None:
             return None
         self.plans_by_trigger[plan.trigger] = self.plans_by_trigger.get(plan.trigger, 0) + 1
@@ -378,7 +382,7 @@ class AdvisorRuntime:
         """What a plan would be now (``Advisor.dry_run``); changes nothing."""
         snap = self.annotate(self._current())
         return self.advisor.dry_run(snap, self._leased(), self.clock(), reservations=self._reservations(),
-                                    queued=self._queued())
+                                    queued=self._queued(), workload_mix=self._workload_mix())
 
     @property
     def last_plan(self) -> Plan | None:

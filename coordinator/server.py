@@ -115,6 +115,7 @@ class Coordinator:
             clock=clock,
             reservations=lambda: engine.reservations,
             queued=engine.queued,  # no moves while tasks wait: they need the room more
+            workload_mix=lambda: engine.workload_mix,  # sizes the large task the advisor keeps room for
             scheduler_config=engine.config,
             advisor_config=advisor_config,
             predictor_config=predictor_config,

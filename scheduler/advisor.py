@@ -80,7 +80,16 @@ per ``window_s``:
    task restarts through that queue, behind what waits there;
 6. both GPUs of a move take no part in another move of the same plan, and
    the task and both GPUs are left alone for ``cooldown_s`` afterwards: a
-   plan cannot be undone by the next one (no flapping).
+   plan cannot be undone by the next one (no flapping);
+7. the reserve: per GPU model, the GPUs with memory room for a *large* task
+   (``reserve_mib``, else the 90th percentile of the memory asks of arriving
+   single-GPU tasks, from the scheduler's ``WorkloadMix``) are kept: a move
+   does not fill such a GPU past that room while no more than
+   ``reserve_share`` of the model's counted GPUs have it, unless its
+   source, of the same model, gains the room. Evening load also evens free
+   memory: without the reserve, on bench_learning's mixed cluster (10
+   seeds), whole-GPU tasks found no RTX 4090 with room and went to the 20x
+   slower cards, and mean wait rose 37 % with the advisor on.
 
 Each ``Move`` carries the variance expected once it and the moves before it
 are done; the ``Plan`` the variance before and after all of them.
@@ -96,6 +105,7 @@ import numpy as np
 
 from scheduler.config import SchedulerConfig
 from scheduler.filters import feasible, nvlink_groups
+from scheduler.fragmentation import WorkloadMix
 from scheduler.reservations import Reservations
 from scheduler.snapshot import ClusterSnapshot
 from scheduler.task import Task, TaskState
@@ -115,9 +125,12 @@ __all__ = [
     "task_loads",
     "plan_moves",
     "advise",
+    "reserve_ask_mib",
 ]
 
 TRIGGER_VARIANCE = "variance"
+# which of the arriving single-GPU tasks' memory asks is a large task's (rule 7)
+RESERVE_ASK_QUANTILE = 0.9
 # sources examined per move, hottest first (each costs a filter pass per task)
 _MAX_SOURCES = 64
 TRIGGER_HOT_RISING = "hot_rising"
@@ -160,6 +173,10 @@ class AdvisorConfig:
     pinned_kinds: frozenset[str] = frozenset({"inference"})
     # Propose nothing while tasks wait in the scheduler's queue.
     pause_when_queued: bool = True
+    # Share of each model's GPUs kept with room for a large task: a move does not take that room from one of the last ones (0: no reserve).
+    reserve_share: float = 0.25
+    # MiB: what a large task asks; 0: the 90th percentile of the asks of arriving single-GPU tasks.
+    reserve_mib: float = 0.0
 
     @property
     def release_level(self) -> float:
@@ -174,7 +191,7 @@ class AdvisorConfig:
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
 
         for name in ("variance_threshold", "release_variance", "rising_pct_per_min", "cooldown_s", "min_age_s",
-                     "margin_pct"):
+                     "margin_pct", "reserve_mib"):
             non_negative(name)
         if not (math.isfinite(self.max_slowdown_ratio) and self.max_slowdown_ratio >= 1.0):
             raise ValueError(f"max_slowdown_ratio: must be a finite number >= 1, got {self.max_slowdown_ratio!r}")
@@ -184,10 +201,13 @@ class AdvisorConfig:
             raise ValueError(f"smoothing_alpha: must be in (0, 1], got {self.smoothing_alpha!r}")
         if not (math.isfinite(self.window_s) and self.window_s > 0):
             raise ValueError(f"window_s: must be a finite number > 0, got {self.window_s!r}")
+        if not (math.isfinite(self.reserve_share) and 0 <= self.reserve_share <= 1):
+            raise ValueError(f"reserve_share: must be in [0, 1], got {self.reserve_share!r}")
         for name in ("rising_gpus", "persist", "max_moves"):
+            least = 0 if name == "max_moves" else 1
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_moves" else 1):
-                raise ValueError(f"{name}: must be an integer >= {0 if name == 'max_moves' else 1}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}: must be an integer >= {least}, got {value!r}")
         return self
 
 
@@ -378,10 +398,13 @@ def plan_moves(
     cooling_gpus: Iterable[str] = (),
     reservations: Reservations | None = None,
     scheduler_config: SchedulerConfig | None = None,
+    workload_mix: WorkloadMix | None = None,
 ) -> tuple[list[Move], float, float, float, float]:
-    """Greedy moves (module docstring, rules 2-4 and 6): ``(moves, variance before,
+    """Greedy moves (module docstring, rules 2-4 and 6-7): ``(moves, variance before,
     variance after, spread before, spread after)``. ``budget`` caps the moves
-    (default ``max_moves``); ``cooling_*`` are task ids and GPU uuids left alone."""
+    (default ``max_moves``); ``cooling_*`` are task ids and GPU uuids left alone;
+    ``workload_mix`` (the scheduler's arrivals) sizes the reserve's large task
+    unless ``reserve_mib`` does."""
     cfg = config or AdvisorConfig()
     budget = cfg.max_moves if budget is None else budget
     counted = counted_gpus(snapshot)
@@ -424,10 +447,19 @@ def plan_moves(
     moves: list[Move] = []
     half = cfg.margin_pct / 2.0
     s = snapshot
+    large = reserve_ask_mib(cfg, workload_mix) if cfg.reserve_share > 0 else 0.0
+    if large > 0:
+        models, model_code = np.unique(np.asarray(s.gpu_model, dtype=str), return_inverse=True)
+        reserve = cfg.reserve_share * np.bincount(model_code[counted], minlength=len(models))
     while len(moves) < budget:
         mean = float(u[counted].mean())
         free = counted & ~busy
         coolest = float(u[free].min()) if free.any() else math.inf
+        if large > 0:
+            # rule 7: per model, the GPUs with room for a large task, after the moves planned
+            room = np.minimum(view.headroom, view.reject_headroom) - added_vram
+            hole = counted & (room >= large)
+            scarce = (np.bincount(model_code[hole], minlength=len(models)) <= reserve)[model_code]
         best: tuple[float, tuple[int, ...], tuple[int, ...], str, float] | None = None
         sources = [r for r in sorted(candidates, key=lambda r: -u[r]) if not busy[r] and counted[r] and u[r] > mean]
         for h in sources[:_MAX_SOURCES]:
@@ -446,6 +478,12 @@ def plan_moves(
                 mask &= slow <= slow[own].max() * cfg.max_slowdown_ratio
                 mask &= view.headroom - added_vram >= spec.vram_mib
                 mask &= view.reject_headroom - added_vram > spec.vram_mib
+                if large > 0:
+                    takes = hole & (room - spec.vram_mib < large) & scarce
+                    for r in own:  # a source the move leaves with the room gives its model one back
+                        if not hole[r] and room[r] + spec.vram_mib >= large:
+                            takes &= model_code != model_code[r]
+                    mask &= ~takes
                 if not mask.any():
                     continue
                 # sources and destinations paired hottest with hottest: every
@@ -504,6 +542,14 @@ def plan_moves(
         )
     after = float(np.var(u[counted]))
     return moves, before, after, spread0, spread(u)
+
+
+def reserve_ask_mib(config: AdvisorConfig, workload_mix: WorkloadMix | None) -> float:
+    """MiB a large task asks, for rule 7: ``reserve_mib``, else the 90th
+    percentile of the asks of arriving single-GPU tasks; 0 when unknown."""
+    if config.reserve_mib > 0:
+        return float(config.reserve_mib)
+    return workload_mix.ask_quantile(RESERVE_ASK_QUANTILE) if workload_mix is not None else 0.0
 
 
 def _destination_sets(
@@ -572,6 +618,7 @@ def advise(
     reservations: Reservations | None = None,
     scheduler_config: SchedulerConfig | None = None,
     queued: int = 0,
+    workload_mix: WorkloadMix | None = None,
 ) -> tuple[Plan | None, AdvisorState]:
     """One evaluation: the trigger, the moves within the window's budget, and
     a plan once they have started from the same source GPU ``persist`` times
@@ -601,6 +648,7 @@ def advise(
         cooling_gpus=touched_at,
         reservations=reservations,
         scheduler_config=scheduler_config,
+        workload_mix=workload_mix,
     )
     if not moves:
         return None, nxt
@@ -660,6 +708,7 @@ class Advisor:
         *,
         reservations: Reservations | None = None,
         queued: int = 0,
+        workload_mix: WorkloadMix | None = None,
     ) -> Plan | None:
         plan, self.state = advise(
             snapshot,
@@ -670,6 +719,7 @@ class Advisor:
             reservations=reservations,
             scheduler_config=self.scheduler_config,
             queued=queued,
+            workload_mix=workload_mix,
         )
         if plan is not None:
             self.last_plan = plan
@@ -683,6 +733,7 @@ class Advisor:
         *,
         reservations: Reservations | None = None,
         queued: int = 0,
+        workload_mix: WorkloadMix | None = None,
     ) -> tuple[Trigger, Plan | None]:
         """What a plan would be now, with this reading in the averages but
         ignoring persistence and leaving the state untouched: the trigger's
@@ -698,7 +749,7 @@ class Advisor:
             snapshot, tasks, cfg, now=now, budget=budget,
             cooling_tasks=_prune(self.state.moved_at, now, cfg.cooldown_s),
             cooling_gpus=_prune(self.state.touched_at, now, cfg.cooldown_s),
-            reservations=reservations, scheduler_config=self.scheduler_config,
+            reservations=reservations, scheduler_config=self.scheduler_config, workload_mix=workload_mix,
         )
         if not moves:
             return trigger, None

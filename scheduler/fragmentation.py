@@ -122,6 +122,21 @@ class WorkloadMix:
             self._built_at = self.arrivals
         return self._shapes
 
+    def ask_quantile(self, q: float, num_gpus: int = 1) -> float:
+        """The ``q`` quantile of the memory asks (MiB per GPU, rounded up to
+        128) of arriving ``num_gpus``-GPU tasks, weighted as the mix fades
+        them; 0 before any arrived."""
+        asks = sorted((v, c) for (k, v, _), c in self._counts.items() if k == num_gpus)
+        total = sum(c for _, c in asks)
+        if not total:
+            return 0.0
+        seen = 0.0
+        for vram, count in asks:
+            seen += count
+            if seen >= q * total * (1 - 1e-12):
+                return vram
+        return asks[-1][0]
+
     def probabilities(self) -> dict[tuple[int, float, float], float]:
         """(num_gpus, vram MiB, share) -> share of the faded arrivals; for operators and tests."""
         total = sum(self._counts.values())

@@ -1188,7 +1188,7 @@ class Simulation:
         self._advised = snap
         tasks = [task for task in map(self.sched.get, self._running) if task.state == TaskState.LEASED]
         plan = advisor.evaluate(snap, tasks, self.now, reservations=self.sched.reservations,
-                                queued=self.sched.queued())
+                                queued=self.sched.queued(), workload_mix=self.sched.workload_mix)
         if plan is None:
             return False
         self.plans += 1

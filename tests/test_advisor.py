@@ -15,8 +15,10 @@ from scheduler.advisor import (
     advise,
     check_trigger,
     plan_moves,
+    reserve_ask_mib,
     task_loads,
 )
+from scheduler.fragmentation import WorkloadMix
 from scheduler.snapshot import ClusterSnapshot, NodeFacts
 from scheduler.task import Assignment, Priority, ScoreBreakdown, Task, TaskSpec, TaskState
 
@@ -220,6 +222,49 @@ def test_an_nvlink_task_moves_only_onto_one_nvlink_group():
     train = replace(train, spec=replace(train.spec, needs_nvlink=True))
     moves = plan_moves(snap, [train, serve], now=NOW)[0]
     assert [(m.to_node_id, m.to_gpu_indexes) for m in moves] == [("linked", (0, 1))]
+
+
+def _reserve_cluster(inference_mib: float):
+    """GPU 0 hot with a movable 8 GiB training task and pinned inference;
+    GPUs 1 and 2 cool with 6 GiB used (room for ~14.5 GiB under the 85 %
+    rule); GPU 3 too full to take the task."""
+    snap = snapshot([95.0, 10.0, 10.0, 30.0], memory_used=[8_000.0 + inference_mib, 6_000.0, 6_000.0, 16_000.0])
+    return snap, [leased("train", snap, 0, share=0.5, vram=8_000.0),
+                  leased("serve", snap, 0, kind="inference", share=0.5, vram=inference_mib)]
+
+
+def test_the_reserve_keeps_room_for_large_tasks_on_the_last_gpus_that_have_it():
+    snap, tasks = _reserve_cluster(13_000.0)
+    # a large task asks 12,000 MiB: GPUs 1 and 2 have room for one, and the
+    # move would take it from either
+    half = AdvisorConfig(reserve_share=0.5, reserve_mib=12_000.0)  # keep 2 of the 4
+    assert plan_moves(snap, tasks, half, now=NOW)[0] == []
+    quarter = replace(half, reserve_share=0.25)  # keep 1: one of the two may go
+    assert [m.to_node_id for m in plan_moves(snap, tasks, quarter, now=NOW)[0]] == ["n1"]
+    assert len(plan_moves(snap, tasks, replace(half, reserve_share=0.0), now=NOW)[0]) == 1
+    # no large task known (no reserve_mib, no arrivals): no reserve
+    assert len(plan_moves(snap, tasks, replace(half, reserve_mib=0.0), now=NOW)[0]) == 1
+    # the arrivals say what a large task asks: the 90th percentile of single-GPU asks
+    mix = WorkloadMix()
+    for ask in [2_000.0] * 8 + [12_000.0] * 2:
+        mix.observe_shape(1, ask, 0.5)
+    mix.observe_shape(4, 40_000.0, 1.0)  # multi-GPU tasks do not count
+    assert reserve_ask_mib(replace(half, reserve_mib=0.0), mix) == 12_032.0  # rounded up to 128 MiB
+    assert plan_moves(snap, tasks, replace(half, reserve_mib=0.0), now=NOW, workload_mix=mix)[0] == []
+    small = WorkloadMix()
+    for _ in range(10):
+        small.observe_shape(1, 2_000.0, 0.5)
+    assert len(plan_moves(snap, tasks, replace(half, reserve_mib=0.0), now=NOW, workload_mix=small)[0]) == 1
+
+
+def test_a_move_that_gives_its_source_the_room_keeps_the_reserve_whole():
+    # less inference on GPU 0: once the task leaves, GPU 0 has room for a
+    # 10,000 MiB task, so taking it from GPU 1 leaves as many such GPUs
+    snap, tasks = _reserve_cluster(10_000.0)
+    cfg = AdvisorConfig(reserve_share=0.5, reserve_mib=10_000.0)
+    assert [m.to_node_id for m in plan_moves(snap, tasks, cfg, now=NOW)[0]] == ["n1"]
+    snap, tasks = _reserve_cluster(13_000.0)  # here it would not
+    assert plan_moves(snap, tasks, cfg, now=NOW)[0] == []
 
 
 def test_task_loads_split_measured_util_by_declared_share():

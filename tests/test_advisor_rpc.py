@@ -376,6 +376,10 @@ async def test_through_a_real_coordinator_completions_teach_the_predictor(capsys
         assert factor.samples == 1 and factor.slowdown > 1.0  # 12 s for 10 s of work
         plan = await advisor.GetPlan(apb.GetPlanRequest(evaluate_now=True))
         assert plan.trigger.gpus == 2 and not plan.trigger.fired
+        # the advisor's reserve is sized by what the scheduler saw arrive
+        from scheduler.advisor import reserve_ask_mib
+
+        assert reserve_ask_mib(coord.advisor.advisor.config, coord.advisor._workload_mix()) == 1024.0
 
         # the operator's view of the same through `gpulb advisor` (sync gRPC: off the loop)
         from coordinator.cli import main as gpulb
