@@ -378,11 +378,14 @@ class AdvisorRuntime:
         self._run_hook(plan)
         return plan
 
-    def dry_run(self) -> tuple[Trigger, Plan | None]:
-        """What a plan would be now (``Advisor.dry_run``); changes nothing."""
+    def dry_run(self) -> tuple[Trigger, Plan | None, dict[str, int]]:
+        """What a plan would be now (``Advisor.dry_run``), and when there is
+        none, why (``WHY_NO_MOVE`` reason -> tasks, or 1); changes nothing."""
         snap = self.annotate(self._current())
-        return self.advisor.dry_run(snap, self._leased(), self.clock(), reservations=self._reservations(),
-                                    queued=self._queued(), workload_mix=self._workload_mix())
+        why: dict[str, int] = {}
+        trigger, plan = self.advisor.dry_run(snap, self._leased(), self.clock(), reservations=self._reservations(),
+                                             queued=self._queued(), workload_mix=self._workload_mix(), why=why)
+        return trigger, plan, ({} if plan is not None else why)
 
     @property
     def last_plan(self) -> Plan | None:
@@ -599,8 +602,9 @@ class AdvisorService(apb_grpc.AdvisorServicer):
         self._authorize(context, admin=True)
         r = self.r
         if request.evaluate_now:
-            trigger, plan = r.dry_run()
-            out = apb.GetPlanResponse(trigger=_trigger_to_proto(trigger, r.advisor.config), evaluated_at_ns=r.unix_ns(r.clock()))
+            trigger, plan, why = r.dry_run()
+            out = apb.GetPlanResponse(trigger=_trigger_to_proto(trigger, r.advisor.config), evaluated_at_ns=r.unix_ns(r.clock()),
+                                      no_move=why)
             if plan is not None:
                 out.plan.CopyFrom(plan_to_proto(plan, r.unix_ns, dry_run=True))
             return out

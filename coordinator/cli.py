@@ -495,8 +495,35 @@ def cmd_advisor(args: argparse.Namespace) -> int:
     if got.HasField("plan"):
         print("\n".join(_plan_lines(got.plan)))
     else:
-        print("no plan" + (" would be made now" if args.now else " yet"))
+        print("no plan" + (" would be made now" if args.now else " yet") + _why_no_move(got.no_move))
     return 0
+
+
+# reason (scheduler.advisor.WHY_NO_MOVE) -> how to say it; a count of tasks follows where one applies
+_NO_MOVE_WORDS = {
+    "not_fired": "the trigger has not fired",
+    "window_full": "this window's moves are used (max_moves)",
+    "tasks_queued": "wait in the queue (pause_when_queued)",
+    "too_few_gpus": "fewer than 2 GPUs are counted",
+    "pinned": "of kinds that may not move",
+    "cooling_down": "moved within cooldown_s",
+    "too_young": "placed under min_age_s ago",
+    "not_on_a_hot_gpu": "not on a GPU hotter than the mean",
+    "load_not_in_the_gap": "with no GPU cool enough to narrow the gap by margin_pct",
+    "no_gpu_takes_it": "that no other GPU passes the filters for",
+    "reserve": "that only GPUs kept with room for a large task would take (reserve_share)",
+}
+
+
+def _why_no_move(why) -> str:
+    if not why:
+        return ""
+    parts = []
+    for reason, count in sorted(why.items(), key=lambda kv: -kv[1]):
+        words = _NO_MOVE_WORDS.get(reason, reason)
+        per_task = reason not in ("not_fired", "window_full", "too_few_gpus")
+        parts.append(f"{count} task{'s' if count != 1 else ''} {words}" if per_task else words)
+    return ": " + "; ".join(parts)
 
 
 def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.AdvisorStub) -> int:

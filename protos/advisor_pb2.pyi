@@ -173,14 +173,23 @@ class TriggerState(_message.Message):
     def __init__(self, fired: _Optional[bool] = ..., reason: _Optional[str] = ..., variance: _Optional[float] = ..., hottest_pct: _Optional[float] = ..., rising: _Optional[int] = ..., gpus: _Optional[int] = ..., variance_threshold: _Optional[float] = ..., hot_pct: _Optional[float] = ..., rising_pct_per_min: _Optional[float] = ..., rising_gpus: _Optional[int] = ..., release_variance: _Optional[float] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
-    __slots__ = ("plan", "trigger", "evaluated_at_ns")
+    __slots__ = ("plan", "trigger", "evaluated_at_ns", "no_move")
+    class NoMoveEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PLAN_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_FIELD_NUMBER: _ClassVar[int]
     EVALUATED_AT_NS_FIELD_NUMBER: _ClassVar[int]
+    NO_MOVE_FIELD_NUMBER: _ClassVar[int]
     plan: RebalancePlan
     trigger: TriggerState
     evaluated_at_ns: int
-    def __init__(self, plan: _Optional[_Union[RebalancePlan, _Mapping]] = ..., trigger: _Optional[_Union[TriggerState, _Mapping]] = ..., evaluated_at_ns: _Optional[int] = ...) -> None: ...
+    no_move: _containers.ScalarMap[str, int]
+    def __init__(self, plan: _Optional[_Union[RebalancePlan, _Mapping]] = ..., trigger: _Optional[_Union[TriggerState, _Mapping]] = ..., evaluated_at_ns: _Optional[int] = ..., no_move: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WatchPlansRequest(_message.Message):
     __slots__ = ("include_latest",)

@@ -126,9 +126,21 @@ __all__ = [
     "plan_moves",
     "advise",
     "reserve_ask_mib",
+    "WHY_NO_MOVE",
 ]
 
 TRIGGER_VARIANCE = "variance"
+# Why a dry run found nothing to move, per leased task kept in place (plan_moves' ``why``):
+# pinned (its kind may not move), cooling_down (moved within cooldown_s),
+# too_young (placed under min_age_s ago), not_on_a_hot_gpu (its GPU is not
+# hotter than the mean, or is part of a move already), load_not_in_the_gap
+# (no GPU cool enough to narrow the difference by margin_pct without
+# becoming the hot spot), no_gpu_takes_it (filters, memory, slowdown),
+# reserve (only GPUs the reserve keeps room on would take it); and, with no
+# task looked at: not_fired, window_full (max_moves used), tasks_queued
+# (pause_when_queued), too_few_gpus
+WHY_NO_MOVE = ("pinned", "cooling_down", "too_young", "not_on_a_hot_gpu", "load_not_in_the_gap", "no_gpu_takes_it",
+               "reserve", "not_fired", "window_full", "tasks_queued", "too_few_gpus")
 # which of the arriving single-GPU tasks' memory asks is a large task's (rule 7)
 RESERVE_ASK_QUANTILE = 0.9
 # sources examined per move, hottest first (each costs a filter pass per task)
@@ -399,12 +411,18 @@ def plan_moves(
     reservations: Reservations | None = None,
     scheduler_config: SchedulerConfig | None = None,
     workload_mix: WorkloadMix | None = None,
+    why: dict[str, int] | None = None,
 ) -> tuple[list[Move], float, float, float, float]:
     """Greedy moves (module docstring, rules 2-4 and 6-7): ``(moves, variance before,
     variance after, spread before, spread after)``. ``budget`` caps the moves
     (default ``max_moves``); ``cooling_*`` are task ids and GPU uuids left alone;
     ``workload_mix`` (the scheduler's arrivals) sizes the reserve's large task
-    unless ``reserve_mib`` does."""
+    unless ``reserve_mib`` does. When no move is found, ``why`` (if given)
+    gets, per ``WHY_NO_MOVE`` reason, how many leased tasks it kept in place."""
+    def refuse(reason: str) -> None:
+        if why is not None and not moves:
+            why[reason] = why.get(reason, 0) + 1
+
     cfg = config or AdvisorConfig()
     budget = cfg.max_moves if budget is None else budget
     counted = counted_gpus(snapshot)
@@ -416,6 +434,7 @@ def plan_moves(
 
     before = float(np.var(util[counted])) if n >= 2 else 0.0
     spread0 = spread(util)
+    moves: list[Move] = []
     if n < 2 or budget <= 0 or not tasks:
         return [], before, before, spread0, spread0
     by_id = {t.task_id: t for t in tasks}
@@ -431,9 +450,14 @@ def plan_moves(
     candidates: dict[int, list[tuple[str, float, tuple[int, ...]]]] = {}
     for task_id, (rows, load) in loads.items():
         task = by_id[task_id]
-        if task_id in cooling_task_set or not is_movable(task, cfg):
+        if not is_movable(task, cfg):
+            refuse("pinned")
+            continue
+        if task_id in cooling_task_set:
+            refuse("cooling_down")
             continue
         if now - task.assignment.placed_at < cfg.min_age_s:  # type: ignore[union-attr]
+            refuse("too_young")
             continue
         source = max(rows, key=lambda r: util[r])
         candidates.setdefault(source, []).append((task_id, load, rows))
@@ -444,7 +468,6 @@ def plan_moves(
     added_vram = np.zeros(snapshot.gpu_count)
     slowdowns: dict[str, np.ndarray] = {}
     u = util.copy()
-    moves: list[Move] = []
     half = cfg.margin_pct / 2.0
     s = snapshot
     large = reserve_ask_mib(cfg, workload_mix) if cfg.reserve_share > 0 else 0.0
@@ -462,12 +485,20 @@ def plan_moves(
             scarce = (np.bincount(model_code[hole], minlength=len(models)) <= reserve)[model_code]
         best: tuple[float, tuple[int, ...], tuple[int, ...], str, float] | None = None
         sources = [r for r in sorted(candidates, key=lambda r: -u[r]) if not busy[r] and counted[r] and u[r] > mean]
+        if why is not None and not moves:
+            examined = set(sources[:_MAX_SOURCES])
+            for h, listed in candidates.items():
+                if h not in examined:
+                    for _ in listed:
+                        refuse("not_on_a_hot_gpu")
         for h in sources[:_MAX_SOURCES]:
             for task_id, load, rows in candidates[h]:
                 if task_id in cooling_task_set or not (half <= load <= u[h] - coolest - half):
-                    continue  # not even the coolest GPU would make this move worth it
+                    refuse("load_not_in_the_gap")  # not even the coolest GPU would make this move worth it
+                    continue
                 own = list(rows)
                 if len(rows) > 1 and (busy[own].any() or not counted[own].all()):
+                    refuse("not_on_a_hot_gpu")
                     continue
                 spec = by_id[task_id].spec
                 mask = feasible(view, spec) & counted & ~busy
@@ -478,24 +509,30 @@ def plan_moves(
                 mask &= slow <= slow[own].max() * cfg.max_slowdown_ratio
                 mask &= view.headroom - added_vram >= spec.vram_mib
                 mask &= view.reject_headroom - added_vram > spec.vram_mib
+                if not mask.any():
+                    refuse("no_gpu_takes_it")
+                    continue
                 if large > 0:
                     takes = hole & (room - spec.vram_mib < large) & scarce
                     for r in own:  # a source the move leaves with the room gives its model one back
                         if not hole[r] and room[r] + spec.vram_mib >= large:
                             takes &= model_code != model_code[r]
                     mask &= ~takes
-                if not mask.any():
-                    continue
+                    if not mask.any():
+                        refuse("reserve")
+                        continue
                 # sources and destinations paired hottest with hottest: every
                 # pair's gap must fit the load with the margin (for one GPU:
                 # the destination is the coolest)
                 src = np.asarray(sorted(rows, key=lambda r: -u[r]))
                 dests = _destination_sets(snapshot, mask, u, len(rows), spec.needs_nvlink)
                 if not len(dests):
+                    refuse("no_gpu_takes_it")
                     continue
                 gaps = u[src][None, :] - u[dests[:, ::-1]]
                 ok = (gaps.min(axis=1) >= load + half) & (load >= half) & (load > 0)
                 if not ok.any():
+                    refuse("load_not_in_the_gap")
                     continue
                 total_gap = np.where(ok, gaps.sum(axis=1), -np.inf)
                 pick = int(np.argmax(total_gap))
@@ -734,22 +771,29 @@ class Advisor:
         reservations: Reservations | None = None,
         queued: int = 0,
         workload_mix: WorkloadMix | None = None,
+        why: dict[str, int] | None = None,
     ) -> tuple[Trigger, Plan | None]:
         """What a plan would be now, with this reading in the averages but
         ignoring persistence and leaving the state untouched: the trigger's
-        figures and the plan (``plan_id`` 0; None when nothing would move)."""
+        figures and the plan (``plan_id`` 0; None when nothing would move,
+        and then ``why``, if given, says why: ``WHY_NO_MOVE``)."""
         cfg = self.config
         _, smoothed = _smooth(snapshot, self.state, cfg.smoothing_alpha)
         snapshot = replace(snapshot, util_pct=smoothed)
         trigger = check_trigger(snapshot, cfg, armed=self.state.armed)
         budget = cfg.max_moves - self.state.moves_in_window(now, cfg.window_s)
-        if not trigger.fired or budget <= 0 or (cfg.pause_when_queued and queued > 0):
+        stop = ("too_few_gpus", 1) if trigger.gpus < 2 else ("not_fired", 1) if not trigger.fired else (
+            ("window_full", 1) if budget <= 0 else ("tasks_queued", queued) if cfg.pause_when_queued and queued > 0
+            else None)
+        if stop is not None:
+            if why is not None:
+                why[stop[0]] = stop[1]
             return trigger, None
         moves, before, after, spread0, spread1 = plan_moves(
             snapshot, tasks, cfg, now=now, budget=budget,
             cooling_tasks=_prune(self.state.moved_at, now, cfg.cooldown_s),
             cooling_gpus=_prune(self.state.touched_at, now, cfg.cooldown_s),
-            reservations=reservations, scheduler_config=self.scheduler_config, workload_mix=workload_mix,
+            reservations=reservations, scheduler_config=self.scheduler_config, workload_mix=workload_mix, why=why,
         )
         if not moves:
             return trigger, None

@@ -149,7 +149,9 @@ def test_a_move_does_not_trade_a_fast_gpu_for_a_much_slower_one():
 def test_a_move_must_narrow_the_gap_by_the_margin():
     snap = snapshot([70.0, 10.0, 40.0, 40.0])
     # moving the whole 70 % would make the destination the new hot spot
-    assert plan_moves(snap, [leased("t", snap, 0, share=1.0)], now=NOW)[0] == []
+    why: dict[str, int] = {}
+    assert plan_moves(snap, [leased("t", snap, 0, share=1.0)], now=NOW, why=why)[0] == []
+    assert why == {"load_not_in_the_gap": 1}
     # 35 % of it (two equal tasks) narrows 60 -> 10
     two = [leased("a", snap, 0, share=0.5), leased("b", snap, 0, share=0.5)]
     assert len(plan_moves(snap, two, now=NOW)[0]) == 1
@@ -161,7 +163,8 @@ def test_a_move_must_narrow_the_gap_by_the_margin():
 def test_new_tasks_stay():
     snap = snapshot([100.0, 0.0, 50.0, 50.0])
     young = leased("young", snap, 0, share=1.0, placed_at=NOW - 10.0)
-    assert plan_moves(snap, [young], now=NOW)[0] == []
+    why: dict[str, int] = {}
+    assert plan_moves(snap, [young], now=NOW, why=why)[0] == [] and why == {"too_young": 1}
     assert len(plan_moves(snap, [replace(young, spec=replace(young.spec, gpu_share=0.5)),
                                  leased("old", snap, 0, kind="inference")], now=NOW + 60.0)[0]) == 1
 
@@ -238,7 +241,9 @@ def test_the_reserve_keeps_room_for_large_tasks_on_the_last_gpus_that_have_it():
     # a large task asks 12,000 MiB: GPUs 1 and 2 have room for one, and the
     # move would take it from either
     half = AdvisorConfig(reserve_share=0.5, reserve_mib=12_000.0)  # keep 2 of the 4
-    assert plan_moves(snap, tasks, half, now=NOW)[0] == []
+    why: dict[str, int] = {}
+    assert plan_moves(snap, tasks, half, now=NOW, why=why)[0] == []
+    assert why == {"pinned": 1, "reserve": 1}  # what a dry run tells the operator
     quarter = replace(half, reserve_share=0.25)  # keep 1: one of the two may go
     assert [m.to_node_id for m in plan_moves(snap, tasks, quarter, now=NOW)[0]] == ["n1"]
     assert len(plan_moves(snap, tasks, replace(half, reserve_share=0.0), now=NOW)[0]) == 1

@@ -226,6 +226,24 @@ async def test_no_plan_for_inference_only_hot_spots():
         c.now += 30.0
         assert rt.evaluate_now() is None
     assert rt.last_trigger.fired
+    # and the operator is told why
+    from coordinator.cli import _why_no_move
+
+    server, channel, stub = await serve(rt)
+    try:
+        dry = await stub.GetPlan(apb.GetPlanRequest(evaluate_now=True))
+        assert not dry.HasField("plan") and dict(dry.no_move) == {"pinned": 2}
+        assert _why_no_move(dry.no_move) == ": 2 tasks of kinds that may not move"
+        assert not (await stub.GetPlan(apb.GetPlanRequest())).no_move  # only a dry run says why
+        c.readings([50.0] * 6)
+        for _ in range(10):  # the advisor's averages settle on the even readings
+            c.now += 30.0
+            rt.evaluate_now()
+        dry = await stub.GetPlan(apb.GetPlanRequest(evaluate_now=True))
+        assert dict(dry.no_move) == {"not_fired": 1} and _why_no_move(dry.no_move) == ": the trigger has not fired"
+    finally:
+        await channel.close()
+        await server.stop(None)
 
 
 async def test_watch_plans_streams_each_plan():
