@@ -16,6 +16,7 @@ from typing import Callable
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from coordinator.executor import PlanExecutor, move_gpus
 from coordinator.tables import fmt, render_table
 from protos import advisor_pb2 as apb
 from protos import advisor_pb2_grpc as apb_grpc
@@ -429,15 +430,10 @@ def _ratio_pct(value: float) -> str:
     return "-" if value != value else f"{value * 100:.1f}%"  # NaN: nothing predicted yet
 
 
-def _indexes(many, first: int) -> str:
-    """GPU indexes of one side of a move (a coordinator before multi-GPU moves sends the first alone)."""
-    return ",".join(map(str, many)) if len(many) else str(first)
-
-
 def _plan_lines(plan) -> list[str]:
     moves = [
-        [m.task_id, m.kind, f"{m.from_node_id}:{_indexes(m.from_gpu_indexes, m.from_gpu_index)}",
-         f"{m.to_node_id}:{_indexes(m.to_gpu_indexes, m.to_gpu_index)}",
+        [m.task_id, m.kind, f"{m.from_node_id}:{','.join(map(str, move_gpus(m, 'from')[0]))}",
+         f"{m.to_node_id}:{','.join(map(str, move_gpus(m, 'to')[0]))}",
          fmt(m.load_pct, 1, "%"), fmt(m.from_util_pct, 1, "%"), fmt(m.to_util_pct, 1, "%"), fmt(m.variance_after, 0)]
         for m in plan.moves
     ]
@@ -533,8 +529,6 @@ def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.Ad
     or 1 when a moved task's restart command failed (it holds a lease on its
     new GPU and is not running: the operator's turn)."""
     import shlex
-
-    from coordinator.executor import PlanExecutor
 
     executor = PlanExecutor(
         tpb_grpc.SchedulerStub(ch),

@@ -38,7 +38,7 @@ from protos import advisor_pb2 as apb
 from protos import tasks_pb2 as tpb
 from protos import tasks_pb2_grpc as tpb_grpc
 
-__all__ = ["MoveOutcome", "PlanExecutor", "move_env"]
+__all__ = ["MoveOutcome", "PlanExecutor", "move_env", "move_gpus"]
 
 
 @dataclass(frozen=True)
@@ -59,17 +59,19 @@ class MoveOutcome:
         return dict(self.__dict__)
 
 
-def _gpus(indexes: Sequence[int], uuids: Sequence[str], index: int, uuid: str) -> tuple[list[int], list[str]]:
-    """A side of a move, every GPU (a plan from a coordinator before
-    multi-GPU moves names only the first)."""
-    return (list(indexes), list(uuids)) if uuids else ([index], [uuid])
+def move_gpus(move: apb.Migration, side: str) -> tuple[list[int], list[str]]:
+    """Every GPU of one side (``"from"`` or ``"to"``) of a move, as (indexes,
+    uuids): a plan from a coordinator before multi-GPU moves names only the first."""
+    uuids = list(getattr(move, f"{side}_gpu_uuids"))
+    if uuids:
+        return list(getattr(move, f"{side}_gpu_indexes")), uuids
+    return [getattr(move, f"{side}_gpu_index")], [getattr(move, f"{side}_gpu_uuid")]
 
 
 def move_env(plan_id: int, move: apb.Migration, *, lease_id: str, to_node: str, to_indexes: Sequence[int],
              to_uuids: Sequence[str]) -> dict[str, str]:
     """The environment of a checkpoint or restart command (module docstring)."""
-    from_indexes, from_uuids = _gpus(move.from_gpu_indexes, move.from_gpu_uuids, move.from_gpu_index,
-                                     move.from_gpu_uuid)
+    from_indexes, from_uuids = move_gpus(move, "from")
     return {
         "GPULB_PLAN_ID": str(plan_id),
         "GPULB_TASK_ID": move.task_id,
@@ -124,8 +126,8 @@ class PlanExecutor:
     def execute(self, plan: apb.RebalancePlan) -> list[MoveOutcome]:
         out = []
         for m in plan.moves:
-            from_indexes, from_uuids = _gpus(m.from_gpu_indexes, m.from_gpu_uuids, m.from_gpu_index, m.from_gpu_uuid)
-            to_indexes, to_uuids = _gpus(m.to_gpu_indexes, m.to_gpu_uuids, m.to_gpu_index, m.to_gpu_uuid)
+            from_indexes, from_uuids = move_gpus(m, "from")
+            to_indexes, to_uuids = move_gpus(m, "to")
             src = f"{m.from_node_id}:{','.join(map(str, from_indexes))}"
             dst = f"{m.to_node_id}:{','.join(map(str, to_indexes))}"
             here = move_env(plan.plan_id, m, lease_id=m.lease_id, to_node=m.from_node_id, to_indexes=from_indexes,

@@ -109,7 +109,7 @@ from scheduler.fragmentation import WorkloadMix
 from scheduler.reservations import Reservations
 from scheduler.snapshot import ClusterSnapshot
 from scheduler.task import Task, TaskState
-from scheduler.view import PlacementView
+from scheduler.view import PlacementView, coded_models
 
 __all__ = [
     "AdvisorConfig",
@@ -472,7 +472,7 @@ def plan_moves(
     s = snapshot
     large = reserve_ask_mib(cfg, workload_mix) if cfg.reserve_share > 0 else 0.0
     if large > 0:
-        models, model_code = np.unique(np.asarray(s.gpu_model, dtype=str), return_inverse=True)
+        models, model_code = coded_models(s)
         reserve = cfg.reserve_share * np.bincount(model_code[counted], minlength=len(models))
     while len(moves) < budget:
         mean = float(u[counted].mean())

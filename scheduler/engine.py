@@ -475,7 +475,7 @@ class Scheduler:
             if other is None or other.assignment is None:
                 continue
             started = other.assignment.run_start
-            end = started + other.spec.duration_s / speed
+            end = _expected_end(other, speed)
             if other.spec.duration_s <= 0 or end <= now:
                 # no estimate, or past it: expect it to run as long again as
                 # it has run (the age estimate of heavy-tailed runs), >= 1 s
@@ -517,8 +517,7 @@ class Scheduler:
 
     def _drain_time(self, index: int, view: PlacementView, now: float) -> tuple[float, float]:
         """``(when, speed)``: when the leases on node ``index`` are expected to
-        have ended, the latest ``run_start + duration_s / speed`` among them
-        (a migrated run counts from its first placement: it resumes)
+        have ended, the latest ``_expected_end`` among them
         (``now`` with none; -inf when one has no estimate, as nothing can be
         known to end before it), and the node's speed (1.0 when unknown)."""
         s = view.snapshot
@@ -530,7 +529,7 @@ class Scheduler:
                 continue
             if task.spec.duration_s <= 0:
                 return -math.inf, speed
-            end = max(end, task.assignment.run_start + task.spec.duration_s / speed)
+            end = max(end, _expected_end(task, speed))
         return end, speed
 
     def _finish_by_waiting(
@@ -558,7 +557,7 @@ class Scheduler:
                     task = self._tasks.get(task_id)
                     if task is None or task.assignment is None or task.spec.duration_s <= 0:
                         continue
-                    end = task.assignment.run_start + task.spec.duration_s / speeds[index]
+                    end = _expected_end(task, speeds[index])
                     ends[index] = min(ends[index], max(now, end))
             cache["lease_ends"] = ends
         could = self._could_host(spec, view)
@@ -1043,6 +1042,13 @@ def _node_index(view: PlacementView) -> dict[str, int]:
     if index is None:
         index = view.static_cache["engine.node_index"] = {n: i for i, n in enumerate(view.snapshot.node_ids)}
     return index  # type: ignore[return-value]
+
+
+def _expected_end(task: Task, speed: float) -> float:
+    """When a leased task's run is expected to end on a node of ``speed``:
+    its reference duration from the run's first placement (a migrated run
+    resumes from its checkpoint; it does not start over)."""
+    return task.assignment.run_start + task.spec.duration_s / speed  # type: ignore[union-attr]
 
 
 def _node_speeds(view: PlacementView) -> np.ndarray:

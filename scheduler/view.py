@@ -382,15 +382,20 @@ _TOPOLOGIES = IdentityCache(4)
 _MODEL_CODES = IdentityCache(4)
 
 
+def coded_models(snapshot: ClusterSnapshot) -> tuple[np.ndarray, np.ndarray]:
+    """``gpuspec.model_codes`` of the snapshot's GPUs (distinct model names,
+    per GPU the index of its name), coded once per ``gpu_model`` column object."""
+    models = snapshot.gpu_model
+    return _MODEL_CODES.get((models,), lambda: model_codes(models))  # type: ignore[return-value]
+
+
 def spec_mask(snapshot: ClusterSnapshot, gpu_spec: str) -> np.ndarray:
     """``gpuspec.gpu_spec_mask`` of the snapshot's GPUs, the model names coded
     once per ``gpu_model`` column object."""
     patterns = parse_gpu_spec(gpu_spec)
     if not patterns:
         return np.ones(snapshot.gpu_count, dtype=bool)
-    models = snapshot.gpu_model
-    coded = _MODEL_CODES.get((models,), lambda: model_codes(models))
-    return coded_spec_mask(coded, snapshot.memory_total_mib, patterns)  # type: ignore[arg-type]
+    return coded_spec_mask(coded_models(snapshot), snapshot.memory_total_mib, patterns)
 
 
 def _topology(s: ClusterSnapshot) -> _Topology:
