@@ -76,8 +76,10 @@ per ``window_s``:
    the node with the largest total gap wins. Among a source's tasks the one
    with the largest variance reduction wins;
 5. no plan while tasks wait in the queue (``pause_when_queued``): the
-   scheduler is already filling the cool GPUs with new work, and a migrated
-   task restarts through that queue, behind what waits there;
+   scheduler is already filling the cool GPUs with new work (a migrated task
+   no longer queues, ``Scheduler.migrate`` moves its lease in one step, but
+   acting while tasks wait gained nothing in bench_learning and cost the
+   mixed cluster mean response);
 6. both GPUs of a move take no part in another move of the same plan, and
    the task and both GPUs are left alone for ``cooldown_s`` afterwards: a
    plan cannot be undone by the next one (no flapping);
