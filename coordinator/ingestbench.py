@@ -114,6 +114,12 @@ def _heartbeat() -> bytes:
     return pb.AgentMessage(heartbeat=pb.Heartbeat(last_seq=1)).SerializeToString()
 
 
+def _failure(exc: BaseException) -> str:
+    """One refused stream, as the summary lists it: a gRPC error's details, else the exception."""
+    details = getattr(exc, "details", None)
+    return f"{type(exc).__name__}: {details() if callable(details) else exc}"
+
+
 async def _generate(target: str, hosts: int, gpus: int, interval: float, duration: float, channels: int, seed: int = 1) -> None:
     """The load generator. Phase 1 opens every stream (register, then the
     keyframe) and waits for each stream's RegisterAck, so the coordinator's
@@ -144,7 +150,7 @@ async def _generate(target: str, hosts: int, gpus: int, interval: float, duratio
                 await call.read()  # the RegisterAck: the coordinator's handler runs
                 calls[h] = call
             except Exception as exc:
-                failures.append(f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}")
+                failures.append(_failure(exc))
 
     rng = random.Random(seed)
     offsets = [rng.uniform(0.0, interval) for _ in range(hosts)]
@@ -177,7 +183,7 @@ async def _generate(target: str, hosts: int, gpus: int, interval: float, duratio
                 next_at += interval
             await call.done_writing()
         except Exception as exc:  # a refused stream: report it, keep the others going
-            failures.append(f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}")
+            failures.append(_failure(exc))
 
     async def connected() -> None:
         heartbeat = _heartbeat()

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import pytest
 
