@@ -137,6 +137,10 @@ class WorkloadMix:
                 return vram
         return asks[-1][0]
 
+    def gpu_counts(self) -> list[int]:
+        """GPU counts of the shapes in the mix, ascending."""
+        return sorted({k for k, _, _ in self._counts})
+
     def probabilities(self) -> dict[tuple[int, float, float], float]:
         """(num_gpus, vram MiB, share) -> share of the faded arrivals; for operators and tests."""
         total = sum(self._counts.values())

@@ -272,6 +272,54 @@ def test_a_move_that_gives_its_source_the_room_keeps_the_reserve_whole():
     assert plan_moves(snap, tasks, cfg, now=NOW)[0] == []
 
 
+def _node_reserve_cluster(hot_used):
+    """Three nodes of two GPUs. "hot" GPU 0 carries a movable 8 GiB training
+    task and pinned inference; "open" is idle (room for ~20 GiB a GPU under
+    the 85 % rule); "busy" has 10 GiB used a GPU, room for the task but not
+    for a large 2-GPU one."""
+    nodes = [NodeFacts("hot", 2), NodeFacts("open", 2), NodeFacts("busy", 2)]
+    snap = snapshot([95.0, 60.0, 5.0, 5.0, 20.0, 20.0], nodes=nodes,
+                    memory_used=[*hot_used, 0.0, 0.0, 10_000.0, 10_000.0])
+    return snap, [leased("train", snap, 0, share=0.5, vram=8_000.0),
+                  leased("serve", snap, 0, kind="inference", share=0.5, vram=hot_used[0] - 8_000.0)]
+
+
+def _mix_with_two_gpu_tasks(ask_per_gpu: float) -> WorkloadMix:
+    mix = WorkloadMix()
+    for _ in range(10):
+        mix.observe_shape(1, 2_000.0, 0.5)  # small single-GPU asks: the GPU reserve keeps nothing here
+    mix.observe_shape(2, ask_per_gpu, 1.0)
+    return mix
+
+
+def test_the_reserve_keeps_a_node_open_for_multi_gpu_tasks():
+    snap, tasks = _node_reserve_cluster([21_000.0, 16_000.0])
+    mix = _mix_with_two_gpu_tasks(14_000.0)  # 8 GiB more on an "open" GPU leaves 12.9 GiB: too little
+    half = AdvisorConfig(reserve_share=0.5)  # 3 nodes: keep 1.5, so the one open node stays open
+    assert [m.to_node_id for m in plan_moves(snap, tasks, half, now=NOW, workload_mix=mix)[0]] == ["busy"]
+    # without 2-GPU arrivals, or with a smaller share kept, the coolest GPU wins
+    assert [m.to_node_id for m in plan_moves(snap, tasks, half, now=NOW, workload_mix=WorkloadMix())[0]] == ["open"]
+    quarter = replace(half, reserve_share=0.25)  # keep 0.75: one open node is more than that
+    assert [m.to_node_id for m in plan_moves(snap, tasks, quarter, now=NOW, workload_mix=mix)[0]] == ["open"]
+    # a 2-GPU task that fits next to the moved one: the node stays open, the coolest wins
+    small = _mix_with_two_gpu_tasks(12_000.0)
+    assert [m.to_node_id for m in plan_moves(snap, tasks, half, now=NOW, workload_mix=small)[0]] == ["open"]
+    # no other GPU takes it: nothing moves, and the dry run says why
+    full = replace(snap, memory_used_mib=np.asarray([21_000.0, 16_000.0, 0.0, 0.0, 20_000.0, 20_000.0]))
+    why: dict[str, int] = {}
+    assert plan_moves(full, tasks, half, now=NOW, workload_mix=mix, why=why)[0] == []
+    assert why == {"pinned": 1, "reserve": 1}
+
+
+def test_a_move_that_opens_its_source_node_may_close_another():
+    # "hot" has 14.9 GiB room on GPU 1 and gets as much on GPU 0 once the
+    # task leaves: the move opens one node as it closes another
+    snap, tasks = _node_reserve_cluster([14_000.0, 6_000.0])
+    mix = _mix_with_two_gpu_tasks(14_000.0)
+    cfg = AdvisorConfig(reserve_share=0.5)
+    assert [m.to_node_id for m in plan_moves(snap, tasks, cfg, now=NOW, workload_mix=mix)[0]] == ["open"]
+
+
 def test_task_loads_split_measured_util_by_declared_share():
     snap = snapshot([90.0, 40.0])
     tasks = [leased("a", snap, 0, share=0.5), leased("b", snap, 0, share=0.25),
