@@ -328,6 +328,37 @@ def test_task_loads_split_measured_util_by_declared_share():
     assert loads == pytest.approx({"a": 60.0, "b": 30.0, "c": 20.0, "d": 20.0})
 
 
+def test_task_loads_match_a_per_gpu_split_on_a_random_cluster():
+    # the numpy split against the rule written out GPU by GPU: multi-GPU
+    # tasks (mean of their parts), unknown readings (0), undeclared shares
+    rng = np.random.default_rng(7)
+    nodes = [NodeFacts(f"n{i}", 4) for i in range(6)]
+    util = rng.uniform(0.0, 100.0, 24)
+    util[[3, 11]] = np.nan
+    snap = snapshot(util.tolist(), nodes=nodes)
+    tasks = []
+    for i in range(40):
+        node = int(rng.integers(6))
+        width = int(rng.choice([1, 1, 1, 2, 4]))
+        rows = [node * 4 + int(j) for j in rng.choice(4, size=width, replace=False)]
+        share = float(rng.choice([0.0, 0.25, 0.5, 1.0]))
+        tasks.append(on_gpus(leased(f"t{i}", snap, rows[0], share=share), snap, rows))
+    on_gpu: dict[int, list[Task]] = {}
+    for t in tasks:
+        for r in (snap.gpu_uuid.index(u) for u in t.assignment.gpu_uuids):
+            on_gpu.setdefault(r, []).append(t)
+    parts: dict[str, list[float]] = {}
+    for r, here in on_gpu.items():
+        u = 0.0 if np.isnan(util[r]) else float(util[r])
+        total = sum(t.spec.gpu_share for t in here)
+        for t in here:
+            parts.setdefault(t.task_id, []).append(u * t.spec.gpu_share / total if total else u / len(here))
+    loads = task_loads(snap, tasks)
+    assert {k: v[1] for k, v in loads.items()} == pytest.approx({k: sum(p) / len(p) for k, p in parts.items()})
+    assert {k: v[0] for k, v in loads.items()} == {
+        t.task_id: tuple(snap.gpu_uuid.index(u) for u in t.assignment.gpu_uuids) for t in tasks}
+
+
 @pytest.mark.parametrize(
     "util, armed, fired, held",
     [
