@@ -507,7 +507,7 @@ _NO_MOVE_WORDS = {
     "not_on_a_hot_gpu": "not on a GPU hotter than the mean",
     "load_not_in_the_gap": "with no GPU cool enough to narrow the gap by margin_pct",
     "no_gpu_takes_it": "that no other GPU passes the filters for",
-    "reserve": "that only GPUs kept with room for a large task would take (reserve_share)",
+    "reserve": "that only GPUs or nodes kept with room for a large task would take (reserve_share)",
 }
 
 

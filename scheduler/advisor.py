@@ -148,12 +148,12 @@ TRIGGER_VARIANCE = "variance"
 # hotter than the mean, or is part of a move already), load_not_in_the_gap
 # (no GPU cool enough to narrow the difference by margin_pct without
 # becoming the hot spot), no_gpu_takes_it (filters, memory, slowdown),
-# reserve (only GPUs the reserve keeps room on would take it); and, with no
+# reserve (only GPUs or nodes the reserve keeps room on would take it); and, with no
 # task looked at: not_fired, window_full (max_moves used), tasks_queued
 # (pause_when_queued), too_few_gpus
 WHY_NO_MOVE = ("pinned", "cooling_down", "too_young", "not_on_a_hot_gpu", "load_not_in_the_gap", "no_gpu_takes_it",
                "reserve", "not_fired", "window_full", "tasks_queued", "too_few_gpus")
-# which of the arriving single-GPU tasks' memory asks is a large task's (rule 7)
+# which of the arriving tasks' memory asks (per GPU count) is a large task's (rule 7)
 RESERVE_ASK_QUANTILE = 0.9
 # sources examined per move, hottest first (each costs a filter pass per task)
 _MAX_SOURCES = 64
