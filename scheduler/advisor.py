@@ -523,6 +523,8 @@ def plan_moves(
                 scarce_node = open_node & (
                     np.bincount(node_model[open_node], minlength=len(models)) <= node_reserve[k])[node_model]
                 # the GPUs whose filling closes a scarce node, and those whose emptying opens one
+                # (judged GPU by GPU: a k'-GPU task moving onto a node with room on
+                # fewer than k + k' GPUs closes it unseen; the openb traces move none)
                 closing.append((ask, ok & (per_node[gpu_node] == k) & scarce_node[gpu_node],
                                 ~ok & counted & (per_node[gpu_node] == k - 1)))
         best: tuple[float, tuple[int, ...], tuple[int, ...], str, float] | None = None
