@@ -515,18 +515,14 @@ def plan_moves(
             scarce = (np.bincount(model_code[hole], minlength=len(models)) <= reserve)[model_code]
         if node_asks:
             # rule 7 for k-GPU tasks: per model, the nodes with k GPUs of room for a large one
-            closing: list[tuple[float, np.ndarray, np.ndarray]] = []
+            closing: list[tuple[int, float, np.ndarray, np.ndarray, np.ndarray]] = []
             for k, ask in node_asks.items():
                 ok = counted & (room >= ask)
                 per_node = np.bincount(gpu_node, weights=ok, minlength=s.node_count)
                 open_node = per_node >= k
                 scarce_node = open_node & (
                     np.bincount(node_model[open_node], minlength=len(models)) <= node_reserve[k])[node_model]
-                # the GPUs whose filling closes a scarce node, and those whose emptying opens one
-                # (judged GPU by GPU: a k'-GPU task moving onto a node with room on
-                # fewer than k + k' GPUs closes it unseen; the openb traces move none)
-                closing.append((ask, ok & (per_node[gpu_node] == k) & scarce_node[gpu_node],
-                                ~ok & counted & (per_node[gpu_node] == k - 1)))
+                closing.append((k, ask, ok, per_node, scarce_node))
         best: tuple[float, tuple[int, ...], tuple[int, ...], str, float] | None = None
         # hottest first, ties in the order the sources were met (as a stable sort)
         by_heat = candidate_rows[np.argsort(-u[candidate_rows], kind="stable")]
@@ -568,11 +564,11 @@ def plan_moves(
                         refuse("reserve")
                         continue
                 if node_asks:
-                    for ask, closers, openers in closing:
-                        takes = closers & (room - spec.vram_mib < ask)
-                        for r in own:  # a source node the move opens gives its model one back
-                            if openers[r] and room[r] + spec.vram_mib >= ask:
-                                takes &= node_model[gpu_node] != node_model[gpu_node[r]]
+                    for k, ask, ok, per_node, scarce_node in closing:
+                        # the GPUs whose filling closes a scarce node (one with exactly k that have room)
+                        takes = ok & (room - spec.vram_mib < ask) & (per_node[gpu_node] == k) & scarce_node[gpu_node]
+                        if _opens_source(own, k, ask, ok, per_node, room, spec.vram_mib, gpu_node):
+                            takes &= node_model[gpu_node] != node_model[gpu_node[own[0]]]
                         mask &= ~takes
                     if not mask.any():
                         refuse("reserve")
@@ -582,6 +578,21 @@ def plan_moves(
                 # the destination is the coolest)
                 src = np.asarray(sorted(rows, key=lambda r: -u[r]))
                 dests = _destination_sets(snapshot, mask, u, len(rows), spec.needs_nvlink)
+                if node_asks and len(rows) > 1 and len(dests):
+                    # GPU by GPU misses a k'-GPU task closing a node that has
+                    # room on fewer than k + k' GPUs: judge each node's set whole
+                    keep = np.ones(len(dests), dtype=bool)
+                    dest_node = gpu_node[dests[:, 0]]
+                    for k, ask, ok, per_node, scarce_node in closing:
+                        lost = (ok[dests] & (room[dests] - spec.vram_mib < ask)).sum(axis=1)
+                        closes = scarce_node[dest_node] & (per_node[dest_node] - lost < k)
+                        if _opens_source(own, k, ask, ok, per_node, room, spec.vram_mib, gpu_node):
+                            closes &= node_model[dest_node] != node_model[gpu_node[own[0]]]
+                        keep &= ~closes
+                    if not keep.any():
+                        refuse("reserve")
+                        continue
+                    dests = dests[keep]
                 if not len(dests):
                     refuse("no_gpu_takes_it")
                     continue
@@ -643,6 +654,15 @@ def reserve_ask_mib(config: AdvisorConfig, workload_mix: WorkloadMix | None) -> 
     if config.reserve_mib > 0:
         return float(config.reserve_mib)
     return workload_mix.ask_quantile(RESERVE_ASK_QUANTILE) if workload_mix is not None else 0.0
+
+
+def _opens_source(own: Sequence[int], k: int, ask: float, ok: np.ndarray, per_node: np.ndarray,
+                  room: np.ndarray, vram_mib: float, gpu_node: np.ndarray) -> bool:
+    """Whether moving a task off ``own`` (GPUs of one node) opens that node
+    for a large k-GPU task: it gives its model one back (rule 7)."""
+    n = int(gpu_node[own[0]])
+    gained = sum(1 for r in own if not ok[r] and room[r] + vram_mib >= ask)
+    return per_node[n] < k <= per_node[n] + gained
 
 
 def node_reserve_asks(config: AdvisorConfig, workload_mix: WorkloadMix | None) -> dict[int, float]:

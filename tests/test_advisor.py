@@ -320,6 +320,24 @@ def test_a_move_that_opens_its_source_node_may_close_another():
     assert [m.to_node_id for m in plan_moves(snap, tasks, cfg, now=NOW, workload_mix=mix)[0]] == ["open"]
 
 
+def test_a_multi_gpu_move_does_not_close_the_last_open_node_by_taking_two_of_its_gpus():
+    # "open" has room for a large 2-GPU task on three GPUs: one GPU taken
+    # leaves it open, but the 2-GPU training task would take two
+    nodes = [NodeFacts("hot", 2), NodeFacts("open", 4), NodeFacts("busy", 2)]
+    used = [21_000.0, 21_000.0, 0.0, 0.0, 0.0, 20_000.0, 10_000.0, 10_000.0]
+    snap = snapshot([95.0, 95.0, 5.0, 5.0, 5.0, 5.0, 20.0, 20.0], nodes=nodes, memory_used=used)
+    train = on_gpus(leased("train", snap, 0, share=0.5, vram=8_000.0), snap, [0, 1])
+    serve = on_gpus(leased("serve", snap, 0, kind="inference", share=0.5, vram=13_000.0), snap, [0, 1])
+    mix = _mix_with_two_gpu_tasks(14_000.0)
+    half = AdvisorConfig(reserve_share=0.5)
+    assert [m.to_node_id for m in plan_moves(snap, [train, serve], half, now=NOW, workload_mix=mix)[0]] == ["busy"]
+    assert [m.to_node_id for m in plan_moves(snap, [train, serve], half, now=NOW, workload_mix=WorkloadMix())[0]] == [
+        "open"]
+    # a fourth GPU with room: two taken leave two, the node stays open
+    roomy = replace(snap, memory_used_mib=np.asarray(used[:5] + [0.0] + used[6:]))
+    assert [m.to_node_id for m in plan_moves(roomy, [train, serve], half, now=NOW, workload_mix=mix)[0]] == ["open"]
+
+
 def test_task_loads_split_measured_util_by_declared_share():
     snap = snapshot([90.0, 40.0])
     tasks = [leased("a", snap, 0, share=0.5), leased("b", snap, 0, share=0.25),
