@@ -73,6 +73,8 @@ ADVISOR_METRIC_NAMES = (
     "gpulb_rebalance_plans_total",
     "gpulb_rebalance_moves_total",
     "gpulb_rebalance_hook_runs_total",
+    "gpulb_rebalance_last_evaluation_seconds",
+    "gpulb_rebalance_evaluation_seconds_total",
 )
 
 _OUTPUT_TAIL = 2_000  # bytes of hook stdout/stderr kept for the log
@@ -196,6 +198,10 @@ class AdvisorRuntime:
         # counters for the metrics
         self.plans_by_trigger: dict[str, int] = {}
         self.moves = 0
+        # s the evaluations took on the event loop (the last one; all): the
+        # coordinator neither ingests nor schedules meanwhile
+        self.last_evaluation_s = math.nan
+        self.evaluation_s_total = 0.0
         self.hook_runs: dict[str, int] = {}
         self.last_hook: HookResult | None = None
 
@@ -350,13 +356,18 @@ class AdvisorRuntime:
     # ---- advising -----------------------------------------------------------------------------
     def evaluate_now(self) -> Plan | None:
         """One advisor evaluation (what the loop runs); publishes a plan when made."""
-        snap = self.annotate(self._current())
-        now = self.clock()
-        self.last_evaluated_at = now
-        if snap.gpu_count == 0:
-            return None
-        plan = self.advisor.evaluate(snap, self._leased(), now, reservations=self._reservations(),
-                                     queued=self._queued(), workload_mix=self._workload_mix())
+        started = time.perf_counter()
+        try:
+            snap = self.annotate(self._current())
+            now = self.clock()
+            self.last_evaluated_at = now
+            if snap.gpu_count == 0:
+                return None
+            plan = self.advisor.evaluate(snap, self._leased(), now, reservations=self._reservations(),
+                                         queued=self._queued(), workload_mix=self._workload_mix())
+        finally:
+            self.last_evaluation_s = time.perf_counter() - started
+            self.evaluation_s_total += self.last_evaluation_s
         if plan is None:
             return None
         self.plans_by_trigger[plan.trigger] = self.plans_by_trigger.get(plan.trigger, 0) + 1
@@ -498,6 +509,14 @@ class _AdvisorCollector:
             plans.add_metric([name], r.plans_by_trigger.get(name, 0))
         yield plans
         yield CounterMetricFamily("gpulb_rebalance_moves", "Migrations proposed in rebalance plans", value=r.moves)
+        last = GaugeMetricFamily("gpulb_rebalance_last_evaluation_seconds",
+                                 "Time the last advisor evaluation held the event loop (no ingest, no scheduling)")
+        if not math.isnan(r.last_evaluation_s):
+            last.add_metric([], r.last_evaluation_s)
+        yield last
+        yield CounterMetricFamily("gpulb_rebalance_evaluation_seconds",
+                                  "Time advisor evaluations held the event loop, all of them",
+                                  value=r.evaluation_s_total)
         hooks = CounterMetricFamily("gpulb_rebalance_hook_runs", "Advisor command hook runs, by outcome", labels=["outcome"])
         for name in ("ok", "failed", "timeout", "error", "skipped"):
             hooks.add_metric([name], r.hook_runs.get(name, 0))

@@ -351,6 +351,13 @@ async def test_metric_families():
     holding = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("gpulb_rebalance_holding ")))
     assert holding == (1.0 if rt.advisor.state.armed else 0.0) == 1.0  # the plan above armed the hold
     assert f'gpulb_predictor_slowdown_ratio{{kind="training",model="{M40}"}}' in text
+    last = float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("gpulb_rebalance_last_evaluation_seconds ")))
+    total = float(next(line.split()[-1] for line in text.splitlines()
+                       if line.startswith("gpulb_rebalance_evaluation_seconds_total ")))
+    # two evaluations ran: the total is more than the last one alone
+    assert last == pytest.approx(rt.last_evaluation_s) and total == pytest.approx(rt.evaluation_s_total)
+    assert 0 < last < total
     assert not math.isnan(rt.predictor.mape())
 
 
