@@ -517,12 +517,12 @@ def plan_moves(
             # rule 7 for k-GPU tasks: per model, the nodes with k GPUs of room for a large one
             closing: list[tuple[int, float, np.ndarray, np.ndarray, np.ndarray]] = []
             for k, ask in node_asks.items():
-                ok = counted & (room >= ask)
-                per_node = np.bincount(gpu_node, weights=ok, minlength=s.node_count)
+                roomy = counted & (room >= ask)
+                per_node = np.bincount(gpu_node, weights=roomy, minlength=s.node_count)
                 open_node = per_node >= k
                 scarce_node = open_node & (
                     np.bincount(node_model[open_node], minlength=len(models)) <= node_reserve[k])[node_model]
-                closing.append((k, ask, ok, per_node, scarce_node))
+                closing.append((k, ask, roomy, per_node, scarce_node))
         best: tuple[float, tuple[int, ...], tuple[int, ...], str, float] | None = None
         # hottest first, ties in the order the sources were met (as a stable sort)
         by_heat = candidate_rows[np.argsort(-u[candidate_rows], kind="stable")]
@@ -564,10 +564,10 @@ def plan_moves(
                         refuse("reserve")
                         continue
                 if node_asks:
-                    for k, ask, ok, per_node, scarce_node in closing:
+                    for k, ask, roomy, per_node, scarce_node in closing:
                         # the GPUs whose filling closes a scarce node (one with exactly k that have room)
-                        takes = ok & (room - spec.vram_mib < ask) & (per_node[gpu_node] == k) & scarce_node[gpu_node]
-                        if _opens_source(own, k, ask, ok, per_node, room, spec.vram_mib, gpu_node):
+                        takes = roomy & (room - spec.vram_mib < ask) & (per_node[gpu_node] == k) & scarce_node[gpu_node]
+                        if _opens_source(own, k, ask, roomy, per_node, room, spec.vram_mib, gpu_node):
                             takes &= node_model[gpu_node] != node_model[gpu_node[own[0]]]
                         mask &= ~takes
                     if not mask.any():
@@ -583,10 +583,10 @@ def plan_moves(
                     # room on fewer than k + k' GPUs: judge each node's set whole
                     keep = np.ones(len(dests), dtype=bool)
                     dest_node = gpu_node[dests[:, 0]]
-                    for k, ask, ok, per_node, scarce_node in closing:
-                        lost = (ok[dests] & (room[dests] - spec.vram_mib < ask)).sum(axis=1)
+                    for k, ask, roomy, per_node, scarce_node in closing:
+                        lost = (roomy[dests] & (room[dests] - spec.vram_mib < ask)).sum(axis=1)
                         closes = scarce_node[dest_node] & (per_node[dest_node] - lost < k)
-                        if _opens_source(own, k, ask, ok, per_node, room, spec.vram_mib, gpu_node):
+                        if _opens_source(own, k, ask, roomy, per_node, room, spec.vram_mib, gpu_node):
                             closes &= node_model[dest_node] != node_model[gpu_node[own[0]]]
                         keep &= ~closes
                     if not keep.any():
@@ -656,12 +656,13 @@ def reserve_ask_mib(config: AdvisorConfig, workload_mix: WorkloadMix | None) -> 
     return workload_mix.ask_quantile(RESERVE_ASK_QUANTILE) if workload_mix is not None else 0.0
 
 
-def _opens_source(own: Sequence[int], k: int, ask: float, ok: np.ndarray, per_node: np.ndarray,
+def _opens_source(own: Sequence[int], k: int, ask: float, roomy: np.ndarray, per_node: np.ndarray,
                   room: np.ndarray, vram_mib: float, gpu_node: np.ndarray) -> bool:
     """Whether moving a task off ``own`` (GPUs of one node) opens that node
-    for a large k-GPU task: it gives its model one back (rule 7)."""
+    for a large k-GPU task (``roomy``: GPUs with room for one now): it gives
+    its model one back (rule 7)."""
     n = int(gpu_node[own[0]])
-    gained = sum(1 for r in own if not ok[r] and room[r] + vram_mib >= ask)
+    gained = sum(1 for r in own if not roomy[r] and room[r] + vram_mib >= ask)
     return per_node[n] < k <= per_node[n] + gained
 
 
