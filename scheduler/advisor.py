@@ -97,11 +97,11 @@ per ``window_s``:
    percentile of their asks per GPU), and a move does not close one while
    no more than ``reserve_share`` of the model's nodes (of at least k
    counted GPUs) are open, unless its source node, of the same model, opens.
-   Spreading single-GPU work over every node leaves none for a multi-GPU
-   task to start on: on bench_learning's 8 x 4 cluster (24 seeds) the
-   advisor cost 1.7 points of mean slowdown, all of it through the few 2-
-   and 4-GPU tasks (without them in the trace: +0.3, not significant), and
-   0.8 with open nodes kept.
+   Spreading single-GPU work over the GPUs leaves no node for a multi-GPU
+   task to start on: on bench_learning's 8 x 4 cluster (24 seeds, three
+   restart costs) the advisor's mean slowdown cost was 1.6 points, 0.5
+   without the few 2- and 4-GPU tasks in the trace, and 1.4 with open
+   nodes kept (that replay is chaotic: README, "Learning", round 12).
 
 Each ``Move`` carries the variance expected once it and the moves before it
 are done; the ``Plan`` the variance before and after all of them.
