@@ -494,6 +494,7 @@ def plan_moves(
     node_asks = node_reserve_asks(cfg, workload_mix)
     if large > 0 or node_asks:
         models, model_code = coded_models(s)
+        memory_room = np.minimum(view.headroom, view.reject_headroom)  # before the moves planned
     if large > 0:
         reserve = cfg.reserve_share * np.bincount(model_code[counted], minlength=len(models))
     if node_asks:
@@ -508,7 +509,7 @@ def plan_moves(
         free = counted & ~busy
         coolest = float(u[free].min()) if free.any() else math.inf
         if large > 0 or node_asks:
-            room = np.minimum(view.headroom, view.reject_headroom) - added_vram  # after the moves planned
+            room = memory_room - added_vram  # after the moves planned
         if large > 0:
             # rule 7: per model, the GPUs with room for a large task
             hole = counted & (room >= large)
@@ -564,12 +565,14 @@ def plan_moves(
                         refuse("reserve")
                         continue
                 if node_asks:
-                    for k, ask, roomy, per_node, scarce_node in closing:
+                    # per k: the GPUs of the source's model when the move opens its node (it gives one back)
+                    spared = [node_model[gpu_node] == node_model[gpu_node[own[0]]]
+                              if _opens_source(own, k, ask, roomy, per_node, room, spec.vram_mib, gpu_node) else None
+                              for k, ask, roomy, per_node, _ in closing]
+                    for (k, ask, roomy, per_node, scarce_node), same_model in zip(closing, spared):
                         # the GPUs whose filling closes a scarce node (one with exactly k that have room)
                         takes = roomy & (room - spec.vram_mib < ask) & (per_node[gpu_node] == k) & scarce_node[gpu_node]
-                        if _opens_source(own, k, ask, roomy, per_node, room, spec.vram_mib, gpu_node):
-                            takes &= node_model[gpu_node] != node_model[gpu_node[own[0]]]
-                        mask &= ~takes
+                        mask &= ~takes if same_model is None else ~(takes & ~same_model)
                     if not mask.any():
                         refuse("reserve")
                         continue
@@ -583,12 +586,10 @@ def plan_moves(
                     # room on fewer than k + k' GPUs: judge each node's set whole
                     keep = np.ones(len(dests), dtype=bool)
                     dest_node = gpu_node[dests[:, 0]]
-                    for k, ask, roomy, per_node, scarce_node in closing:
+                    for (k, ask, roomy, per_node, scarce_node), same_model in zip(closing, spared):
                         lost = (roomy[dests] & (room[dests] - spec.vram_mib < ask)).sum(axis=1)
                         closes = scarce_node[dest_node] & (per_node[dest_node] - lost < k)
-                        if _opens_source(own, k, ask, roomy, per_node, room, spec.vram_mib, gpu_node):
-                            closes &= node_model[dest_node] != node_model[gpu_node[own[0]]]
-                        keep &= ~closes
+                        keep &= ~closes if same_model is None else ~(closes & ~same_model[dests[:, 0]])
                     if not keep.any():
                         refuse("reserve")
                         continue
