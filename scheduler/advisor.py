@@ -138,6 +138,7 @@ __all__ = [
     "plan_moves",
     "advise",
     "reserve_ask_mib",
+    "next_change_s",
     "WHY_NO_MOVE",
 ]
 
@@ -730,6 +731,23 @@ def _slowdown_of(snapshot: ClusterSnapshot, kind: str) -> np.ndarray:
 
 def _prune(times: Mapping[str, float], now: float, keep_s: float) -> dict[str, float]:
     return {k: t for k, t in times.items() if now - t < keep_s}
+
+
+def next_change_s(state: AdvisorState, config: AdvisorConfig, tasks: Iterable[Task], now: float) -> float:
+    """The first time after ``now`` at which an evaluation on the same readings
+    could answer differently: a leased task reaching ``min_age_s``, a task's or
+    GPU's cool-down ending, a move leaving the window (``math.inf``: none). A
+    caller that skips evaluations on unchanged readings (the simulator) must
+    not skip past it, or a cluster whose load holds still never sees its tasks
+    come of age."""
+    gates = [t + config.cooldown_s for t in state.moved_at.values()]
+    gates += [t + config.cooldown_s for t in state.touched_at.values()]
+    gates += [t + config.window_s for t in state.move_times]
+    for task in tasks:
+        a = task.assignment
+        if task.state == TaskState.LEASED and a is not None:
+            gates.append(a.placed_at + config.min_age_s)
+    return min((g for g in gates if g > now), default=math.inf)
 
 
 def advise(

@@ -136,7 +136,7 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence, TextIO
 import numpy as np
 
 from scheduler import setsearch
-from scheduler.advisor import Advisor, AdvisorConfig
+from scheduler.advisor import Advisor, AdvisorConfig, next_change_s
 from scheduler.cluster import ClusterNode, convert_openb_nodes, homogeneous, read_cluster, write_cluster
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Scheduler
@@ -664,6 +664,7 @@ class Simulation:
         self.growth = MemoryGrowth(cfg.memory_growth) if cfg.memory_learning else None
         self._resume: dict[str, tuple[float, float]] = {}  # migrated run id -> (reference work left, util %)
         self._advised: ClusterSnapshot | None = None  # snapshot of the last advisor evaluation
+        self._advise_gate = math.inf  # when that evaluation's answer may change on the same readings
         self.plans = 0
         self.migrations = 0
         # bookkeeping
@@ -1183,12 +1184,16 @@ class Simulation:
         if not self._running:
             return False
         snap = self._snapshot()
-        if snap is self._advised and advisor.state.streak == 0 and self._advisor_settled(snap):
-            return False  # the same readings, averaged in already, and nothing pending: the same answer
+        if (snap is self._advised and advisor.state.streak == 0 and self.now < self._advise_gate
+                and self._advisor_settled(snap)):
+            # the same readings, averaged in already, nothing pending and no task come
+            # of age or out of a cool-down since (next_change_s): the same answer
+            return False
         self._advised = snap
         tasks = [task for task in map(self.sched.get, self._running) if task.state == TaskState.LEASED]
         plan = advisor.evaluate(snap, tasks, self.now, reservations=self.sched.reservations,
                                 queued=self.sched.queued(), workload_mix=self.sched.workload_mix)
+        self._advise_gate = next_change_s(advisor.state, advisor.config, tasks, self.now)
         if plan is None:
             return False
         self.plans += 1
