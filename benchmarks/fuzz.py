@@ -1682,9 +1682,11 @@ def run_target(name: str, count: int, cluster: LiveCluster | None = None, client
                 while len(open_calls) >= window:
                     settle()
 
-            def drain() -> None:
+            def settle_all() -> None:
                 while open_calls:
                     settle()
+
+            drain = settle_all
         else:
 
             def one(data):
