@@ -434,10 +434,25 @@ def test_plots(tmp_path):
     pytest.importorskip("matplotlib")
     from scheduler.simreport import plot
 
-    tasks = [task(f"t{i}", 5 * i, 20, 6_000, share=0.5) for i in range(20)]
-    results = simulate(tasks, TWO_4090, ["round_robin", "load_aware"], SimConfig(memory="asked"))
+    tasks = [task(f"t{i}", 5 * i, 20, 6_000, share=0.3) for i in range(20)]
+    # binpack stacks the tasks on the first GPU, load_aware spreads them
+    results = simulate(tasks, TWO_4090, ["binpack", "load_aware"], SimConfig(memory="asked"))
     written = plot(results, tmp_path / "plots")
-    assert sorted(p.split("/")[-1] for p in written) == ["heatmap_load_aware.png", "heatmap_round_robin.png", "wait_cdf.png"]
+    assert sorted(p.split("/")[-1] for p in written) == ["heatmap_binpack.png", "heatmap_load_aware.png", "wait_cdf.png"]
+    from matplotlib.image import imread
+
+    images = {}
+    for path in written:
+        with open(path, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+        image = imread(path)
+        assert image.shape[0] > 100 and image.shape[1] > 100
+        assert len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 10  # drawn on, not blank
+        images[path.split("/")[-1]] = image
+    # the two policies loaded the GPUs differently, and the heat maps show it
+    assert not np.allclose(results[0].heatmap, results[1].heatmap)
+    a, b = images["heatmap_binpack.png"], images["heatmap_load_aware.png"]
+    assert a.shape != b.shape or not np.array_equal(a, b)
 
 
 def test_cluster_convert_and_trace_convert_commands(tmp_path):
