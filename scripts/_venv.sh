@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by scripts/*: creates or reuses the project's virtual environment and
 # installs gpulb with its test extra when pyproject.toml changed since last time.
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,11 +17,11 @@ if [ ! -x "$venv/bin/python" ]; then
   "$(pick_python)" -m venv "$venv"
 fi
 stamp="$venv/.gpulb-installed"
-want="$(cat "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+want="$(sha256sum < "$root/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "installing gpulb and its dependencies into $venv" >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$root[test]"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "${root}[test]"
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

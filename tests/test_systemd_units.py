@@ -235,9 +235,16 @@ def test_install_script_parses() -> None:
     assert os.access(INSTALL, os.X_OK)
 
 
+# every shell script an operator or CI runs: the installer, scripts/* and .ci/run
+SHELL_SCRIPTS = [INSTALL, *sorted((ROOT / "scripts").iterdir()), ROOT / ".ci" / "run"]
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-def test_install_script_passes_shellcheck() -> None:
-    result = subprocess.run(["shellcheck", str(INSTALL)], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_shell_scripts_pass_shellcheck(script: Path) -> None:
+    # -x follows the scripts' `source` of scripts/_venv.sh, from the repository root
+    result = subprocess.run(["shellcheck", "-x", str(script.relative_to(ROOT))], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stdout
 
 
