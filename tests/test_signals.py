@@ -1,6 +1,7 @@
 """Tests for ``coordinator.signals``: the fences, runs, EWMA and trend on
 literals, and the whole filter replayed over real GPU telemetry from the
-Alibaba GenAI trace (``/work/shared/traces/alibaba-genai``, read at run time).
+Alibaba GenAI trace (``alibaba-genai`` under ``agent.replay.default_trace_dir()``:
+``$GPULB_TRACES``, else ``../shared/traces``; read at run time).
 """
 
 from __future__ import annotations
@@ -9,15 +10,15 @@ import csv
 import io
 import math
 import tarfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from agent.replay import default_trace_dir
 from coordinator.signals import MIN_SPREAD, SignalBank, min_spread_for, quartiles
 from protos.fields import FIELDS
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "alibaba-genai"
+TRACES = default_trace_dir() / "alibaba-genai"
 MIB = 2**20
 
 
