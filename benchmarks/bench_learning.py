@@ -313,16 +313,17 @@ def main(argv: list[str] | None = None) -> int:
             advisor_default = AdvisorConfig()
             advisor_tight = AdvisorConfig(variance_threshold=100.0)
             share = traces["gpushare40"][:ADVISOR_TASKS]
+            training = training_cluster()  # one workload, replayed under each placement
             # (title, tasks, cluster, arrival scale, prediction, placement policy)
             scenarios = [
                 ("openb gpushare40 on 8x4 RTX 4090, arrivals x6, load drift 0.5", share, homogeneous(8, 4), 6.0, False,
                  "load_aware"),
                 ("openb gpushare40 on the mixed cluster, arrivals x3, load drift 0.5, prediction on", share, mixed, 3.0,
                  True, "load_aware"),
-                ("synthetic training cluster on 8x4 RTX 4090, load drift 0.5", training_cluster(), homogeneous(8, 4),
+                ("synthetic training cluster on 8x4 RTX 4090, load drift 0.5", training, homogeneous(8, 4),
                  1.0, False, "load_aware"),
             ] + [
-                (f"synthetic training cluster on 8x4 RTX 4090, load drift 0.5, placed by {policy}", training_cluster(),
+                (f"synthetic training cluster on 8x4 RTX 4090, load drift 0.5, placed by {policy}", training,
                  homogeneous(8, 4), 1.0, False, policy)
                 for policy in PLACEMENTS_WITHOUT_LOAD
             ]
