@@ -215,6 +215,7 @@ def run_arm(tasks, nodes, cfg: SimConfig, seeds: int, variance_bound: float, *, 
                 "util_std_inst": f["util_std_inst"],
                 "util_spread": f["util_spread"],
                 "util_spread_p95": f["util_spread_p95"],
+                "util_spread_means": f["util_spread_means"],
                 "time_over_variance_bound": over,
                 "plans": f["plans"],
                 "migrations": f["migrations"],
@@ -377,12 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(["", title + " (cluster-file priors)", fmt(off, 0, " s"), fmt(on, 0, " s"), _change(off, on)])
         rows.append(["", title + " (learned from scratch)", fmt(off, 0, " s"), fmt(learned, 0, " s"), _change(off, learned)])
     # per advisor figure: its label, the seeds' (before, after) and digits, its key and its bound's key
-    # (the std of GPU means is how bench_simulate reads the same seeds' figure; it averages
-    # away the imbalance of each moment the advisor is for, so the instantaneous std leads)
+    # (the std of GPU means is how bench_simulate reads the same seeds' figure, and the
+    # difference of GPU means reads the largest difference the same way; both average
+    # away the imbalance of each moment the advisor is for, so the instantaneous ones lead)
     advisor_figures = (
         ("std of GPU utilisation", SEED_UTIL_STD_PCT, 1, "util_std_inst", "bound_util_std"),
         ("largest load difference", SEED_LARGEST_DIFF_PCT, 0, "util_spread", "bound_util_spread"),
         ("std of GPU means", SEED_UTIL_STD_PCT, 1, "util_std", None),
+        ("largest difference of GPU means", SEED_LARGEST_DIFF_PCT, 0, "util_spread_means", None),
     )
     for label, seed, digits, key, bound_key in advisor_figures:
         rows.append([label, "seeds", fmt(seed[0], digits, "%"), fmt(seed[1], digits, "%"), _change(*seed)])

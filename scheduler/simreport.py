@@ -21,7 +21,9 @@ Definitions (every figure is computed from ``SimResult`` alone):
 * **spread**: the largest load difference between GPUs, hottest minus
   coolest at each heat-map sample (``SimConfig.heatmap_samples`` evenly over
   the window); ``util_spread`` its mean over the samples, ``util_spread_p95``
-  its 95th percentile.
+  its 95th percentile; ``util_spread_means`` the same difference between
+  the GPUs' window means (how ``util_std`` reads the std: it averages away
+  the imbalance of each moment).
 * **learning** (when on): rebalance ``plans`` and ``migrations`` carried
   out, and the predictor's ``prediction_mape`` (each completion predicted
   before it was learned from, over its last completions).
@@ -140,6 +142,7 @@ def figures(r: SimResult) -> dict[str, Any]:
         "hottest_gpu_time_above_90": float(np.max(r.gpu_hot_share)) if r.gpu_hot_share.size else math.nan,
         "util_spread": float(spread.mean()) if spread.size else math.nan,
         "util_spread_p95": _pct(spread, 95),
+        "util_spread_means": float(util.max() - util.min()) if util.size else math.nan,
         "plans": r.plans,
         "migrations": r.migrations,
         "prediction_mape": r.prediction_mape,

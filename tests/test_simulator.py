@@ -224,8 +224,21 @@ def test_utilisation_figures_by_hand():
     assert f["hottest_gpu_util"] == pytest.approx(50.0)
     assert f["hottest_node_util"] == pytest.approx(25.0)
     assert f["hottest_gpu_time_above_90"] == 0.0
+    assert f["util_spread_means"] == pytest.approx(50.0)
     r = run([task("A", 0, 100, 1_000, share=1.0)], TWO_4090)
     assert figures(r)["hottest_gpu_time_above_90"] == 1.0
+
+
+def test_largest_difference_at_each_moment_and_between_window_means():
+    # Round-robin: A (100 %, 0-50 s) on GPU 0, then B (100 %, 50-100 s) on GPU 1; C's
+    # submission at 100 s closes the window. At every moment one GPU is full and the
+    # other idle; over the window both average 50 %.
+    tasks = [task("A", 0, 50, 1_000), task("B", 50, 50, 1_000), task("C", 100, 1, 1_000)]
+    r = run(tasks, TWO_4090, policy="round_robin")
+    f = figures(r)
+    assert f["util_spread"] == pytest.approx(100.0, abs=5.0)  # samples in the 2.4 s changeover may read less
+    assert f["util_spread_means"] == pytest.approx(0.0, abs=3.0)
+    assert f["util_std"] < 2.0 < 45.0 < f["util_std_inst"]
 
 
 def test_window_runs_from_first_percentile_to_last_submission():
