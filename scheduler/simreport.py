@@ -411,6 +411,7 @@ def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
         row("  floor: no placement below", [fmt(f["floors"]["util_std"], 2) if "floors" in f else "-" for f in figs])
     row("GPU util std, instantaneous %", [fmt(f["util_std_inst"], 2) for f in figs])
     row("largest load difference, mean %", [fmt(f["util_spread"], 1) for f in figs])
+    row("largest difference of GPU means %", [fmt(f["util_spread_means"], 1) for f in figs])
     row("hottest GPU mean util %", [fmt(f["hottest_gpu_util"], 1) for f in figs])
     row("hottest node mean util %", [fmt(f["hottest_node_util"], 1) for f in figs])
     if floored:

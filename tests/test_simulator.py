@@ -397,6 +397,8 @@ def test_report_table_json_and_ratios():
     results = simulate(tasks, TWO_4090, ["round_robin", "load_aware"], SimConfig(memory=RatioMemory({"A": (1.0, 1.9)})))
     text = render(results, {"trace": "hand-made"})
     assert "round_robin" in text and "load_aware" in text and "OOM kills" in text
+    means = next(line for line in text.splitlines() if line.startswith("largest difference of GPU means"))
+    assert means.split()[-2:] == [f"{figures(r)['util_spread_means']:.1f}" for r in results]
     doc = to_json(results, {"trace": "hand-made"})
     json.dumps(doc, allow_nan=False)  # strictly valid JSON
     rat = ratios([figures(r) for r in results])
