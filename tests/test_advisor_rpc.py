@@ -412,7 +412,8 @@ async def test_through_a_real_coordinator_completions_teach_the_predictor(capsys
         addr = ["--coordinator", f"127.0.0.1:{port}"]
         capsys.readouterr()  # the coordinator's log lines so far
         assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions", "--json"]) == 0
-        listed = json.loads(capsys.readouterr().out)
+        out = capsys.readouterr().out  # the CLI's JSON; a coordinator log line may share stdout
+        listed, _ = json.JSONDecoder().raw_decode(out[out.index("{\n"):])
         assert listed["samples"] == "1" and any(m.get("kind") == "training" and m["samples"] == "1" for m in listed["models"])
         assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions", "--kind", "training"]) == 0
         table = capsys.readouterr().out

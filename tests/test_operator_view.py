@@ -9,6 +9,7 @@ import asyncio
 import re
 import shutil
 import subprocess
+import sys
 import urllib.request
 
 import grpc
@@ -231,7 +232,7 @@ async def test_an_xid_on_a_real_backend_reaches_the_operator_and_prometheus():
         await coord.stop(grace_s=0.1)
 
 
-async def test_each_hosts_driver_and_agent_release_reach_list_nodes_prometheus_and_the_cli(capsys):
+async def test_each_hosts_driver_and_agent_release_reach_list_nodes_prometheus_and_the_cli():
     """A host on NVML (the shipped fake library, driver 535) and one on the
     simulator: ListNodes, gpulb_node_info and `gpulb nodes` tell which host
     runs which driver and agent release (the simulator: no driver)."""
@@ -239,7 +240,6 @@ async def test_each_hosts_driver_and_agent_release_reach_list_nodes_prometheus_a
     from agent.fake_nvml import FakeNvml
     from agent.nvml import NvmlBackend
     from agent.sim import SimBackend
-    from coordinator.cli import main as gpulb
 
     coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0"))
     port = await coord.start()
@@ -272,9 +272,15 @@ async def test_each_hosts_driver_and_agent_release_reach_list_nodes_prometheus_a
         assert (info["nvml-host"].labels["driver"], info["nvml-host"].labels["backend"]) == ("535.288.01, CUDA 12.2", "nvml")
         assert (info["sim-host"].labels["driver"], info["sim-host"].labels["agent_version"]) == ("", AGENT_VERSION)
 
-        capsys.readouterr()
-        assert await asyncio.to_thread(gpulb, ["--coordinator", f"127.0.0.1:{port}", "nodes"]) == 0
-        lines = capsys.readouterr().out.splitlines()
+        # the CLI as operators run it, in a process of its own: in this one its table
+        # would share stdout with the coordinator's and agents' log lines
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "coordinator.cli", "--coordinator", f"127.0.0.1:{port}", "nodes",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 0, err.decode()
+        lines = out.decode().splitlines()
         # the column's span from the dashes under the headers (models have spaces in them)
         spans = [m.span() for m in re.finditer(r"-+", lines[1])]
         start, end = next(span for span in spans if span[0] <= lines[0].index("DRIVER") < span[1])
