@@ -609,7 +609,10 @@ class Simulation:
         # truth (Python lists: touched a few rows at a time)
         self._demand = [0.0] * g
         self._mem = [0.0] * g
-        self._runs_on: list[set[_Run]] = [set() for _ in range(g)]
+        # runs per GPU row, in the order they started there: a dict, not a set, whose
+        # order would follow the runs' memory addresses and, through the order of
+        # same-time events, change results from one run of a process to the next
+        self._runs_on: list[dict[_Run, None]] = [{} for _ in range(g)]
         # observed (what the view shows): level v0 moving to target from t0
         self._u_v0 = np.zeros(g)
         self._u_tg = np.zeros(g)
@@ -1056,10 +1059,10 @@ class Simulation:
                 left = run.next_milestone() - run.done
                 self._push(now + max(left, 0.0) / rate, _STEP, (run, run.version))
 
-    def _affected(self, rows: Iterable[int]) -> set[_Run]:
-        out: set[_Run] = set()
+    def _affected(self, rows: Iterable[int]) -> dict[_Run, None]:
+        out: dict[_Run, None] = {}
         for r in rows:
-            out |= self._runs_on[r]
+            out.update(self._runs_on[r])
         return out
 
     def _start(self, task) -> None:
@@ -1098,7 +1101,7 @@ class Simulation:
             run.idle_with_room = sum(1 for g in range(self.G) if not self._runs_on[g] and self._cap[g] >= peak)
         first = run.mem[0]
         for r in rows:
-            self._runs_on[r].add(run)
+            self._runs_on[r][run] = None
             self._mem[r] += first
             self._set_util(r, self._demand[r] + run.util)
             self._observe(r)
@@ -1146,7 +1149,7 @@ class Simulation:
         del self._running[run.run_id]
         mem = run.mem[run.phase]
         for r in run.rows:
-            self._runs_on[r].discard(run)
+            self._runs_on[r].pop(run, None)
             self._mem[r] -= mem
             if not self._runs_on[r]:
                 self._mem[r] = 0.0  # no float residue on an empty GPU
