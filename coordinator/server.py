@@ -43,7 +43,6 @@ from scheduler.advisor import AdvisorConfig
 from scheduler.config import SchedulerConfig
 from scheduler.memgrowth import MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig
-from scheduler.task import TaskState
 
 __all__ = ["Coordinator", "observe_many"]
 
@@ -111,7 +110,7 @@ class Coordinator:
         engine = self.dispatcher.engine
         self.advisor = AdvisorRuntime(
             snapshot=self.dispatcher.snapshots.snapshot,
-            tasks=lambda: engine.tasks(state=TaskState.LEASED, limit=10**9),
+            tasks=engine.leased,  # read in place: the advisor changes nothing and never awaits
             clock=clock,
             reservations=lambda: engine.reservations,
             queued=engine.queued,  # no moves while tasks wait: they need the room more

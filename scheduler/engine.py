@@ -191,6 +191,15 @@ class Scheduler:
                 break
         return out
 
+    def leased(self) -> list[Task]:
+        """The leased tasks themselves, not copies, oldest submission first.
+        For a reader that runs to completion between two calls of this
+        scheduler and changes nothing: the coordinator's advisor reads every
+        lease on the event loop every 30 s, where copying 16,000 of them
+        (``tasks``) took ~22 ms, about what the plan itself takes."""
+        leased = TaskState.LEASED
+        return [task for task in self._tasks.values() if task.state == leased]
+
     @property
     def last_snapshot(self) -> ClusterSnapshot | None:
         return self._last_snapshot

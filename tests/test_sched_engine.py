@@ -56,6 +56,21 @@ def fifty_free_gpus() -> ClusterSnapshot:
     return ClusterSnapshot.build(nodes, memory_used_mib=used)
 
 
+def test_leased_hands_out_the_live_leased_tasks_in_submission_order() -> None:
+    sched, _ = make()
+    snap = fifty_free_gpus()
+    for i in range(60):
+        sched.submit(spec(f"t{i:03d}", vram_mib=20 * GIB), snap)
+    sched.dispatch(snap)
+    leased = sched.leased()
+    assert [t.task_id for t in leased] == [t.task_id for t in sched.tasks(state=TaskState.LEASED)]
+    assert [t.task_id for t in leased] == [f"t{i:03d}" for i in range(50)]  # the ten that wait are not there
+    first = leased[0]
+    assert sched.leased()[0] is first  # the record itself, not a copy
+    sched.complete(first.task_id, first.assignment.lease_id)
+    assert first.state == TaskState.COMPLETED and sched.leased()[0].task_id == "t001"
+
+
 # ---- double booking --------------------------------------------------------------------------------
 
 
