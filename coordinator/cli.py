@@ -135,6 +135,30 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("processes")
+def cmd_processes(args: argparse.Namespace) -> int:
+    """Compute processes on every GPU as its agent lists them (nvidia-smi's
+    process table, cluster-wide), most memory first, next to the tasks gpulb
+    leased there: a GPU whose processes hold memory its leases do not
+    account for runs work gpulb did not place."""
+    request = cpb.ListGpusRequest(node_id=args.node or "", metrics=["memory"])
+    with _channel(args) as ch:
+        gpus = cpb_grpc.ClusterOperatorStub(ch).ListGpus(request, timeout=args.timeout).gpus
+    listed = [(g, p) for g in gpus for p in g.processes]
+    if args.json:
+        print(json.dumps([{"node_id": g.node_id, "gpu_index": g.index, "gpu_uuid": g.uuid, "pid": p.pid,
+                           "used_memory_mib": p.used_memory_mib, "gpulb_tasks_on_gpu": g.active_tasks}
+                          for g, p in listed], indent=2))
+        return 0
+    if not listed:
+        print(f"no compute processes listed on {len(gpus)} GPU(s)")
+        return 0
+    rows = [[g.node_id, g.index, p.pid, f"{p.used_memory_mib:,}", g.active_tasks,
+             fmt(_opt(g, "memory_used_mib"), 0)] for g, p in listed]
+    print(render_table(["NODE", "GPU", "PID", "MEM MiB", "GPULB TASKS", "GPU MEM USED MiB"], rows))
+    return 0
+
+
 @command("top")
 def cmd_top(args: argparse.Namespace) -> int:
     """A live table of every GPU: raw and smoothed util, memory, temperature,
@@ -612,6 +636,10 @@ def build_parser() -> argparse.ArgumentParser:
     gpus.add_argument("--metrics", help="comma-separated metrics (util,memory,temp,power,...)")
     gpus.add_argument("--smoothed", action="store_true", help="anomaly-filtered EWMA values instead of raw")
     gpus.add_argument("--json", action="store_true")
+
+    procs = sub.add_parser("processes", help="compute processes per GPU, as the agents list them")
+    procs.add_argument("--node", help="only this node")
+    procs.add_argument("--json", action="store_true")
 
     nodes = sub.add_parser("nodes", help="list nodes")
     nodes.add_argument("--json", action="store_true")

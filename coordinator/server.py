@@ -629,6 +629,10 @@ class Coordinator:
                 if not np.isnan(trend[row]):
                     msg.util_trend_pct_per_min = float(trend[row])
             self.gpu_flags(row, msg)
+            node = self.view.nodes.get(msg.node_id)
+            listed = node.processes.get(msg.index) if node is not None else None
+            for pid, mib in sorted(listed or (), key=lambda p: (-p[1], p[0])):  # most memory first
+                msg.processes.add(pid=pid, used_memory_mib=mib)
 
         gpus = gpu_messages(
             self.view,

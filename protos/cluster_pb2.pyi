@@ -84,7 +84,7 @@ class Node(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., hostname: _Optional[str] = ..., backend: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., gpu_count: _Optional[int] = ..., model: _Optional[str] = ..., last_heartbeat_ns: _Optional[int] = ..., reading_age_s: _Optional[float] = ..., stale: _Optional[bool] = ..., envelopes: _Optional[int] = ..., resyncs: _Optional[int] = ..., disk_await_ms: _Optional[float] = ..., disk_util_pct: _Optional[float] = ..., topology: _Optional[_Iterable[_Union[_telemetry_pb2.TopologyLink, _Mapping]]] = ..., active_tasks: _Optional[int] = ..., sample_interval_ms: _Optional[int] = ..., agent_version: _Optional[str] = ..., driver_version: _Optional[str] = ...) -> None: ...
 
 class Gpu(_message.Message):
-    __slots__ = ("node_id", "index", "uuid", "model", "node_state", "health", "util_gpu_pct", "util_memory_pct", "memory_used_mib", "memory_total_mib", "temperature_c", "power_w", "power_limit_w", "sm_clock_mhz", "pcie_rx_mbps", "pcie_tx_mbps", "ecc_corrected", "ecc_uncorrected", "xid_last", "process_count", "reading_age_s", "stale", "smoothed", "util_forecast_pct", "util_trend_pct_per_min", "flags", "reserved_vram_mib", "active_tasks")
+    __slots__ = ("node_id", "index", "uuid", "model", "node_state", "health", "util_gpu_pct", "util_memory_pct", "memory_used_mib", "memory_total_mib", "temperature_c", "power_w", "power_limit_w", "sm_clock_mhz", "pcie_rx_mbps", "pcie_tx_mbps", "ecc_corrected", "ecc_uncorrected", "xid_last", "process_count", "reading_age_s", "stale", "smoothed", "util_forecast_pct", "util_trend_pct_per_min", "flags", "reserved_vram_mib", "active_tasks", "processes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class Gpu(_message.Message):
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_VRAM_MIB_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_TASKS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     index: int
     uuid: str
@@ -141,7 +142,8 @@ class Gpu(_message.Message):
     flags: _containers.RepeatedScalarFieldContainer[str]
     reserved_vram_mib: int
     active_tasks: int
-    def __init__(self, node_id: _Optional[str] = ..., index: _Optional[int] = ..., uuid: _Optional[str] = ..., model: _Optional[str] = ..., node_state: _Optional[_Union[NodeState, str]] = ..., health: _Optional[_Union[_telemetry_pb2.GpuHealth, str]] = ..., util_gpu_pct: _Optional[float] = ..., util_memory_pct: _Optional[float] = ..., memory_used_mib: _Optional[float] = ..., memory_total_mib: _Optional[float] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ..., sm_clock_mhz: _Optional[float] = ..., pcie_rx_mbps: _Optional[float] = ..., pcie_tx_mbps: _Optional[float] = ..., ecc_corrected: _Optional[float] = ..., ecc_uncorrected: _Optional[float] = ..., xid_last: _Optional[float] = ..., process_count: _Optional[float] = ..., reading_age_s: _Optional[float] = ..., stale: _Optional[bool] = ..., smoothed: _Optional[bool] = ..., util_forecast_pct: _Optional[float] = ..., util_trend_pct_per_min: _Optional[float] = ..., flags: _Optional[_Iterable[str]] = ..., reserved_vram_mib: _Optional[int] = ..., active_tasks: _Optional[int] = ...) -> None: ...
+    processes: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.GpuProcess]
+    def __init__(self, node_id: _Optional[str] = ..., index: _Optional[int] = ..., uuid: _Optional[str] = ..., model: _Optional[str] = ..., node_state: _Optional[_Union[NodeState, str]] = ..., health: _Optional[_Union[_telemetry_pb2.GpuHealth, str]] = ..., util_gpu_pct: _Optional[float] = ..., util_memory_pct: _Optional[float] = ..., memory_used_mib: _Optional[float] = ..., memory_total_mib: _Optional[float] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ..., sm_clock_mhz: _Optional[float] = ..., pcie_rx_mbps: _Optional[float] = ..., pcie_tx_mbps: _Optional[float] = ..., ecc_corrected: _Optional[float] = ..., ecc_uncorrected: _Optional[float] = ..., xid_last: _Optional[float] = ..., process_count: _Optional[float] = ..., reading_age_s: _Optional[float] = ..., stale: _Optional[bool] = ..., smoothed: _Optional[bool] = ..., util_forecast_pct: _Optional[float] = ..., util_trend_pct_per_min: _Optional[float] = ..., flags: _Optional[_Iterable[str]] = ..., reserved_vram_mib: _Optional[int] = ..., active_tasks: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[_telemetry_pb2.GpuProcess, _Mapping]]] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("state",)

@@ -107,6 +107,15 @@ async def test_runbook_commands_work_through_reflection_alone():
             assert moved["assignment"]["gpu_uuid"] == [dest] and moved["assignment"]["lease_id"] != lease
             assert moved["assignment"]["score"]["policy"] == "migration"
             lease = moved["assignment"]["lease_id"]
+            # the simulated host runs it: its process (4,096 MiB) shows on the destination GPU
+            procs: list = []
+            for _ in range(50):
+                gpus = _objects(await grpcurl(target, "gpulb.v1.ClusterOperator/ListGpus", data={"node_id": other}))[0]["gpus"]
+                procs = [p for g in gpus if g["uuid"] == dest for p in g.get("processes", [])]
+                if any(int(p["used_memory_mib"]) == 4096 and int(p["pid"]) > 0 for p in procs):
+                    break
+                await asyncio.sleep(0.2)
+            assert any(int(p["used_memory_mib"]) == 4096 for p in procs), procs
             # watch it: the stream shows LEASED, then COMPLETED once the lease is completed
             watch = asyncio.ensure_future(grpcurl(target, "gpulb.v1.Scheduler/WatchTask", data={"task_id": "runbook-1"}))
             await asyncio.sleep(1.0)

@@ -6,6 +6,7 @@ prometheus-client's parser (and promtool where installed)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
 import subprocess
@@ -185,24 +186,37 @@ async def test_liveness_transitions_through_the_server_on_a_fake_clock():
         await coord.stop(grace_s=0.1)
 
 
-async def test_an_xid_on_a_real_backend_reaches_the_operator_and_prometheus():
-    """The NVML backend (over the shipped fake library) in a real agent: an
-    Xid the driver reports shows as the GPU's xid_last and flag in ListGpus
-    and as gpulb_gpu_xid_last in the exposition."""
+@contextlib.asynccontextmanager
+async def _nvml_host(nv):
+    """A coordinator on a loopback port and one agent, "gpu-host", on the NVML
+    backend over the shipped fake library ``nv``; yields the coordinator."""
     from agent.client import Agent, AgentConfig
-    from agent.fake_nvml import FakeNvml
     from agent.nvml import NvmlBackend
 
     coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0"))
     port = await coord.start()
-    nv = FakeNvml.with_gpus(2)
     agent = Agent(
         AgentConfig(node_id="gpu-host", coordinator=f"127.0.0.1:{port}", interval_min_s=0.05, interval_max_s=0.1),
         NvmlBackend(nvml=nv),
     )
     task = asyncio.create_task(agent.run())
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        yield coord
+    finally:
+        await agent.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await coord.stop(grace_s=0.1)
+
+
+async def test_an_xid_on_a_real_backend_reaches_the_operator_and_prometheus():
+    """The NVML backend (over the shipped fake library) in a real agent: an
+    Xid the driver reports shows as the GPU's xid_last and flag in ListGpus
+    and as gpulb_gpu_xid_last in the exposition."""
+    from agent.fake_nvml import FakeNvml
+
+    nv = FakeNvml.with_gpus(2)
+    async with _nvml_host(nv) as coord:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{coord.port}") as ch:
             op = cpb_grpc.ClusterOperatorStub(ch)
 
             async def xid_of_gpu_1():
@@ -226,10 +240,40 @@ async def test_an_xid_on_a_real_backend_reaches_the_operator_and_prometheus():
         )
         xids = {s.labels["gpu"]: s.value for f in text_string_to_metric_families(body) if f.name == "gpulb_gpu_xid_last" for s in f.samples}
         assert xids == {"0": 0.0, "1": 79.0}
-    finally:
-        await agent.stop()
-        await asyncio.gather(task, return_exceptions=True)
-        await coord.stop(grace_s=0.1)
+
+
+async def test_each_gpus_processes_reach_list_gpus_and_gpulb_processes():
+    """Compute processes NVML lists on a GPU (the shipped fake library) reach
+    ListGpus, most memory first, follow a process that exits, and `gpulb
+    processes` shows them (in its own process, as operators run it)."""
+    from agent.fake_nvml import MIB, FakeNvml, FakeProcess
+
+    nv = FakeNvml.with_gpus(2)
+    nv.gpus[0].processes = [FakeProcess(777, 1_000 * MIB), FakeProcess(4242, 19_000 * MIB)]
+    async with _nvml_host(nv) as coord:
+        port = coord.port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            op = cpb_grpc.ClusterOperatorStub(ch)
+
+            async def listed(want: int):
+                gpus = (await op.ListGpus(cpb.ListGpusRequest(node_id="gpu-host"))).gpus
+                return gpus if len(gpus) == 2 and len(gpus[0].processes) == want else None
+
+            gpus = await _until(lambda: listed(2), what="GPU 0's two processes listed")
+            assert [(p.pid, p.used_memory_mib) for p in gpus[0].processes] == [(4242, 19_000), (777, 1_000)]
+            assert list(gpus[1].processes) == []
+            cli = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "coordinator.cli", "--coordinator", f"127.0.0.1:{port}", "processes",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(cli.communicate(), 60)
+            assert cli.returncode == 0, err.decode()
+            rows = [line.split() for line in out.decode().splitlines()[2:]]
+            assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("gpu-host", "0", "4242", "19,000"), ("gpu-host", "0", "777", "1,000")]
+
+            nv.gpus[0].processes = [FakeProcess(777, 1_000 * MIB)]  # 4242 exits
+            gpus = await _until(lambda: listed(1), what="the exited process gone")
+            assert [p.pid for p in gpus[0].processes] == [777]
 
 
 async def test_each_hosts_driver_and_agent_release_reach_list_nodes_prometheus_and_the_cli():
