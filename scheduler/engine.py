@@ -658,7 +658,7 @@ class Scheduler:
             reason = self._why_not(view, spec)
             if not self._reachable(spec, view)[1].any():
                 # the operator's next question: would it fit once gpulb's own work ends?
-                reason += "; no node can take it until other processes there free memory"
+                reason += "; no node can take it until other processes there free memory (gpulb processes lists them)"
             failed[shape] = reason
         if spec.num_gpus > 1:
             self._blocked_sets[int(task.priority)][task.task_id] = None

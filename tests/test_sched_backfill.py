@@ -226,7 +226,7 @@ def test_no_node_is_held_where_other_tenants_memory_keeps_the_task_out():
     sched.dispatch(snapshot)
     assert sched.get("wide").reason.endswith("; node n1 is kept for it while gpulb's tasks there end")
     assert "kept for it" not in sched.get("huge").reason
-    assert sched.get("huge").reason.endswith("; no node can take it until other processes there free memory")
+    assert sched.get("huge").reason.endswith("; no node can take it until other processes there free memory (gpulb processes lists them)")
     assert "other processes" not in sched.get("wide").reason
     for i in range(2):
         task = sched.get(f"g{i}")
