@@ -375,9 +375,8 @@ class Dispatcher:
         for cls in summary.classes:
             depth.add_metric([cls.priority.name], cls.depth)
             oldest.add_metric([cls.priority.name], cls.oldest_wait_s if cls.depth else 0.0)
-        counts: dict[str, int] = {state.name.lower(): 0 for state in TaskState}
-        for task in self.engine.tasks(limit=10**9):
-            counts[task.state.name.lower()] += 1
+        known = self.engine.state_counts()
+        counts = {state.name.lower(): known.get(state, 0) for state in TaskState}
         tasks = GaugeMetricFamily("gpulb_tasks", "Tasks the coordinator knows, by state", labels=["state"])
         for state, count in counts.items():
             tasks.add_metric([state], count)

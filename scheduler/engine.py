@@ -32,7 +32,7 @@ import copy
 import heapq
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
@@ -199,6 +199,12 @@ class Scheduler:
         (``tasks``) took ~22 ms, about what the plan itself takes."""
         leased = TaskState.LEASED
         return [task for task in self._tasks.values() if task.state == leased]
+
+    def state_counts(self) -> Counter[TaskState]:
+        """Tasks the scheduler knows (finished ones until forgotten), by
+        state, without copying them: a metrics scrape on the coordinator's
+        event loop counted through 16,000-80,000 copies."""
+        return Counter(task.state for task in self._tasks.values())
 
     @property
     def last_snapshot(self) -> ClusterSnapshot | None:

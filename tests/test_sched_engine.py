@@ -69,6 +69,8 @@ def test_leased_hands_out_the_live_leased_tasks_in_submission_order() -> None:
     assert sched.leased()[0] is first  # the record itself, not a copy
     sched.complete(first.task_id, first.assignment.lease_id)
     assert first.state == TaskState.COMPLETED and sched.leased()[0].task_id == "t001"
+    assert sched.state_counts() == Counter(t.state for t in sched.tasks(limit=10**9))
+    assert sched.state_counts() == {TaskState.LEASED: 49, TaskState.QUEUED: 10, TaskState.COMPLETED: 1}
 
 
 # ---- double booking --------------------------------------------------------------------------------

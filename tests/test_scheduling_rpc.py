@@ -9,6 +9,7 @@ import math
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from waiting import until as _until
 from agent.fleet import SimFleet
@@ -57,6 +58,10 @@ async def test_hundred_concurrent_submissions_never_double_book_fifty_gpus():
                 assert len(set(uuids)) == 50, "a GPU holds two 20 GiB tasks"
                 queue = await stub.GetQueue(tpb.GetQueueRequest())
                 assert sum(c.depth for c in queue.classes) == 50
+                # the exposition's task counts (counted without copying every task)
+                exposition = text_string_to_metric_families(coord.metrics.exposition().decode())
+                by_state = {s.labels["state"]: s.value for f in exposition if f.name == "gpulb_tasks" for s in f.samples}
+                assert (by_state["leased"], by_state["queued"], by_state["completed"]) == (50, 50, 0)
                 # The leases complete; the queued half takes the freed GPUs.
                 for t in first:
                     await stub.CompleteTask(tpb.CompleteTaskRequest(task_id=t.spec.task_id, lease_id=t.assignment.lease_id))
