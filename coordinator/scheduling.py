@@ -96,6 +96,8 @@ class Dispatcher:
         self.interval_s = coordinator.config.dispatch_interval_s
         self._last_view_dispatch = 0.0
         self._sla_misses_seen = 0
+        self._gpu_facts_key: tuple[int, int] | None = None  # gpu_facts' cache: (reservations, version)
+        self._gpu_facts: dict[str, tuple[float, int]] = {}
         #: adds learned per-node/model slowdowns to the snapshot (the advisor runtime sets it)
         self.annotate: Callable[[ClusterSnapshot], ClusterSnapshot] = lambda snapshot: snapshot
 
@@ -360,12 +362,20 @@ class Dispatcher:
 
     # ---- facts for the operator API and metrics ------------------------------
     def gpu_facts(self) -> dict[str, tuple[float, int]]:
+        """GPU uuid -> (reserved MiB, leases on it), for GPUs holding leases; do
+        not change it. Rebuilt only when a reservation was added or released:
+        ListGpus and ListNodes ask once per GPU or node, and rebuilding it each
+        time made them quadratic (3,200 GPUs, all leased: 627 ms)."""
         reservations = self.engine.reservations
+        key = (id(reservations), reservations.version)
+        if self._gpu_facts_key == key:
+            return self._gpu_facts
         out: dict[str, tuple[float, int]] = {}
         for uuid in reservations.reserved_gpus():
             gpu = reservations.gpu(uuid)
             if gpu is not None and gpu.members:
                 out[uuid] = (gpu.vram_mib, len(gpu.members))
+        self._gpu_facts_key, self._gpu_facts = key, out
         return out
 
     def metric_families(self):

@@ -94,6 +94,9 @@ class Reservations:
     def __init__(self) -> None:
         self._gpus: dict[str, GpuReservation] = {}
         self._keys: dict[str, tuple[str, ...]] = {}
+        # +1 on every add and release: what each GPU holds (vram, util,
+        # members) changes only there, so readers may cache by it
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -133,10 +136,13 @@ class Reservations:
             gpu.util_pct += util_pct
             gpu.members[key] = (vram_mib, util_pct)
         self._keys[key] = tuple(gpu_uuids)
+        self.version += 1
 
     def release(self, key: str) -> tuple[str, ...]:
         """End a reservation; returns the GPU uuids it held (empty if unknown)."""
         uuids = self._keys.pop(key, ())
+        if uuids:
+            self.version += 1
         for gpu_uuid in uuids:
             gpu = self._gpus[gpu_uuid]
             vram, util = gpu.members.pop(key)

@@ -65,6 +65,18 @@ def test_release_moves_the_stack_down() -> None:
     assert res.release("b") == ()
 
 
+def test_version_moves_on_every_add_and_release_and_nothing_else() -> None:
+    res = Reservations()
+    assert res.version == 0
+    res.add("a", ["g", "h"], 10_000.0, 50.0, [0.0, 0.0])
+    res.add("b", ["g"], 2_000.0, 10.0, [0.0])
+    assert res.version == 2
+    res.columns({"g": 0, "h": 1}, np.array([500.0, 0.0]), np.array([True, True]))  # lowers a baseline only
+    assert res.release("nope") == () and res.version == 2
+    res.release("a")
+    assert res.version == 3
+
+
 def test_adding_after_outside_growth_still_reserves_in_full() -> None:
     res = Reservations()
     res.add("a", ["g"], 4_000.0, 0.0, [1_000.0])

@@ -58,6 +58,10 @@ async def test_hundred_concurrent_submissions_never_double_book_fifty_gpus():
                 assert len(set(uuids)) == 50, "a GPU holds two 20 GiB tasks"
                 queue = await stub.GetQueue(tpb.GetQueueRequest())
                 assert sum(c.depth for c in queue.classes) == 50
+                # each leased GPU's facts for ListGpus and ListNodes: built once, kept until a lease changes
+                facts = coord.dispatcher.gpu_facts()
+                assert sorted(facts) == sorted(uuids) and all(f == (20 * GIB, 1) for f in facts.values())
+                assert coord.dispatcher.gpu_facts() is facts
                 # the exposition's task counts (counted without copying every task)
                 exposition = text_string_to_metric_families(coord.metrics.exposition().decode())
                 by_state = {s.labels["state"]: s.value for f in exposition if f.name == "gpulb_tasks" for s in f.samples}
@@ -65,6 +69,7 @@ async def test_hundred_concurrent_submissions_never_double_book_fifty_gpus():
                 # The leases complete; the queued half takes the freed GPUs.
                 for t in first:
                     await stub.CompleteTask(tpb.CompleteTaskRequest(task_id=t.spec.task_id, lease_id=t.assignment.lease_id))
+                assert coord.dispatcher.gpu_facts() is not facts
                 await _until(lambda: all(c.done() for c in calls), timeout=30, what="second 50 placements")
                 second = [c.result().task for c in calls if c.result().task.spec.task_id not in {t.spec.task_id for t in first}]
                 assert len(second) == 50 and all(t.state == tpb.TASK_STATE_LEASED for t in second)

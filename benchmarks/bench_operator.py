@@ -1,0 +1,106 @@
+"""Operator API cost at cluster scale: ListGpus and ListNodes.
+
+``gpulb top`` asks ListGpus twice a second and WatchView sends every GPU
+each interval; both run on the coordinator's event loop, where their time is
+a stall of ingest and scheduling alike. This builds a coordinator with N
+synthetic 8-GPU nodes (``coordinator.schedbench.populate``: registration
+and one keyframe each, through the calls an agent stream makes), places
+one task per GPU through its own scheduler (load_aware: about half the
+GPUs end up holding leases), and times the two handlers' work: the
+messages, as the servicer builds them, and their serialisation (no network).
+
+Until round 14 every GPU's message rebuilt the map of leased GPUs, so a
+listing was quadratic in the GPUs (3,200 GPUs: 627 ms).
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/bench_operator.py [--nodes 125,500,1000] [--repeat 7] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from coordinator.config import CoordinatorConfig  # noqa: E402
+from coordinator.convert import resolve_metrics  # noqa: E402
+from coordinator.schedbench import populate  # noqa: E402
+from coordinator.server import Coordinator  # noqa: E402
+from protos import cluster_pb2 as cpb  # noqa: E402
+from scheduler.task import TaskSpec  # noqa: E402
+
+
+def timed(fn, repeat: int) -> float:
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(out)
+
+
+async def measure(nodes: int, repeat: int) -> dict:
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"))
+    populate(coord, nodes)
+    engine = coord.dispatcher.engine
+    snap = coord.dispatcher.snapshots.snapshot()
+    engine.submit_many([TaskSpec(task_id=f"t{i}", kind="batch", vram_mib=1_000.0, gpu_share=0.1)
+                        for i in range(snap.gpu_count)], snap)
+    leases = len(engine.dispatch(snap))
+    metrics = resolve_metrics([])
+
+    def list_gpus() -> bytes:
+        return cpb.ListGpusResponse(gpus=coord.gpu_messages(metrics=metrics)).SerializeToString()
+
+    def list_nodes() -> bytes:
+        ordered = sorted(coord.view.nodes.values(), key=lambda n: n.node_id)
+        return cpb.ListNodesResponse(nodes=[coord.node_message(n) for n in ordered]).SerializeToString()
+
+    gpus = cpb.ListGpusResponse.FromString(list_gpus()).gpus
+    return {
+        "nodes": nodes,
+        "gpus": snap.gpu_count,
+        "leases": leases,
+        "gpus_with_leases": sum(1 for g in gpus if g.active_tasks),
+        "list_gpus_ms": timed(list_gpus, repeat),
+        "list_gpus_bytes": len(list_gpus()),
+        "list_nodes_ms": timed(list_nodes, repeat),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", default="125,500,1000", help="cluster sizes, in 8-GPU nodes (comma list)")
+    p.add_argument("--repeat", type=int, default=7, help="timed calls per figure (median reported)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = p.parse_args(argv)
+    logging.disable(logging.INFO)  # the placements' log lines
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    rows = []
+    for nodes in (int(n) for n in args.nodes.split(",")):
+        print(f"# {nodes} nodes ...", file=sys.stderr, flush=True)
+        rows.append(asyncio.run(measure(nodes, args.repeat)))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    head = f"{'nodes':>6} {'GPUs':>6} {'leases':>7} {'GPUs leased':>11} {'ListGpus ms':>12} {'KiB':>7} {'ListNodes ms':>13}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['nodes']:>6} {r['gpus']:>6} {r['leases']:>7,} {r['gpus_with_leases']:>11,} {r['list_gpus_ms']:>12.1f} "
+              f"{r['list_gpus_bytes'] / 1024:>7.0f} {r['list_nodes_ms']:>13.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
