@@ -1,16 +1,19 @@
-"""Operator API cost at cluster scale: ListGpus and ListNodes.
+"""Operator API cost at cluster scale: ListGpus, ListNodes and a metrics scrape.
 
-``gpulb top`` asks ListGpus twice a second and WatchView sends every GPU
-each interval; both run on the coordinator's event loop, where their time is
-a stall of ingest and scheduling alike. This builds a coordinator with N
+``gpulb top`` asks ListGpus twice a second, WatchView sends every GPU
+each interval and Prometheus scrapes ``/metrics`` every 15-60 s; all run on
+the coordinator's event loop, where their time is a stall of ingest and
+scheduling alike. This builds a coordinator with N
 synthetic 8-GPU nodes (``coordinator.schedbench.populate``: registration
 and one keyframe each, through the calls an agent stream makes), places
 one task per GPU through its own scheduler (load_aware: about half the
-GPUs end up holding leases), and times the two handlers' work: the
-messages, as the servicer builds them, and their serialisation (no network).
+GPUs end up holding leases), and times the two handlers' work (the
+messages, as the servicer builds them, and their serialisation; no network)
+and the exposition a scrape gets, with and without the per-GPU families.
 
 Until round 14 every GPU's message rebuilt the map of leased GPUs, so a
-listing was quadratic in the GPUs (3,200 GPUs: 627 ms).
+listing was quadratic in the GPUs (3,200 GPUs: 627 ms), and the per-GPU
+families were built as one prometheus-client sample per GPU and family.
 
 Run from the repository root::
 
@@ -73,6 +76,9 @@ async def measure(nodes: int, repeat: int) -> dict:
         "list_gpus_ms": timed(list_gpus, repeat),
         "list_gpus_bytes": len(list_gpus()),
         "list_nodes_ms": timed(list_nodes, repeat),
+        "scrape_ms": timed(coord.metrics.exposition, repeat),
+        "scrape_bytes": len(coord.metrics.exposition()),
+        "scrape_fleet_ms": timed(lambda: coord.metrics.exposition(per_gpu=False), repeat),
     }
 
 
@@ -93,12 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    head = f"{'nodes':>6} {'GPUs':>6} {'leases':>7} {'GPUs leased':>11} {'ListGpus ms':>12} {'KiB':>7} {'ListNodes ms':>13}"
+    head = (f"{'nodes':>6} {'GPUs':>6} {'leases':>7} {'GPUs leased':>11} {'ListGpus ms':>12} {'KiB':>7} {'ListNodes ms':>13} "
+            f"{'scrape ms':>10} {'KiB':>7} {'per_gpu=0 ms':>13}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['nodes']:>6} {r['gpus']:>6} {r['leases']:>7,} {r['gpus_with_leases']:>11,} {r['list_gpus_ms']:>12.1f} "
-              f"{r['list_gpus_bytes'] / 1024:>7.0f} {r['list_nodes_ms']:>13.1f}")
+              f"{r['list_gpus_bytes'] / 1024:>7.0f} {r['list_nodes_ms']:>13.1f} {r['scrape_ms']:>10.1f} "
+              f"{r['scrape_bytes'] / 1024:>7.0f} {r['scrape_fleet_ms']:>13.1f}")
     return 0
 
 

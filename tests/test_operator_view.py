@@ -135,6 +135,71 @@ async def test_list_filters_smoothing_cordon_and_watch():
         await coord.stop(grace_s=0.1)
 
 
+async def test_per_gpu_exposition_says_what_list_gpus_says():
+    """The per-GPU families, written column by column, carry for every GPU the
+    values ListGpus gives in the same turn of the loop (raw and smoothed
+    readings, reservations and leases, reading age), and the exposition
+    still parses and passes promtool."""
+    from coordinator.convert import resolve_metrics
+    from coordinator.metrics import _label
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0"))
+    port = await coord.start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=2, gpus=2, workload="synthetic"):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                await _until(lambda: len(coord.dispatcher.snapshots.snapshot().gpu_uuid) == 4
+                             and coord.dispatcher.snapshots.snapshot().healthy.all(), what="4 healthy GPUs")
+                placed = await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=tpb.TaskSpec(
+                    task_id="job", vram_mib=3_000, gpu_share=0.5, kind="training")), timeout=30)
+                assert placed.task.state == tpb.TASK_STATE_LEASED
+            # one turn of the loop: nothing changes between the three reads
+            body = coord.metrics.exposition().decode()
+            raw = coord.gpu_messages(metrics=resolve_metrics([]))
+            smooth = coord.gpu_messages(smoothed=True, metrics=resolve_metrics([]))
+        by = {}
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name.startswith("gpulb_gpu_"):
+                    by[(sample.name, sample.labels["node"], sample.labels["gpu"])] = sample
+        mib = 1024.0 * 1024.0
+        leased = 0
+        for g, sg in zip(raw, smooth):
+            def value(name):
+                return by[(name, g.node_id, str(g.index))].value
+
+            assert by[("gpulb_gpu_utilization_ratio", g.node_id, str(g.index))].labels == {
+                "node": g.node_id, "gpu": str(g.index), "uuid": g.uuid, "model": g.model}
+            assert value("gpulb_gpu_utilization_ratio") == pytest.approx(g.util_gpu_pct / 100, abs=1e-12)
+            assert value("gpulb_gpu_utilization_smoothed_ratio") == pytest.approx(sg.util_gpu_pct / 100, abs=1e-12)
+            assert value("gpulb_gpu_memory_used_bytes") == pytest.approx(g.memory_used_mib * mib)
+            assert value("gpulb_gpu_memory_used_smoothed_bytes") == pytest.approx(sg.memory_used_mib * mib)
+            assert value("gpulb_gpu_memory_total_bytes") == g.memory_total_mib * mib
+            assert value("gpulb_gpu_temperature_celsius") == pytest.approx(g.temperature_c)
+            assert value("gpulb_gpu_power_watts") == pytest.approx(g.power_w)
+            if g.HasField("xid_last"):
+                assert value("gpulb_gpu_xid_last") == g.xid_last
+            else:  # a simulated GPU reports no Xid: absent, not 0
+                assert ("gpulb_gpu_xid_last", g.node_id, str(g.index)) not in by
+            assert value("gpulb_gpu_reading_age_seconds") == pytest.approx(g.reading_age_s, abs=0.05)
+            if g.active_tasks:
+                leased += 1
+                assert value("gpulb_gpu_active_tasks") == g.active_tasks
+                assert value("gpulb_gpu_reserved_memory_bytes") == pytest.approx(g.reserved_vram_mib * mib, abs=mib)
+            else:
+                assert ("gpulb_gpu_active_tasks", g.node_id, str(g.index)) not in by
+        assert leased == 1 and len(raw) == 4
+        assert body.count("# TYPE gpulb_gpu_utilization_ratio gauge") == 1
+        if shutil.which("promtool"):
+            check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True)
+            assert check.returncode == 0, check.stdout + check.stderr
+        # label values are escaped as the text format wants
+        assert _label('RTX "4090"\\x\n') == 'RTX \\"4090\\"\\\\x\\n'
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
 async def _placed(stub, task_id: str):
     task = await stub.GetTask(tpb.GetTaskRequest(task_id=task_id))
     return task if task.state == tpb.TASK_STATE_LEASED else None
