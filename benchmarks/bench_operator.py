@@ -37,6 +37,7 @@ from coordinator.config import CoordinatorConfig  # noqa: E402
 from coordinator.convert import resolve_metrics  # noqa: E402
 from coordinator.schedbench import populate  # noqa: E402
 from coordinator.server import Coordinator  # noqa: E402
+from coordinator.tables import fmt, render_table  # noqa: E402
 from protos import cluster_pb2 as cpb  # noqa: E402
 from scheduler.task import TaskSpec  # noqa: E402
 
@@ -99,14 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    head = (f"{'nodes':>6} {'GPUs':>6} {'leases':>7} {'GPUs leased':>11} {'ListGpus ms':>12} {'KiB':>7} {'ListNodes ms':>13} "
-            f"{'scrape ms':>10} {'KiB':>7} {'per_gpu=0 ms':>13}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['nodes']:>6} {r['gpus']:>6} {r['leases']:>7,} {r['gpus_with_leases']:>11,} {r['list_gpus_ms']:>12.1f} "
-              f"{r['list_gpus_bytes'] / 1024:>7.0f} {r['list_nodes_ms']:>13.1f} {r['scrape_ms']:>10.1f} "
-              f"{r['scrape_bytes'] / 1024:>7.0f} {r['scrape_fleet_ms']:>13.1f}")
+    print(render_table(
+        ["nodes", "GPUs", "leases", "GPUs leased", "ListGpus ms", "KiB", "ListNodes ms", "scrape ms", "KiB",
+         "per_gpu=0 ms"],
+        [[r["nodes"], r["gpus"], r["leases"], r["gpus_with_leases"], fmt(r["list_gpus_ms"]),
+          fmt(r["list_gpus_bytes"] / 1024, 0), fmt(r["list_nodes_ms"]), fmt(r["scrape_ms"]),
+          fmt(r["scrape_bytes"] / 1024, 0), fmt(r["scrape_fleet_ms"])] for r in rows],
+    ))
     return 0
 
 
