@@ -252,8 +252,11 @@ class AdvisorRuntime:
                 self.predictor.set_priors(speeds)
             self._priors_from = snap.gpu_model
 
-    def _leased(self) -> list[Task]:
-        return [t for t in self._tasks() if t.state == TaskState.LEASED and t.assignment is not None]
+    def _leased(self) -> Sequence[Task]:
+        # ``tasks`` hands over the leased tasks (the coordinator's, in place), and the
+        # advisor passes over any without a lease itself (task_loads): a second
+        # filtering pass here was 2-3 ms of the event loop at 16,000 leases
+        return self._tasks()
 
     #: s between refreshes of the slowdown columns the scheduler scores with:
     #: every refresh makes a new snapshot object and so a new placement view
