@@ -62,7 +62,9 @@ async def measure(nodes: int, repeat: int) -> dict:
     metrics = resolve_metrics([])
 
     def list_gpus() -> bytes:
-        return cpb.ListGpusResponse(gpus=coord.gpu_messages(metrics=metrics)).SerializeToString()
+        response = cpb.ListGpusResponse()
+        coord.gpu_messages(metrics=metrics, into=response.gpus)
+        return response.SerializeToString()
 
     def list_nodes() -> bytes:
         ordered = sorted(coord.view.nodes.values(), key=lambda n: n.node_id)
@@ -89,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=7, help="timed calls per figure (median reported)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)
+    from coordinator.main import tune_gc
+
+    tune_gc(CoordinatorConfig().gc_gen0_threshold)  # the daemon's collector, as it runs these handlers
     logging.disable(logging.INFO)  # the placements' log lines
     import structlog
 

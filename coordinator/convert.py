@@ -85,41 +85,71 @@ def gpu_messages(
     metrics: Sequence[str],
     smoothed: dict[str, np.ndarray] | None = None,
     extras=None,
-) -> list[cpb.Gpu]:
-    """One Gpu message per GPU of ``nodes``.
+    model: str = "",
+    into=None,
+):
+    """One Gpu message per GPU of ``nodes`` (whose model contains ``model``,
+    case-insensitive, when given), added to the repeated field ``into`` (a
+    response's ``gpus``) or returned as a list.
 
     ``smoothed`` maps Gpu field names to per-row arrays that replace the raw
     values (the smoothed view); ``extras(row, msg)`` fills scheduler facts.
+
+    ListGpus and every WatchView client build this for the whole cluster on
+    the coordinator's event loop, so it reads the view a column at a time
+    into Python floats and builds each message in one constructor call:
+    reading one numpy scalar at a time, setting fields one by one and
+    copying the list into the response took ~65 ms at 8,000 GPUs.
     """
-    out: list[cpb.Gpu] = []
-    health_col = BY_NAME["health"]
-    for node in nodes:
-        state = node_state(node.node_id)
-        for gpu, row in zip(node.gpus, node.rows):
-            raw = view.raw[row]
-            read_at = view.reading_at_s[row]
-            age = float(now_s - read_at) if _finite(read_at) else float("inf")
-            msg = cpb.Gpu(
-                node_id=node.node_id,
-                index=gpu.index,
-                uuid=gpu.uuid,
-                model=gpu.model,
-                node_state=state,
-                reading_age_s=age if _finite(age) else -1.0,
-                stale=not age <= staleness_s,
-                smoothed=smoothed is not None,
-            )
-            health = raw[health_col]
-            msg.health = int(health) if _finite(health) else 0
-            for name in metrics:
-                if smoothed is not None and name in smoothed:
-                    value = float(smoothed[name][row])
-                else:
-                    value = float(raw[BY_NAME[name]])
-                if _finite(value):
-                    setattr(msg, name, value)
-            if extras is not None:
-                extras(row, msg)
+    needle = model.lower()
+    picked = [(node, gpu, row) for node in nodes for gpu, row in zip(node.gpus, node.rows)
+              if not needle or needle in gpu.model.lower()]
+    out = [] if into is None else into
+    if not picked:
+        return out
+    rows = np.fromiter((row for _, _, row in picked), dtype=np.intp, count=len(picked))
+    metrics = tuple(metrics)
+    block = view.raw[rows][:, [BY_NAME[name] for name in metrics]]
+    if smoothed is not None:
+        for j, name in enumerate(metrics):
+            if name in smoothed:
+                block[:, j] = smoothed[name][rows]
+    finite = np.isfinite(block)
+    all_finite = finite.all(axis=1).tolist()
+    finite = finite.tolist()
+    values = block.tolist()
+    health = view.raw[rows, BY_NAME["health"]]
+    health = np.where(np.isfinite(health), health, 0).astype(np.int64).tolist()
+    read_at = view.reading_at_s[rows]
+    age = np.where(np.isfinite(read_at), now_s - read_at, np.inf)
+    stale = (~(age <= staleness_s)).tolist()
+    age = np.where(np.isfinite(age), age, -1.0).tolist()
+    is_smoothed = smoothed is not None
+    build = cpb.Gpu if into is None else into.add
+    states: dict[str, int] = {}
+    for i, (node, gpu, row) in enumerate(picked):
+        state = states.get(node.node_id)
+        if state is None:
+            state = states[node.node_id] = node_state(node.node_id)
+        if all_finite[i]:
+            fields = dict(zip(metrics, values[i]))
+        else:
+            fields = {name: value for name, value, ok in zip(metrics, values[i], finite[i]) if ok}
+        msg = build(
+            node_id=node.node_id,
+            index=gpu.index,
+            uuid=gpu.uuid,
+            model=gpu.model,
+            node_state=state,
+            reading_age_s=age[i],
+            stale=stale[i],
+            smoothed=is_smoothed,
+            health=health[i],
+            **fields,
+        )
+        if extras is not None:
+            extras(row, msg)
+        if into is None:
             out.append(msg)
     return out
 

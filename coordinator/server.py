@@ -8,6 +8,7 @@ background loops, each with an explicit start and stop.
 from __future__ import annotations
 
 import asyncio
+import math
 import shlex
 import time
 from typing import Callable
@@ -589,10 +590,10 @@ class Coordinator:
     def scheduler_metric_families(self):
         return list(self.dispatcher.metric_families()) + list(self.advisor.collector().collect())
 
-    def gpu_flags(self, row: int, msg: cpb.Gpu) -> None:
-        flagged = self.view.signals.flagged[row]
-        for i, name in enumerate(SIGNALS):
-            if flagged[i]:
+    def gpu_flags(self, msg: cpb.Gpu, flagged: list[bool]) -> None:
+        """``flagged``: the GPU's row of the signal bank's anomaly flags, as a list."""
+        for flag, name in zip(flagged, SIGNALS):
+            if flag:
                 msg.flags.append(f"{name.split('_')[0]}_anomaly")
         if msg.HasField("xid_last") and msg.xid_last > 0:
             msg.flags.append(f"xid_{int(msg.xid_last)}")
@@ -604,37 +605,45 @@ class Coordinator:
             msg.flags.append("lost")
         if msg.stale:
             msg.flags.append("stale")
-        facts = self.gpu_scheduler_facts().get(msg.uuid)
-        if facts is not None:
-            msg.reserved_vram_mib = int(facts[0])
-            msg.active_tasks = facts[1]
 
-    def gpu_messages(self, *, node_id: str = "", model: str = "", node_state: int = 0, smoothed: bool = False, metrics) -> list[cpb.Gpu]:
+    def gpu_messages(self, *, node_id: str = "", model: str = "", node_state: int = 0, smoothed: bool = False, metrics,
+                     into=None):
+        """Gpu messages for the operator API: into the repeated field ``into``
+        (a response's ``gpus``), or a list when it is None."""
         nodes = sorted(self.view.nodes.values(), key=lambda n: n.node_id)
         if node_id:
             nodes = [n for n in nodes if n.node_id == node_id]
         if node_state:
             nodes = [n for n in nodes if self.node_state(n.node_id) == node_state]
-        if model:
-            needle = model.lower()
-            nodes = [n for n in nodes if any(needle in g.model.lower() for g in n.gpus)]
         columns = self.smoothed_columns() if smoothed else None
-        trend = self.view.signals.trend_per_min[:, 0]
-        forecast = self.view.signals.forecast[:, 0]
+        # Whole columns read once, as Python values: per-row numpy scalars
+        # cost more than the messages at cluster scale (see convert.gpu_messages).
+        signals = self.view.signals
+        trend = signals.trend_per_min[:, 0].tolist()
+        forecast = signals.forecast[:, 0].tolist()
+        flagged = signals.flagged
+        anomalous = set(np.flatnonzero(flagged.any(axis=1)).tolist())
+        facts = self.gpu_scheduler_facts()
+        unhealthy = (pb.GPU_HEALTH_READ_FAILED, pb.GPU_HEALTH_FROZEN, pb.GPU_HEALTH_LOST)
 
         def extras(row: int, msg: cpb.Gpu) -> None:
             if smoothed:
-                if not np.isnan(forecast[row]):
-                    msg.util_forecast_pct = float(forecast[row])
-                if not np.isnan(trend[row]):
-                    msg.util_trend_pct_per_min = float(trend[row])
-            self.gpu_flags(row, msg)
+                if not math.isnan(forecast[row]):
+                    msg.util_forecast_pct = forecast[row]
+                if not math.isnan(trend[row]):
+                    msg.util_trend_pct_per_min = trend[row]
+            if row in anomalous or msg.stale or msg.health in unhealthy or msg.xid_last > 0:
+                self.gpu_flags(msg, flagged[row].tolist())
+            held = facts.get(msg.uuid)
+            if held is not None:
+                msg.reserved_vram_mib = int(held[0])
+                msg.active_tasks = held[1]
             node = self.view.nodes.get(msg.node_id)
             listed = node.processes.get(msg.index) if node is not None else None
             for pid, mib in sorted(listed or (), key=lambda p: (-p[1], p[0])):  # most memory first
                 msg.processes.add(pid=pid, used_memory_mib=mib)
 
-        gpus = gpu_messages(
+        return gpu_messages(
             self.view,
             nodes,
             now_s=self.clock(),
@@ -643,8 +652,6 @@ class Coordinator:
             metrics=metrics,
             smoothed=columns,
             extras=extras,
+            model=model,
+            into=into,
         )
-        if model:
-            needle = model.lower()
-            gpus = [g for g in gpus if needle in g.model.lower()]
-        return gpus

@@ -400,3 +400,80 @@ async def test_each_hosts_driver_and_agent_release_reach_list_nodes_prometheus_a
             await a.stop()
         await asyncio.gather(*tasks, return_exceptions=True)
         await coord.stop(grace_s=0.1)
+
+
+def _populated(nodes: int) -> Coordinator:
+    from coordinator.schedbench import populate
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"))
+    populate(coord, nodes)
+    return coord
+
+
+async def test_gpu_messages_carry_the_view_field_by_field():
+    """The column-at-a-time builder against the view read one GPU and field
+    at a time: a missing reading is an absent field (not 0), health and age
+    without a reading, staleness, the smoothed columns replacing the raw
+    ones, the model filter per GPU, and the in-place build equal to the list."""
+    import math
+
+    import numpy as np
+
+    from coordinator.convert import SMOOTHED_FIELDS, resolve_metrics
+    from protos.fields import BY_NAME
+
+    coord = _populated(3)
+    view = coord.view
+    rows = sorted(row for node in view.nodes.values() for row in node.rows)
+    view.raw[rows[0], BY_NAME["util_gpu_pct"]] = np.nan
+    view.raw[rows[1], BY_NAME["power_w"]] = np.inf
+    view.raw[rows[2], BY_NAME["health"]] = np.nan
+    view.raw[rows[3], BY_NAME["health"]] = pb.GPU_HEALTH_FROZEN
+    view.raw[rows[4], BY_NAME["xid_last"]] = 79
+    view.reading_at_s[rows] = 100.0
+    view.reading_at_s[rows[5]] = np.nan
+    view.reading_at_s[rows[6]] = 100.0 - 3_600  # an hour old: stale
+    coord.clock = lambda: 102.5
+    metrics = resolve_metrics([])
+    for smoothed in (False, True):
+        gpus = coord.gpu_messages(metrics=metrics, smoothed=smoothed)
+        assert len(gpus) == len(rows) == 24
+        columns = coord.smoothed_columns()
+        for g in gpus:
+            node = view.nodes[g.node_id]
+            row = node.rows[[gpu.index for gpu in node.gpus].index(g.index)]
+            for name in metrics:
+                expected = float(columns[name][row] if smoothed and name in SMOOTHED_FIELDS else view.raw[row, BY_NAME[name]])
+                if math.isfinite(expected):
+                    assert g.HasField(name) and getattr(g, name) == expected, (row, name)
+                else:
+                    assert not g.HasField(name), (row, name)
+            health = view.raw[row, BY_NAME["health"]]
+            assert g.health == (int(health) if math.isfinite(health) else 0)
+            read_at = view.reading_at_s[row]
+            assert g.reading_age_s == (102.5 - read_at if math.isfinite(read_at) else -1.0)
+            assert g.stale == (not math.isfinite(read_at) or 102.5 - read_at > coord.config.staleness_s)
+            assert g.smoothed == smoothed
+    by_row = {r: g for r, g in zip(rows, coord.gpu_messages(metrics=metrics))}
+    assert not by_row[rows[0]].HasField("util_gpu_pct") and by_row[rows[0]].HasField("memory_used_mib")
+    assert by_row[rows[2]].health == 0 and "frozen" in by_row[rows[3]].flags
+    assert "xid_79" in by_row[rows[4]].flags
+    assert by_row[rows[5]].reading_age_s == -1.0 and by_row[rows[5]].stale and "stale" in by_row[rows[5]].flags
+    assert by_row[rows[6]].stale and not by_row[rows[7]].stale
+    # a node's age is its newest GPU reading's; without any, -1 and stale
+    first, second = (view.nodes[n] for n in sorted(view.nodes)[:2])
+    view.reading_at_s[first.rows] = np.nan
+    view.reading_at_s[second.rows] = np.nan
+    view.reading_at_s[second.rows[3]] = 101.0
+    view.reading_at_s[second.rows[5]] = 100.0
+    assert coord.node_message(first).reading_age_s == -1.0 and coord.node_message(first).stale
+    assert coord.node_message(second).reading_age_s == 1.5 and not coord.node_message(second).stale
+    # the model filter is per GPU; the in-place build is the list, byte for byte
+    some = view.nodes[next(iter(view.nodes))].gpus[0].model
+    assert {g.model for g in coord.gpu_messages(metrics=metrics, model=some.lower())} == {some}
+    for kwargs in ({}, {"smoothed": True}, {"node_id": next(iter(view.nodes))}, {"model": some}):
+        listed = cpb.ListGpusResponse(gpus=coord.gpu_messages(metrics=metrics, **kwargs))
+        built = cpb.ListGpusResponse()
+        coord.gpu_messages(metrics=metrics, into=built.gpus, **kwargs)
+        assert built.gpus and built.SerializeToString() == listed.SerializeToString()
+
