@@ -172,8 +172,11 @@ def cmd_top(args: argparse.Namespace) -> int:
         try:
             while args.iterations <= 0 or shown < args.iterations:
                 raw = stub.ListGpus(cpb.ListGpusRequest(node_id=args.node or ""), timeout=args.timeout).gpus
+                # only the smoothed util (and its trend, which comes with it) is shown:
+                # the coordinator builds every GPU's message on its event loop
                 smooth = stub.ListGpus(
-                    cpb.ListGpusRequest(node_id=args.node or "", values=cpb.VALUE_VIEW_SMOOTHED), timeout=args.timeout
+                    cpb.ListGpusRequest(node_id=args.node or "", values=cpb.VALUE_VIEW_SMOOTHED, metrics=["util_gpu_pct"]),
+                    timeout=args.timeout,
                 ).gpus
                 pairs = {(g.node_id, g.index): g for g in smooth}
                 headers = _GPU_HEADERS[:6] + ["SMOOTHED", "TREND %/min"] + _GPU_HEADERS[6:]
