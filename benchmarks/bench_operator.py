@@ -1,4 +1,4 @@
-"""Operator API cost at cluster scale: ListGpus, ListNodes and a metrics scrape.
+"""Operator API cost at cluster scale: ListGpus, gpulb top, WatchView, ListNodes and a metrics scrape.
 
 ``gpulb top`` asks ListGpus twice a second, WatchView sends every GPU
 each interval and Prometheus scrapes ``/metrics`` every 15-60 s; all run on
@@ -14,6 +14,15 @@ and the exposition a scrape gets, with and without the per-GPU families.
 Until round 14 every GPU's message rebuilt the map of leased GPUs, so a
 listing was quadratic in the GPUs (3,200 GPUs: 627 ms), and the per-GPU
 families were built as one prometheus-client sample per GPU and family.
+Until round 15 each GPU's message was filled one numpy scalar and field at
+a time and copied into its response, ``gpulb top`` asked for every field
+smoothed as well as raw, and each WatchView client built its own update.
+
+"top refresh" is one ``gpulb top`` refresh (ListGpus raw, then the
+smoothed util); "WatchView 1 / 4" one interval of one and of four
+watchers of the whole view after a reading moved it (one build, shared,
+and each watcher's serialisation). The collector runs with the daemon's
+threshold (``gc_gen0_threshold``).
 
 Run from the repository root::
 
@@ -66,6 +75,25 @@ async def measure(nodes: int, repeat: int) -> dict:
         coord.gpu_messages(metrics=metrics, into=response.gpus)
         return response.SerializeToString()
 
+    def top_refresh() -> None:
+        """What one ``gpulb top`` refresh asks: every field raw, util smoothed."""
+        list_gpus()
+        smoothed = cpb.ListGpusResponse()
+        coord.gpu_messages(metrics=("util_gpu_pct",), smoothed=True, into=smoothed.gpus)
+        smoothed.SerializeToString()
+
+    op = coord.operator
+
+    def watchers(count: int):
+        """One interval of ``count`` watchers after a reading moved the view:
+        the first builds the update, the others take it; each is serialised."""
+        def interval() -> None:
+            coord.view.version += 1
+            op._updates.clear()
+            for _ in range(count):
+                op.view_update("", False)[1].SerializeToString()
+        return interval
+
     def list_nodes() -> bytes:
         ordered = sorted(coord.view.nodes.values(), key=lambda n: n.node_id)
         return cpb.ListNodesResponse(nodes=[coord.node_message(n) for n in ordered]).SerializeToString()
@@ -78,6 +106,9 @@ async def measure(nodes: int, repeat: int) -> dict:
         "gpus_with_leases": sum(1 for g in gpus if g.active_tasks),
         "list_gpus_ms": timed(list_gpus, repeat),
         "list_gpus_bytes": len(list_gpus()),
+        "top_refresh_ms": timed(top_refresh, repeat),
+        "watch_1_ms": timed(watchers(1), repeat),
+        "watch_4_ms": timed(watchers(4), repeat),
         "list_nodes_ms": timed(list_nodes, repeat),
         "scrape_ms": timed(coord.metrics.exposition, repeat),
         "scrape_bytes": len(coord.metrics.exposition()),
@@ -106,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(render_table(
-        ["nodes", "GPUs", "leases", "GPUs leased", "ListGpus ms", "KiB", "ListNodes ms", "scrape ms", "KiB",
-         "per_gpu=0 ms"],
+        ["nodes", "GPUs", "leases", "GPUs leased", "ListGpus ms", "KiB", "top refresh ms", "WatchView 1 / 4 ms",
+         "ListNodes ms", "scrape ms", "KiB", "per_gpu=0 ms"],
         [[r["nodes"], r["gpus"], r["leases"], r["gpus_with_leases"], fmt(r["list_gpus_ms"]),
-          fmt(r["list_gpus_bytes"] / 1024, 0), fmt(r["list_nodes_ms"]), fmt(r["scrape_ms"]),
+          fmt(r["list_gpus_bytes"] / 1024, 0), fmt(r["top_refresh_ms"]),
+          f"{fmt(r['watch_1_ms'])} / {fmt(r['watch_4_ms'])}", fmt(r["list_nodes_ms"]), fmt(r["scrape_ms"]),
           fmt(r["scrape_bytes"] / 1024, 0), fmt(r["scrape_fleet_ms"])] for r in rows],
     ))
     return 0

@@ -477,3 +477,50 @@ async def test_gpu_messages_carry_the_view_field_by_field():
         coord.gpu_messages(metrics=metrics, into=built.gpus, **kwargs)
         assert built.gpus and built.SerializeToString() == listed.SerializeToString()
 
+
+async def test_watchers_share_one_update():
+    """Watchers of the same nodes and values share one built update while the
+    view has not changed, or within SHARE_S of its build though it has; a
+    newer one is built after that, and the others built long ago are
+    dropped then."""
+    coord = _populated(2)
+    clock = ManualClock(50.0)
+    op = type(coord.operator)(coord, clock=clock)
+    version, first = op.view_update("", False)
+    assert op.builds == 1 and len(first.gpus) == 16 and len(first.nodes) == 2
+    assert op.view_update("", False) == (version, first)  # nothing changed
+    coord.view.version += 1  # a reading arrived
+    clock.advance(op.SHARE_S / 2)
+    assert op.view_update("", False) == (version, first) and op.builds == 1
+    clock.advance(op.SHARE_S)
+    newer_version, newer = op.view_update("", False)
+    assert op.builds == 2 and newer_version == version + 1 and newer is not first and newer.at_ns >= first.at_ns
+    # other nodes or other values: their own update
+    node_id = sorted(coord.view.nodes)[1]
+    _, one_node = op.view_update(node_id, False)
+    _, smoothed = op.view_update("", True)
+    assert op.builds == 4 and {g.node_id for g in one_node.gpus} == {node_id}
+    assert all(g.smoothed for g in smoothed.gpus) and not any(g.smoothed for g in newer.gpus)
+    clock.advance(op.KEEP_S + 1)
+    coord.view.version += 1
+    op.view_update("", False)
+    assert set(op._updates) == {("", False)}
+
+
+async def test_concurrent_watchers_over_grpc_get_the_same_update():
+    """Three watchers of a coordinator whose view holds still get the same
+    snapshot, built once."""
+    coord = _populated(2)
+    port = await coord.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            op = cpb_grpc.ClusterOperatorStub(ch)
+            watches = [op.WatchView(cpb.WatchViewRequest(min_interval_ms=200)) for _ in range(3)]
+            firsts = await asyncio.gather(*(w.read() for w in watches))
+            for w in watches:
+                w.cancel()
+        assert len(firsts[0].gpus) == 16
+        assert all(f.SerializeToString() == firsts[0].SerializeToString() for f in firsts)
+        assert coord.operator.builds == 1
+    finally:
+        await coord.stop(grace_s=0.1)
