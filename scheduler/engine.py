@@ -51,6 +51,7 @@ from scheduler.errors import (
 )
 from scheduler.filters import describe, explain, feasible, first_failure, never_fits, nvlink_groups
 from scheduler.fragmentation import WorkloadMix
+from scheduler.memgrowth import table_for
 from scheduler.policies import POLICIES, Placement, Policy, make_policy
 from scheduler.queue import AgingQueue, Outcome
 from scheduler.reservations import LeaseBook, Reservations
@@ -132,6 +133,7 @@ class Scheduler:
         self._listeners: list[Listener] = [on_change] if on_change else []
         self._pending: list[Task] = []
         self._held_nodes: dict[str, str] = {}  # barrier task id -> node held for it
+        self._room_waits: dict[str, float] = {}  # task id -> when it stops waiting for room to grow
         self._hold_lost: dict[str, float] = {}  # barrier task id -> since when its node is not reachable
         # per class, the queued multi-GPU tasks that failed to fit, in the order
         # they first did (``_urgent_sets``; stale ids are dropped as met)
@@ -333,6 +335,8 @@ class Scheduler:
         for task_id in [t for t in self._held_nodes if self._tasks.get(t) is None or self._tasks[t].state != TaskState.QUEUED]:
             del self._held_nodes[task_id]
             self._hold_lost.pop(task_id, None)
+        if self._room_waits:
+            self.room_wait_ends()  # forgets the waits that ended (placed, cancelled, timed out)
         held: dict[str, int | None] = {}  # barrier -> held node index, once per dispatch
         fences: dict[frozenset, np.ndarray] = {}  # held node set -> GPUs fenced tasks may use
         # held node index -> (when its leases end, its speed); "lease_ends" ->
@@ -647,14 +651,32 @@ class Scheduler:
                         if now + spec.duration_s / speed <= waiting:
                             allowed = allowed | (view.node == index)
                 mask = mask & allowed
-            placement = None
             away = kept_off(int(task.priority)) if kept_off is not None else None
-            if away is not None:
-                elsewhere = mask & away
-                if elsewhere.any():
-                    placement = self._policy.choose(view, spec, elsewhere)
-            if placement is None:
-                placement = self._policy.choose(view, spec, mask)
+
+            def choose(candidates: np.ndarray) -> Placement | None:
+                if away is not None:
+                    elsewhere = candidates & away
+                    if elsewhere.any():
+                        chosen = self._policy.choose(view, spec, elsewhere)
+                        if chosen is not None:
+                            return chosen
+                return self._policy.choose(view, spec, candidates)
+
+            room = self._growth_room(task, view, now)
+            if room is None:
+                placement = choose(mask)
+            else:
+                placement = choose(mask & (view.headroom >= room[0]))
+                if placement is None and choose(mask) is not None:
+                    # it fits now only where it could outgrow the memory left: wait a little
+                    self._room_waits[spec.task_id] = task.queued_at + self.config.growth_room_wait_s
+                    reason = (f"waiting up to {self.config.growth_room_wait_s:g} s for a GPU with "
+                              f"{room[0]:,.0f} MiB free: room for the largest memory growth "
+                              f"{spec.kind or 'its'} tasks have shown ({room[1]:.2f}x the ask)")
+                    if task.reason != reason:
+                        task.reason = reason
+                        self._changed(task)
+                    return Outcome.BLOCKED
             if placement is not None:
                 self._apply(task, view, placement, now)
                 self._held_nodes.pop(task.task_id, None)
@@ -676,6 +698,63 @@ class Scheduler:
             task.reason = reason
             self._changed(task)
         return Outcome.BLOCKED if view.any_room() else Outcome.EXHAUSTED
+
+    def room_wait_ends(self) -> float | None:
+        """When the first task now waiting for room to grow stops waiting (the
+        clock's time), or None: a caller that dispatches only on events (the
+        simulator) dispatches then, as the coordinator's periodic pass would."""
+        now = self._clock()
+        for task_id in [t for t, end in self._room_waits.items() if end <= now or self._tasks.get(t) is None
+                        or self._tasks[t].state != TaskState.QUEUED]:
+            del self._room_waits[task_id]
+        return min(self._room_waits.values(), default=None)
+
+    def _growth_room(self, task: Task, view: PlacementView, now: float) -> tuple[float, float] | None:
+        """(MiB, growth ratio): the memory a GPU needs to hold ``task`` grown by
+        the largest peak-over-ask ratio its kind has shown, while ``task`` may
+        still wait ``growth_room_wait_s`` for such a GPU; None when it does
+        not wait for one.
+
+        A task's memory grows past its ask, by a ratio learned from ended tasks
+        (``scheduler.memgrowth``). The ``oom_risk`` score weighs the learned
+        chance of outgrowing each GPU, but a chance of a few in a thousand
+        loses to a faster card, and those few are OOM kills: on the openb
+        cluster, whole-GPU asks of 13,107 MiB that grew 1.9-2.1x on a 24 GiB
+        card. A task that fits now only where its growth would not fit waits
+        a few seconds for a GPU with that much free. It waits only where GPUs
+        differ in size: some GPU that may take it (healthy, open, its gpu_spec
+        and labels, on one node for a multi-GPU task) is that big and some
+        other GPU is not, so on a cluster of one card size nothing changes.
+        Urgent work (P0 by spec) never waits, and only policies that score the
+        learned risk (``oom_risk``: load_aware, fgd) do."""
+        spec = task.spec
+        wait = self.config.growth_room_wait_s
+        if wait <= 0 or spec.priority == Priority.P0 or spec.vram_mib <= 0 or now - task.queued_at >= wait:
+            return None
+        if not self._policy.weights.get("oom_risk"):
+            return None  # a policy blind to memory growth (round_robin, binpack) or told to be
+        growth = view.snapshot.memory_growth
+        table = table_for(growth, spec.kind) if growth else None
+        if table is None or table.hi <= 1.0:
+            return None
+        need = float(spec.vram_mib) * table.hi
+        smallest = view.static_cache.get("growth_room.smallest")
+        if smallest is None:  # per layout: the check below is all a cluster of one card size pays
+            sized = view.total[view.total > 0]
+            smallest = view.static_cache["growth_room.smallest"] = float(sized.min()) if sized.size else math.inf
+        if need <= smallest:
+            return None  # no card it could outgrow
+        could = view.node_ok & view.healthy & (view.total >= need)
+        if spec.gpu_spec:
+            could &= view.spec_mask(spec.gpu_spec)
+        if spec.required_node_labels:
+            could &= view.label_mask(spec.required_node_labels)
+        if spec.num_gpus > 1:
+            if np.bincount(view.node, weights=could, minlength=view.node_count).max(initial=0) < spec.num_gpus:
+                return None
+        elif not could.any():
+            return None
+        return need, table.hi
 
     def _why_not(self, view: PlacementView, spec: TaskSpec) -> str:
         result = explain(view, spec, self.config)

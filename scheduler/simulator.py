@@ -470,7 +470,7 @@ class ColumnarReservations(Reservations):
 # ---- the simulation ------------------------------------------------------------------------------
 
 # event kinds, in the order they are handled at one instant
-_SUBMIT, _STEP, _VISIBLE, _SAMPLE, _ADVISE = 0, 1, 2, 3, 4
+_SUBMIT, _STEP, _VISIBLE, _SAMPLE, _ADVISE, _WAKE = 0, 1, 2, 3, 4, 5
 
 
 
@@ -686,6 +686,7 @@ class Simulation:
         self.snapshots = 0
         self.events = 0
         self._visible_pending: set[float] = set()
+        self._wakes: set[float] = set()  # times of pending _WAKE events
         last_submit = self.tasks[-1].submit_s if self.tasks else 0.0
         self._window_end = last_submit if last_submit > 0 else None
         # the window opens at the first percentile of submissions (module docstring)
@@ -747,6 +748,9 @@ class Simulation:
                     need |= self._step(payload)  # type: ignore[arg-type]
                 elif kind == _VISIBLE:
                     self._visible_pending.discard(t)
+                    need |= bool(self._queued)
+                elif kind == _WAKE:
+                    self._wakes.discard(t)
                     need |= bool(self._queued)
                 elif kind == _ADVISE:
                     need |= self._advise()
@@ -833,6 +837,12 @@ class Simulation:
         placed = self.sched.dispatch(snap)
         for task in placed:
             self._start(task)
+        wake = self.sched.room_wait_ends()
+        if wake is not None and wake not in self._wakes:
+            # the coordinator dispatches at least every dispatch_interval_s; here
+            # nothing else need happen by the time a task stops waiting for room
+            self._wakes.add(wake)
+            self._push(wake, _WAKE, None)
 
     def _snapshot(self) -> ClusterSnapshot:
         now = self.now

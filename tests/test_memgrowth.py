@@ -256,3 +256,151 @@ def test_simulated_cluster_learns_to_stop_killing(learning, kills):
         assert sim.growth.tables()[""].ratios.tolist() == pytest.approx([1.0, 1.0, 1.7, 1.7, 1.7, 1.7])
     else:
         assert sim.growth is None
+
+
+# ---- waiting a little for room to grow (SchedulerConfig.growth_room_wait_s) -------------------------
+
+
+def _g2_and_g3(g3_used_mib: float, growth: bool = True) -> ClusterSnapshot:
+    """An idle 24 GiB card and a 32 GiB one holding ``g3_used_mib`` of
+    another process's memory; learned: one task in twenty grew to 2.1x."""
+    snap = ClusterSnapshot.build(
+        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
+         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)],
+        memory_used_mib=[0.0, g3_used_mib],
+    )
+    if growth:
+        snap.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
+    return snap
+
+
+def _scheduler(**config):
+    from scheduler.engine import Scheduler
+
+    clock = [100.0]
+    ids = iter(range(10**6))
+    sched = Scheduler(SchedulerConfig(**config), clock=lambda: clock[0], lease_ids=lambda: f"l{next(ids)}")
+    return sched, clock
+
+
+def test_a_task_below_p0_waits_a_little_for_a_card_with_room_for_the_largest_growth():
+    # 13,107 MiB at the largest learned ratio, 2.1x: 27,525 MiB. The G3 could
+    # hold it but another process holds 20 GiB there; the G2 never could.
+    sched, clock = _scheduler(growth_room_wait_s=5.0)
+    busy = _g2_and_g3(20_480.0)
+    sched.submit(WHOLE, busy)
+    assert sched.dispatch(busy) == []
+    task = sched.get("t")
+    assert task.state.name == "QUEUED"
+    assert "27,525 MiB free" in task.reason and "2.10x the ask" in task.reason and "training" in task.reason
+    assert sched.room_wait_ends() == 105.0  # a dispatcher driven by events wakes then
+    # the G3's memory is freed within the wait: the task goes there
+    clock[0] += 3.0
+    freed = _g2_and_g3(0.0)
+    placed = sched.dispatch(freed)
+    assert [t.assignment.node_id for t in placed] == ["g3"]
+    assert sched.room_wait_ends() is None
+
+
+def test_after_the_wait_it_takes_the_best_card_it_fits():
+    sched, clock = _scheduler(growth_room_wait_s=5.0)
+    busy = _g2_and_g3(20_480.0)
+    sched.submit(WHOLE, busy)
+    assert sched.dispatch(busy) == []
+    clock[0] += 4.9
+    assert sched.dispatch(busy) == []
+    clock[0] += 0.2
+    placed = sched.dispatch(busy)
+    assert [t.assignment.node_id for t in placed] == ["g2"] and placed[0].reason == ""
+
+
+def test_a_cancelled_wait_is_forgotten_at_the_next_dispatch():
+    """The coordinator never asks room_wait_ends; dispatch forgets ended waits."""
+    sched, clock = _scheduler(growth_room_wait_s=5.0)
+    busy = _g2_and_g3(20_480.0)
+    sched.submit(WHOLE, busy)
+    assert sched.dispatch(busy) == [] and sched._room_waits == {"t": 105.0}
+    sched.cancel("t")
+    sched.dispatch(busy)
+    assert sched._room_waits == {}
+
+
+@pytest.mark.parametrize("case", ["p0", "round_robin", "off", "gpu_spec", "nothing_learned", "no_node_of_two"])
+def test_who_never_waits_for_room_to_grow(case):
+    """Urgent work, a policy blind to growth, the option off, a task whose
+    allowed cards (here its gpu_spec) could never hold the growth, nothing
+    learned yet, and a 2-GPU task where no node has two such cards."""
+    config = {"growth_room_wait_s": 0.0 if case == "off" else 5.0}
+    if case == "round_robin":
+        config["policy"] = "round_robin"
+    sched, _ = _scheduler(**config)
+    busy = _g2_and_g3(20_480.0, growth=case != "nothing_learned")
+    task = WHOLE
+    if case == "p0":
+        task = TaskSpec(task_id="t", vram_mib=13_107.0, gpu_share=1.0, priority=Priority.P0, kind="inference")
+    elif case == "gpu_spec":
+        task = TaskSpec(task_id="t", vram_mib=13_107.0, gpu_share=1.0, priority=Priority.P1, kind="training",
+                        gpu_spec="G2")
+    elif case == "no_node_of_two":
+        busy = ClusterSnapshot.build(
+            [NodeFacts("g2", 2, model="G2", memory_total_mib=24_576.0),
+             NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)],
+            memory_used_mib=[0.0, 0.0, 0.0],
+        )
+        busy.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
+        task = TaskSpec(task_id="t", vram_mib=13_107.0, gpu_share=1.0, num_gpus=2, priority=Priority.P1,
+                        kind="training")
+    sched.submit(task, busy)
+    assert len(sched.dispatch(busy)) == 1
+
+
+def test_the_wait_is_validated():
+    from scheduler.errors import InvalidArgument
+
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(InvalidArgument) as info:
+            SchedulerConfig(growth_room_wait_s=bad).validate()
+        assert info.value.field == "growth_room_wait_s"
+
+
+@pytest.mark.parametrize("wait_s, kills", [(0.0, 1), (30.0, 0)])
+def test_simulated_task_that_waits_for_room_is_not_killed(wait_s, kills):
+    """A 32 GiB card and a 24 GiB one. W grows to 1.9x and ends, teaching
+    it; a hog then holds 10,000 MiB of the big card until t = 40; T, a batch
+    task asking 13,107 MiB that grows 1.9x (24,903 MiB: more than the small
+    card has), arrives at t = 30. Placed at once it runs on the small card
+    and is killed; waiting up to 30 s it gets the big one when the hog ends."""
+    cards = [ClusterNode("big", 1, "G3", 32_768.0, 1.0), ClusterNode("small", 1, "G2", 24_576.0, 1.0)]
+    tasks = [
+        TraceTask("W", 0.0, 10.0, 1, 10_000.0, 1.0, Priority.P3, "batch"),
+        TraceTask("hog", 15.0, 25.0, 1, 10_000.0, 0.2, Priority.P3, "background"),
+        TraceTask("T", 30.0, 50.0, 1, 13_107.0, 1.0, Priority.P2, "batch"),
+    ]
+    memory = RatioMemory({"W": (1.9,), "T": (1.9,)})
+    cfg = SimConfig(memory=memory, memory_growth=MemoryGrowthConfig(min_samples=1),
+                    scheduler=SchedulerConfig(growth_room_wait_s=wait_s))
+    result = Simulation(tasks, cards, "load_aware", cfg).run()
+    assert result.oom_kills == kills
+    assert all(r.state == "completed" for r in result.records)
+    t = result.records[2]
+    if wait_s:
+        assert 10.0 <= t.wait_s < 30.0  # until the hog's release showed
+
+
+def test_on_cards_of_one_size_nothing_waits_for_room():
+    """The same tasks on two 32 GiB cards: the wait changes nothing, to the bit."""
+    cards = [ClusterNode("a", 1, "G3", 32_768.0, 1.0), ClusterNode("b", 1, "G3", 32_768.0, 1.0)]
+    tasks = [
+        TraceTask("W", 0.0, 10.0, 1, 10_000.0, 1.0, Priority.P3, "batch"),
+        TraceTask("hog", 15.0, 25.0, 1, 10_000.0, 0.2, Priority.P3, "background"),
+        TraceTask("hog2", 16.0, 25.0, 1, 10_000.0, 0.2, Priority.P3, "background"),
+        TraceTask("T", 30.0, 50.0, 1, 13_107.0, 1.0, Priority.P2, "batch"),
+    ]
+    memory = RatioMemory({"W": (1.9,), "T": (1.9,)})
+    runs = []
+    for wait_s in (0.0, 30.0):
+        cfg = SimConfig(memory=memory, memory_growth=MemoryGrowthConfig(min_samples=1),
+                        scheduler=SchedulerConfig(growth_room_wait_s=wait_s))
+        runs.append(Simulation(tasks, cards, "load_aware", cfg).run())
+    assert runs[0].records == runs[1].records
+    assert runs[0].records[3].first_start_s == 30.0  # placed at once (then killed: the hogs share its card)
