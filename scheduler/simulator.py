@@ -1524,6 +1524,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--advisor-set", action="append", default=[], metavar="OPTION=VALUE",
                    help="an [advisor] option for the --advisor runs, e.g. variance_threshold=100 or "
                    "movable_kinds=training,batch (repeatable)")
+    p.add_argument("--scheduler-set", action="append", default=[], metavar="OPTION=VALUE",
+                   help="a [scheduler] option for every run, as the coordinator would have it, e.g. "
+                   "growth_room_wait_s=0 or backfill_estimate_factor=2 (repeatable; --policy names the policy)")
     p.add_argument("--migration-cost", type=_non_negative, default=SimConfig.migration_cost_s, metavar="S",
                    help="s of work a migrated task redoes on its new GPU: checkpoint, transfer, restart (default 30)")
     p.add_argument("--load-drift", type=_non_negative, default=0.0, metavar="SIGMA",
@@ -1550,9 +1553,22 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"gpulb simulate: --advisor-set: {exc}", file=sys.stderr)
         return 2
+    scheduler = None
+    if args.scheduler_set:
+        # the policy comes from --policy, and simulated leases never expire
+        fixed = [o for o in args.scheduler_set if o.partition("=")[0].strip() in ("policy", "lease_s")]
+        if fixed:
+            print(f"gpulb simulate: --scheduler-set: {fixed[0]!r}: set by the simulator (use --policy)",
+                  file=sys.stderr)
+            return 2
+        try:
+            scheduler = section_from_text("scheduler", args.scheduler_set)
+        except ValueError as exc:
+            print(f"gpulb simulate: --scheduler-set: {exc}", file=sys.stderr)
+            return 2
     cfg = SimConfig(seed=args.seed, memory=args.memory, prediction=not args.no_prediction,
                     memory_learning=not args.no_memory_learning, migration_cost_s=args.migration_cost,
-                    util_drift=args.load_drift)
+                    util_drift=args.load_drift, scheduler=scheduler)
     progress = not args.no_progress and sys.stderr.isatty()
     results = simulate(tasks, nodes, args.policy, cfg, progress=progress)
     if advisor is not None:
@@ -1576,6 +1592,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     }
     if args.load_drift:
         meta["load_drift"] = args.load_drift
+    meta.update({f"scheduler.{o.partition('=')[0].strip()}": o.partition("=")[2].strip() for o in args.scheduler_set})
     if advisor is not None:
         meta["migration_cost_s"] = args.migration_cost
         meta.update({f"advisor.{o.partition('=')[0].strip()}": o.partition("=")[2].strip() for o in args.advisor_set})

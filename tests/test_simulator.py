@@ -640,3 +640,15 @@ def test_command_line_runs_each_policy_with_and_without_the_advisor(tmp_path, ca
     assert "persist: 'two'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         simulate_main(base + ["--load-drift", "-1"])
+    # [scheduler] options reach every run: 4,000 MiB asks under a 10 % memory ceiling never fit
+    assert simulate_main(base + ["--json", "--scheduler-set", "memory_warn_pct=5",
+                                 "--scheduler-set", "memory_reject_pct=10"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [p["rejected"] for p in doc["policies"]] == [4, 4]
+    assert doc["meta"]["scheduler.memory_reject_pct"] == "10"
+    assert simulate_main(base + ["--scheduler-set", "nonsense=1"]) == 2
+    assert "--scheduler-set: 'nonsense=1': expected OPTION=VALUE" in capsys.readouterr().err
+    assert simulate_main(base + ["--scheduler-set", "growth_room_wait_s=-1"]) == 2
+    assert "growth_room_wait_s" in capsys.readouterr().err
+    assert simulate_main(base + ["--scheduler-set", "policy=fgd"]) == 2
+    assert "set by the simulator (use --policy)" in capsys.readouterr().err
