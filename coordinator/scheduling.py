@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 import grpc
 import structlog
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from coordinator.snapshots import SnapshotBuilder
 from coordinator.state import StateError
@@ -399,7 +399,16 @@ class Dispatcher:
         )
         for (gpus, vram, share), p in self.engine.workload_mix.probabilities().items():
             mix.add_metric([str(gpus), f"{vram:g}", f"{share:g}"], p)
-        return [depth, oldest, tasks, mix]
+        # how often tasks waited for a GPU with room for their kind's growth, and how it ended
+        room = CounterMetricFamily(
+            "gpulb_growth_room_waits",
+            "Tasks that waited for a GPU with room for their kind's largest learned memory growth "
+            "(outcome=waited), then were placed with that room (found) or, the wait over, without it (gave_up)",
+            labels=["outcome"],
+        )
+        for outcome in ("waited", "found", "gave_up"):
+            room.add_metric([outcome], self.engine.room_wait_counts[outcome])
+        return [depth, oldest, tasks, mix, room]
 
 
 def _time_out(future: asyncio.Future) -> None:

@@ -134,6 +134,9 @@ class Scheduler:
         self._pending: list[Task] = []
         self._held_nodes: dict[str, str] = {}  # barrier task id -> node held for it
         self._room_waits: dict[str, float] = {}  # task id -> when it stops waiting for room to grow
+        # tasks that waited for room to grow, and how the waits ended: placed
+        # with the room ("found") or, the wait over, without it ("gave_up")
+        self.room_wait_counts: Counter[str] = Counter()
         self._hold_lost: dict[str, float] = {}  # barrier task id -> since when its node is not reachable
         # per class, the queued multi-GPU tasks that failed to fit, in the order
         # they first did (``_urgent_sets``; stale ids are dropped as met)
@@ -336,7 +339,7 @@ class Scheduler:
             del self._held_nodes[task_id]
             self._hold_lost.pop(task_id, None)
         if self._room_waits:
-            self.room_wait_ends()  # forgets the waits that ended (placed, cancelled, timed out)
+            self.room_wait_ends()  # forgets the waits of tasks that left the queue unplaced
         held: dict[str, int | None] = {}  # barrier -> held node index, once per dispatch
         fences: dict[frozenset, np.ndarray] = {}  # held node set -> GPUs fenced tasks may use
         # held node index -> (when its leases end, its speed); "lease_ends" ->
@@ -669,6 +672,8 @@ class Scheduler:
                 placement = choose(mask & (view.headroom >= room[0]))
                 if placement is None and choose(mask) is not None:
                     # it fits now only where it could outgrow the memory left: wait a little
+                    if spec.task_id not in self._room_waits:
+                        self.room_wait_counts["waited"] += 1
                     self._room_waits[spec.task_id] = task.queued_at + self.config.growth_room_wait_s
                     reason = (f"waiting up to {self.config.growth_room_wait_s:g} s for a GPU with "
                               f"{room[0]:,.0f} MiB free: room for the largest memory growth "
@@ -678,6 +683,8 @@ class Scheduler:
                         self._changed(task)
                     return Outcome.BLOCKED
             if placement is not None:
+                if self._room_waits.pop(spec.task_id, None) is not None:
+                    self.room_wait_counts["found" if room is not None else "gave_up"] += 1
                 self._apply(task, view, placement, now)
                 self._held_nodes.pop(task.task_id, None)
                 if spec.num_gpus > 1:
@@ -704,10 +711,10 @@ class Scheduler:
         clock's time), or None: a caller that dispatches only on events (the
         simulator) dispatches then, as the coordinator's periodic pass would."""
         now = self._clock()
-        for task_id in [t for t, end in self._room_waits.items() if end <= now or self._tasks.get(t) is None
+        for task_id in [t for t in self._room_waits if self._tasks.get(t) is None
                         or self._tasks[t].state != TaskState.QUEUED]:
-            del self._room_waits[task_id]
-        return min(self._room_waits.values(), default=None)
+            del self._room_waits[task_id]  # cancelled, expired, rejected: no outcome to count
+        return min((end for end in self._room_waits.values() if end > now), default=None)
 
     def _growth_room(self, task: Task, view: PlacementView, now: float) -> tuple[float, float] | None:
         """(MiB, growth ratio): the memory a GPU needs to hold ``task`` grown by

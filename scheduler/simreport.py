@@ -32,7 +32,9 @@ Definitions (every figure is computed from ``SimResult`` alone):
   fit on avoids those, only a bigger card; ``oom_kills_idle_room``: runs
   that outgrew their own GPU while, when they were placed, some idle GPU
   had the memory they went on to reach: the kills a placement knowing each
-  task's peak could have avoided without sharing a GPU), **sla_misses** (P0
+  task's peak could have avoided without sharing a GPU; ``room_waits``:
+  tasks that waited for a GPU with room for their kind's largest growth,
+  ``room_waits_found``: of those, placed with it), **sla_misses** (P0
   tasks queued past the SLA, from the scheduler's own counter),
   **throughput** (completed tasks per hour of makespan), **makespan** (last
   completion).
@@ -151,6 +153,8 @@ def figures(r: SimResult) -> dict[str, Any]:
         "oom_kills": r.oom_kills,
         "oom_kills_alone": r.oom_kills_alone,
         "oom_kills_idle_room": r.oom_kills_idle_room,
+        "room_waits": r.room_waits,
+        "room_waits_found": r.room_waits_found,
         "sla_misses": r.sla_misses,
         "throughput_per_h": len(done) / (makespan / 3600.0) if makespan > 0 else math.nan,
         "makespan_s": makespan,
@@ -421,6 +425,8 @@ def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
     row("OOM kills", [fmt(f["oom_kills"]) for f in figs])
     row("  of which alone on the GPU", [fmt(f["oom_kills_alone"]) for f in figs])
     row("  an idle GPU had room when placed", [fmt(f["oom_kills_idle_room"]) for f in figs])
+    if any(f["room_waits"] for f in figs):
+        row("waits for room to grow / found it", [f"{f['room_waits']}/{f['room_waits_found']}" for f in figs])
     row("P0 SLA misses", [fmt(f["sla_misses"]) for f in figs])
     if any(f["plans"] for f in figs):
         row("rebalance plans / migrations", [f"{f['plans']}/{f['migrations']}" for f in figs])

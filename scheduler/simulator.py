@@ -366,6 +366,10 @@ class SimResult:
     # OOM kills of runs for which, when placed, an idle GPU had the memory they reached: a
     # placement that knew their peak could have saved them without sharing a GPU
     oom_kills_idle_room: int = 0
+    # tasks that waited for a GPU with room for their kind's growth (growth_room_wait_s),
+    # and of those, the ones placed with that room
+    room_waits: int = 0
+    room_waits_found: int = 0
 
 
 @dataclass
@@ -794,6 +798,8 @@ class Simulation:
             oom_kills=self.oom_kills,
             oom_kills_alone=self.oom_kills_alone,
             oom_kills_idle_room=self.oom_kills_idle_room,
+            room_waits=self.sched.room_wait_counts["waited"],
+            room_waits_found=self.sched.room_wait_counts["found"],
             sla_misses=self.sched.queue_summary().sla_misses,
             dispatches=self.dispatches,
             snapshots=self.snapshots,

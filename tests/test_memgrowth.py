@@ -300,6 +300,7 @@ def test_a_task_below_p0_waits_a_little_for_a_card_with_room_for_the_largest_gro
     placed = sched.dispatch(freed)
     assert [t.assignment.node_id for t in placed] == ["g3"]
     assert sched.room_wait_ends() is None
+    assert sched.room_wait_counts == {"waited": 1, "found": 1}
 
 
 def test_after_the_wait_it_takes_the_best_card_it_fits():
@@ -312,6 +313,7 @@ def test_after_the_wait_it_takes_the_best_card_it_fits():
     clock[0] += 0.2
     placed = sched.dispatch(busy)
     assert [t.assignment.node_id for t in placed] == ["g2"] and placed[0].reason == ""
+    assert sched.room_wait_counts == {"waited": 1, "gave_up": 1}
 
 
 def test_a_cancelled_wait_is_forgotten_at_the_next_dispatch():
@@ -322,7 +324,7 @@ def test_a_cancelled_wait_is_forgotten_at_the_next_dispatch():
     assert sched.dispatch(busy) == [] and sched._room_waits == {"t": 105.0}
     sched.cancel("t")
     sched.dispatch(busy)
-    assert sched._room_waits == {}
+    assert sched._room_waits == {} and sched.room_wait_counts == {"waited": 1}
 
 
 @pytest.mark.parametrize("case", ["p0", "round_robin", "off", "gpu_spec", "nothing_learned", "no_node_of_two"])
@@ -385,6 +387,7 @@ def test_simulated_task_that_waits_for_room_is_not_killed(wait_s, kills):
     t = result.records[2]
     if wait_s:
         assert 10.0 <= t.wait_s < 30.0  # until the hog's release showed
+    assert (result.room_waits, result.room_waits_found) == ((1, 1) if wait_s else (0, 0))
 
 
 def test_on_cards_of_one_size_nothing_waits_for_room():
@@ -404,3 +407,21 @@ def test_on_cards_of_one_size_nothing_waits_for_room():
         runs.append(Simulation(tasks, cards, "load_aware", cfg).run())
     assert runs[0].records == runs[1].records
     assert runs[0].records[3].first_start_s == 30.0  # placed at once (then killed: the hogs share its card)
+
+
+async def test_room_waits_reach_prometheus():
+    """The coordinator exports the engine's wait outcomes as a counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", insecure=True))
+    engine = coord.dispatcher.engine
+    busy = _g2_and_g3(20_480.0)
+    engine.submit(WHOLE, busy)
+    engine.dispatch(busy)
+    engine.dispatch(_g2_and_g3(0.0))
+    families = {f.name: f for f in text_string_to_metric_families(coord.metrics.exposition().decode())}
+    samples = {s.labels["outcome"]: s.value for s in families["gpulb_growth_room_waits"].samples}
+    assert samples == {"waited": 1.0, "found": 1.0, "gave_up": 0.0}
