@@ -18,8 +18,8 @@ Until round 15 each GPU's message was filled one numpy scalar and field at
 a time and copied into its response, ``gpulb top`` asked for every field
 smoothed as well as raw, and each WatchView client built its own update.
 
-"top refresh" is one ``gpulb top`` refresh (ListGpus raw, then the
-smoothed util); "WatchView 1 / 4" one interval of one and of four
+"top refresh" is one ``gpulb top`` refresh (ListGpus of the fields it
+shows, raw, then the smoothed util); "WatchView 1 / 4" one interval of one and of four
 watchers of the whole view after a reading moved it (one build, shared,
 and each watcher's serialisation). The collector runs with the daemon's
 threshold (``gc_gen0_threshold``).
@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from coordinator.cli import _TOP_METRICS  # noqa: E402
 from coordinator.config import CoordinatorConfig  # noqa: E402
 from coordinator.convert import resolve_metrics  # noqa: E402
 from coordinator.schedbench import populate  # noqa: E402
@@ -76,8 +77,10 @@ async def measure(nodes: int, repeat: int) -> dict:
         return response.SerializeToString()
 
     def top_refresh() -> None:
-        """What one ``gpulb top`` refresh asks: every field raw, util smoothed."""
-        list_gpus()
+        """What one ``gpulb top`` refresh asks: the fields it shows raw, util smoothed."""
+        raw = cpb.ListGpusResponse()
+        coord.gpu_messages(metrics=resolve_metrics(_TOP_METRICS), into=raw.gpus)
+        raw.SerializeToString()
         smoothed = cpb.ListGpusResponse()
         coord.gpu_messages(metrics=("util_gpu_pct",), smoothed=True, into=smoothed.gpus)
         smoothed.SerializeToString()

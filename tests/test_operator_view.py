@@ -524,3 +524,46 @@ async def test_concurrent_watchers_over_grpc_get_the_same_update():
         assert coord.operator.builds == 1
     finally:
         await coord.stop(grace_s=0.1)
+
+
+async def test_gpulb_top_shows_raw_and_smoothed_values_of_every_gpu():
+    """`gpulb top` as operators run it: every GPU's raw util, memory,
+    temperature and power, its smoothed util, and an Xid flag (it asks for
+    only the fields it shows, so a field it drops would show here)."""
+    from protos.fields import BY_NAME
+
+    coord = _populated(2)
+    node = coord.view.nodes[sorted(coord.view.nodes)[0]]
+    coord.view.raw[node.rows[1], BY_NAME["xid_last"]] = 79
+    port = await coord.start()
+    try:
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "coordinator.cli", "--coordinator", f"127.0.0.1:{port}", "top",
+            "--iterations", "1", "--no-clear", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 0, err.decode()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            op = cpb_grpc.ClusterOperatorStub(ch)
+            raw = {(g.node_id, g.index): g for g in (await op.ListGpus(cpb.ListGpusRequest())).gpus}
+            smooth = {(g.node_id, g.index): g for g in
+                      (await op.ListGpus(cpb.ListGpusRequest(values=cpb.VALUE_VIEW_SMOOTHED))).gpus}
+    finally:
+        await coord.stop(grace_s=0.1)
+    lines = out.decode().splitlines()
+    assert lines[0].startswith("gpulb top - ") and "16 GPUs" in lines[0]
+    header, dashes, rows = lines[1], lines[2], [line for line in lines[3:] if line.strip()]
+    spans = [m.span() for m in re.finditer(r"-+", dashes)]
+
+    def column(name):
+        start, end = next(span for span in spans if span[0] <= header.index(name) < span[1])
+        return {(line.split()[0], int(line.split()[1])): line[start:end].strip() for line in rows}
+
+    util, smoothed, mem, temp, power, flags = (column(n) for n in ("UTIL", "SMOOTHED", "MEM GiB", "TEMP C", "POWER W", "FLAGS"))
+    assert set(util) == set(raw) and len(raw) == 16
+    for key, g in raw.items():  # the view holds still: nothing moves between the calls
+        assert util[key] == f"{g.util_gpu_pct:.0f}%"
+        assert smoothed[key] == f"{smooth[key].util_gpu_pct:.1f}%"
+        assert mem[key] == f"{g.memory_used_mib / 1024:.1f}/{g.memory_total_mib / 1024:.1f}"
+        assert temp[key] == f"{g.temperature_c:.0f}" and power[key] == f"{g.power_w:.0f}"
+        assert ("xid_79" in flags[key]) == (key == (node.node_id, node.gpus[1].index))
