@@ -11,6 +11,8 @@ memory over time and accounting for every submitted task.
 - Each client loops: ScheduleTask (wait) of a small task, then CompleteTask;
   every ``--cancel-every``-th submission is cancelled instead, and failures are
   counted by status code.
+- ``--watchers N`` keeps N WatchView streams of the whole view open (1 s),
+  as dashboards do: the updates each gets, and how old they are on arrival.
 - Every 10 s the coordinator's RSS is sampled from /proc; at the end every task
   id a client was acknowledged for is looked up (exactly once, in the state
   the client left it in).
@@ -69,6 +71,27 @@ async def _client(n: int, target: str, stop: asyncio.Event, expected: dict[str, 
                 expected.pop(task_id, None) if task_id not in expected else None
 
 
+async def _watcher(target: str, stop: asyncio.Event, got: list[int], lag: list[float], errors: Counter) -> None:
+    """One WatchView client of the whole view, as a dashboard keeps one open:
+    counts the updates it gets and how old each is when it arrives."""
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        call = cpb_grpc.ClusterOperatorStub(ch).WatchView(cpb.WatchViewRequest(min_interval_ms=1000))
+        index = len(got)
+        got.append(0)
+        try:
+            while not stop.is_set():
+                update = await call.read()
+                if update is grpc.aio.EOF:
+                    break
+                got[index] += 1
+                lag.append(time.time() - update.at_ns / 1e9)
+        except grpc.aio.AioRpcError as exc:
+            if not stop.is_set():
+                errors[f"WatchView {exc.code().name}"] += 1
+        finally:
+            call.cancel()
+
+
 async def _run(args: argparse.Namespace) -> dict:
     port = free_port()
     target = f"127.0.0.1:{port}"
@@ -115,6 +138,10 @@ async def _run(args: argparse.Namespace) -> dict:
                 print(f"{len(nodes)} agents streaming; {args.clients} clients submitting for {args.minutes:g} min", file=sys.stderr)
                 stop = asyncio.Event()
                 clients = [asyncio.create_task(_client(n, target, stop, expected, errors, args.cancel_every)) for n in range(args.clients)]
+                watch_updates: list[int] = []
+                watch_lag: list[float] = []
+                clients += [asyncio.create_task(_watcher(target, stop, watch_updates, watch_lag, errors))
+                            for _ in range(args.watchers)]
                 start = time.monotonic()
                 while time.monotonic() - start < duration:
                     await asyncio.sleep(10)
@@ -174,6 +201,9 @@ async def _run(args: argparse.Namespace) -> dict:
         "tasks_in_wrong_state": len(wrong),
         "rpc_errors": dict(errors),
         "healthy_nodes_at_end": len(nodes),
+        "watchers": args.watchers,
+        "watch_updates_min_max": [min(watch_updates), max(watch_updates)] if watch_updates else None,
+        "watch_update_age_p99_s": round(float(sorted(watch_lag)[int(0.99 * (len(watch_lag) - 1))]), 3) if watch_lag else None,
         "rss_mib_over_time": rss,
         "rss_growth_after_warmup_mib": round(max(warm) - min(warm), 1) if warm else None,
     }
@@ -190,6 +220,7 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--interval", type=float, default=1.0, help="s between an agent's envelopes")
     p.add_argument("--cancel-every", type=int, default=10)
+    p.add_argument("--watchers", type=int, default=0, help="WatchView clients of the whole view (1 s interval)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     result = asyncio.run(_run(args))
