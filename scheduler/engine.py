@@ -669,15 +669,23 @@ class Scheduler:
             if room is None:
                 placement = choose(mask)
             else:
-                placement = choose(mask & (view.headroom >= room[0]))
-                if placement is None and choose(mask) is not None:
+                # within one dispatch free room only shrinks: a shape and kind that
+                # waited once waits again (an array of 200 such tasks pays once)
+                room_key = shape + ("growth_room", spec.kind)
+                reason = failed.get(room_key)
+                placement = None
+                if reason is None:
+                    placement = choose(mask & (view.headroom >= room[0]))
+                    if placement is None and choose(mask) is not None:
+                        reason = failed[room_key] = (
+                            f"waiting up to {self.config.growth_room_wait_s:g} s for a GPU with "
+                            f"{room[0]:,.0f} MiB free: room for the largest memory growth "
+                            f"{spec.kind or 'its'} tasks have shown ({room[1]:.2f}x the ask)")
+                if reason is not None:
                     # it fits now only where it could outgrow the memory left: wait a little
                     if spec.task_id not in self._room_waits:
                         self.room_wait_counts["waited"] += 1
                     self._room_waits[spec.task_id] = task.queued_at + self.config.growth_room_wait_s
-                    reason = (f"waiting up to {self.config.growth_room_wait_s:g} s for a GPU with "
-                              f"{room[0]:,.0f} MiB free: room for the largest memory growth "
-                              f"{spec.kind or 'its'} tasks have shown ({room[1]:.2f}x the ask)")
                     if task.reason != reason:
                         task.reason = reason
                         self._changed(task)

@@ -425,3 +425,20 @@ async def test_room_waits_reach_prometheus():
     families = {f.name: f for f in text_string_to_metric_families(coord.metrics.exposition().decode())}
     samples = {s.labels["outcome"]: s.value for s in families["gpulb_growth_room_waits"].samples}
     assert samples == {"waited": 1.0, "found": 1.0, "gave_up": 0.0}
+
+
+def test_tasks_of_one_shape_wait_alike_in_one_dispatch():
+    """The second task of the same shape and kind takes the first one's
+    answer within a dispatch (free room only shrinks there)."""
+    sched, clock = _scheduler(growth_room_wait_s=5.0)
+    busy = _g2_and_g3(20_480.0)
+    for task_id in ("a", "b"):
+        sched.submit(TaskSpec(task_id=task_id, vram_mib=13_107.0, gpu_share=1.0, priority=Priority.P1,
+                              kind="training"), busy)
+    calls = []
+    choose = sched._policy.choose
+    sched._policy.choose = lambda *a, **k: calls.append(1) or choose(*a, **k)
+    assert sched.dispatch(busy) == []
+    assert len(calls) == 2  # the first task's two tries (with room, then anywhere); none for the second
+    assert set(sched._room_waits) == {"a", "b"} and sched.room_wait_counts == {"waited": 2}
+    assert sched.get("a").reason == sched.get("b").reason and "27,525 MiB free" in sched.get("b").reason
