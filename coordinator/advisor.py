@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Sequence
 
 import grpc
 import structlog
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from protos import advisor_pb2 as apb
 from protos import advisor_pb2_grpc as apb_grpc
@@ -478,10 +478,13 @@ class _AdvisorCollector:
         for f in models:
             slowdown.add_metric([f.model, f.kind], f.factor)
         yield slowdown
-        growth = GaugeMetricFamily(
+        # a summary over the learner's window (its quantiles, _count and _sum):
+        # a gauge may not carry a quantile label (promtool check metrics refuses it)
+        growth = Metric(
             "gpulb_memory_growth_ratio",
-            "Peak over asked GPU memory of recently ended tasks, per task kind (empty = every kind) and quantile",
-            labels=["kind", "quantile"],
+            "Peak over asked GPU memory of recently ended tasks (the last window of them), per task kind "
+            "(empty = every kind)",
+            "summary",
         )
         held = GaugeMetricFamily(
             "gpulb_memory_growth_samples",
@@ -491,7 +494,9 @@ class _AdvisorCollector:
         for g in r.growth.stats():
             held.add_metric([g.kind], g.samples)
             for quantile, value in (("0.5", g.p50), ("0.95", g.p95), ("0.99", g.p99), ("1", g.max)):
-                growth.add_metric([g.kind, quantile], value)
+                growth.add_sample("gpulb_memory_growth_ratio", {"kind": g.kind, "quantile": quantile}, value)
+            growth.add_sample("gpulb_memory_growth_ratio_count", {"kind": g.kind}, g.samples)
+            growth.add_sample("gpulb_memory_growth_ratio_sum", {"kind": g.kind}, g.total)
         yield growth
         yield held
         variance = GaugeMetricFamily(

@@ -180,6 +180,7 @@ class GrowthStats:
     p95: float
     p99: float
     max: float
+    total: float = 0.0  # sum of the ratios held (a summary's _sum)
 
 
 class MemoryGrowth:
@@ -249,6 +250,7 @@ class MemoryGrowth:
                     p95=float(q[1]),
                     p99=float(q[2]),
                     max=float(ratios.max()) if ratios.size else math.nan,
+                    total=float(ratios.sum()),
                 )
             )
         return out
