@@ -567,3 +567,31 @@ async def test_gpulb_top_shows_raw_and_smoothed_values_of_every_gpu():
         assert mem[key] == f"{g.memory_used_mib / 1024:.1f}/{g.memory_total_mib / 1024:.1f}"
         assert temp[key] == f"{g.temperature_c:.0f}" and power[key] == f"{g.power_w:.0f}"
         assert ("xid_79" in flags[key]) == (key == (node.node_id, node.gpus[1].index))
+
+
+async def test_per_gpu_values_are_written_as_the_text_format_reads_them():
+    """Finite values go out as Python writes floats (a number the format
+    reads exactly), an infinite reading as +Inf: parsed back, every value is
+    the view's to the bit, and promtool takes the text."""
+    import math
+
+    from protos.fields import BY_NAME
+
+    coord = _populated(2)
+    rows = sorted(r for n in coord.view.nodes.values() for r in n.rows)
+    coord.view.raw[rows[3], BY_NAME["power_w"]] = math.inf
+    coord.view.raw[rows[4], BY_NAME["temperature_c"]] = 1e-7
+    body = coord.metrics.exposition().decode()
+    power = [s for f in text_string_to_metric_families(body) if f.name == "gpulb_gpu_power_watts" for s in f.samples]
+    by_row = {r: coord.view.raw[r, BY_NAME["power_w"]] for r in rows}
+    assert sorted(s.value for s in power) == sorted(float(v) for v in by_row.values())
+    assert any(line.startswith("gpulb_gpu_power_watts{") and line.endswith(" +Inf") for line in body.splitlines())
+    temps = [s.value for f in text_string_to_metric_families(body) if f.name == "gpulb_gpu_temperature_celsius"
+             for s in f.samples]
+    assert 1e-7 in temps
+    memory = [s.value for f in text_string_to_metric_families(body) if f.name == "gpulb_gpu_memory_total_bytes"
+              for s in f.samples]
+    assert memory and all(v == coord.view.raw[rows[0], BY_NAME["memory_total_mib"]] * 1024 * 1024 for v in memory)
+    if shutil.which("promtool"):
+        check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
