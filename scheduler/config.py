@@ -44,15 +44,17 @@ class SchedulerConfig:
     # "Scheduling quality").
     backfill_estimate_factor: float = 0.0
 
-    # s a task below P0 (by spec) that fits now only where the largest memory
+    # A task below P0 (by spec) goes to a GPU with room for the largest memory
     # growth its kind has shown (the learned peak-over-ask ratios of ended
-    # tasks, scheduler.memgrowth) would not fit may wait for a GPU with that
-    # much free, where GPUs differ in size and some that may take it are that
-    # big; after that it takes the best GPU it fits. On the openb cluster it
-    # took load_aware's OOM kills 8 / 9 / 12 -> 6 / 5 / 11 at the same mean
-    # response and slowdown (README, "Scheduling quality"); on a cluster of
-    # one card size nothing changes. P0 never waits: its SLA is seconds. Keep
-    # it below backfill_max_head_wait_s, or a waiting task holds a node. 0: off.
+    # tasks, scheduler.memgrowth) when one can take it, and waits up to this
+    # many s for one when it fits now only where that growth would not; then
+    # it takes the best GPU it fits. Only where GPUs differ in size and some
+    # that may take it are that big: on a cluster of one card size nothing
+    # changes. On the openb cluster it took load_aware's OOM kills 8 / 9 / 12
+    # -> 6 / 5 / 11 at the same mean response and slowdown (README,
+    # "Scheduling quality"). P0 never waits: its SLA is seconds. Keep it below
+    # backfill_max_head_wait_s, or a waiting task holds a node. 0: off
+    # (placement as before).
     growth_room_wait_s: float = 5.0
 
     # ---- filters (hard) -----------------------------------------------------
