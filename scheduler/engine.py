@@ -666,17 +666,21 @@ class Scheduler:
                 return self._policy.choose(view, spec, candidates)
 
             room = self._growth_room(task, view, now)
+            with_room = False  # placed where its kind's largest growth fits
             if room is None:
                 placement = choose(mask)
             else:
                 # within one dispatch free room only shrinks: a shape and kind that
                 # waited once waits again (an array of 200 such tasks pays once)
                 room_key = shape + ("growth_room", spec.kind)
-                reason = failed.get(room_key)
+                reason = failed.get(room_key) if room[2] else None
                 placement = None
                 if reason is None:
                     placement = choose(mask & (view.headroom >= room[0]))
-                    if placement is None and choose(mask) is not None:
+                    with_room = placement is not None
+                    if placement is None and not room[2]:
+                        placement = choose(mask)  # the wait is over: the best GPU it fits
+                    elif placement is None and choose(mask) is not None:
                         reason = failed[room_key] = (
                             f"waiting up to {self.config.growth_room_wait_s:g} s for a GPU with "
                             f"{room[0]:,.0f} MiB free: room for the largest memory growth "
@@ -692,7 +696,7 @@ class Scheduler:
                     return Outcome.BLOCKED
             if placement is not None:
                 if self._room_waits.pop(spec.task_id, None) is not None:
-                    self.room_wait_counts["found" if room is not None else "gave_up"] += 1
+                    self.room_wait_counts["found" if with_room else "gave_up"] += 1
                 self._apply(task, view, placement, now)
                 self._held_nodes.pop(task.task_id, None)
                 if spec.num_gpus > 1:
@@ -724,19 +728,20 @@ class Scheduler:
             del self._room_waits[task_id]  # cancelled, expired, rejected: no outcome to count
         return min((end for end in self._room_waits.values() if end > now), default=None)
 
-    def _growth_room(self, task: Task, view: PlacementView, now: float) -> tuple[float, float] | None:
-        """(MiB, growth ratio): the memory a GPU needs to hold ``task`` grown by
-        the largest peak-over-ask ratio its kind has shown, while ``task`` may
-        still wait ``growth_room_wait_s`` for such a GPU; None when it does
-        not wait for one.
+    def _growth_room(self, task: Task, view: PlacementView, now: float) -> tuple[float, float, bool] | None:
+        """(MiB, growth ratio, may wait): the memory free on a GPU that holds
+        ``task`` grown by the largest peak-over-ask ratio its kind has shown,
+        and whether it may still wait for one (``growth_room_wait_s`` since it
+        was queued); None when it does not look for one.
 
         A task's memory grows past its ask, by a ratio learned from ended tasks
         (``scheduler.memgrowth``). The ``oom_risk`` score weighs the learned
         chance of outgrowing each GPU, but a chance of a few in a thousand
         loses to a faster card, and those few are OOM kills: on the openb
         cluster, whole-GPU asks of 13,107 MiB that grew 1.9-2.1x on a 24 GiB
-        card. A task that fits now only where its growth would not fit waits
-        a few seconds for a GPU with that much free. It waits only where GPUs
+        card. A task goes to a GPU with room for that growth when one can
+        take it, and one that fits now only where its growth would not waits
+        a few seconds for such a GPU. It looks only where GPUs
         differ in size: some GPU that may take it (healthy, open, its gpu_spec
         and labels, on one node for a multi-GPU task) is that big and some
         other GPU is not, so on a cluster of one card size nothing changes.
@@ -744,7 +749,7 @@ class Scheduler:
         learned risk (``oom_risk``: load_aware, fgd) do."""
         spec = task.spec
         wait = self.config.growth_room_wait_s
-        if wait <= 0 or spec.priority == Priority.P0 or spec.vram_mib <= 0 or now - task.queued_at >= wait:
+        if wait <= 0 or spec.priority == Priority.P0 or spec.vram_mib <= 0:
             return None
         if not self._policy.weights.get("oom_risk"):
             return None  # a policy blind to memory growth (round_robin, binpack) or told to be
@@ -769,7 +774,7 @@ class Scheduler:
                 return None
         elif not could.any():
             return None
-        return need, table.hi
+        return need, table.hi, now - task.queued_at < wait
 
     def _why_not(self, view: PlacementView, spec: TaskSpec) -> str:
         result = explain(view, spec, self.config)

@@ -442,3 +442,22 @@ def test_tasks_of_one_shape_wait_alike_in_one_dispatch():
     assert len(calls) == 2  # the first task's two tries (with room, then anywhere); none for the second
     assert set(sched._room_waits) == {"a", "b"} and sched.room_wait_counts == {"waited": 2}
     assert sched.get("a").reason == sched.get("b").reason and "27,525 MiB free" in sched.get("b").reason
+
+
+@pytest.mark.parametrize("wait_s, node", [(5.0, "g3"), (0.0, "g2")])
+def test_a_card_with_room_to_grow_wins_over_a_less_loaded_one(wait_s, node):
+    """What saved the openb kills: no wait at all. The 32 GiB card is 80 %
+    busy (another process's compute, no memory), the 24 GiB one idle; the
+    score alone takes the idle card the task could outgrow, the room rule the
+    busy one that holds its growth (off: the score's choice)."""
+    sched, _ = _scheduler(growth_room_wait_s=wait_s)
+    snap = ClusterSnapshot.build(
+        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
+         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)],
+        util_pct=[0.0, 80.0], memory_used_mib=[0.0, 0.0],
+    )
+    snap.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
+    sched.submit(WHOLE, snap)
+    placed = sched.dispatch(snap)
+    assert [t.assignment.node_id for t in placed] == [node]
+    assert sched.room_wait_counts == {}  # nobody waited
