@@ -176,6 +176,8 @@ def test_dashboard_has_the_panels_operators_need() -> None:
     # what the learners learned: memory growth per kind, prediction error
     assert "gpulb_memory_growth_ratio" in exprs_of["Memory growth: peak over ask, by kind"]
     assert "gpulb_predictor_mape_ratio" in exprs_of["Run-time prediction"]
+    # whether tasks wait for a card with room to grow, and whether they find one
+    assert "gpulb_growth_room_waits_total" in exprs_of["Waits for a GPU with room to grow, by outcome"]
     # the fleet by driver and agent release (a rollout's progress, the odd host out)
     assert "count by (driver, agent_version) (gpulb_node_info)" in exprs_of["Hosts by NVIDIA driver and agent release"]
     # well-formed: unique ids, a datasource and a query on every panel, within the 24-column grid
