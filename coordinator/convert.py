@@ -93,7 +93,7 @@ def gpu_messages(
     response's ``gpus``) or returned as a list.
 
     ``smoothed`` maps Gpu field names to per-row arrays that replace the raw
-    values (the smoothed view); ``extras(row, msg)`` fills scheduler facts.
+    values (the smoothed view); ``extras(node, row, msg)`` fills scheduler facts.
 
     ListGpus and every WatchView client build this for the whole cluster on
     the coordinator's event loop, so it reads the view a column at a time
@@ -148,7 +148,7 @@ def gpu_messages(
             **fields,
         )
         if extras is not None:
-            extras(row, msg)
+            extras(node, row, msg)
         if into is None:
             out.append(msg)
     return out

@@ -118,15 +118,12 @@ class _ViewCollector:
         ):
             out.append(f"# HELP {metric} {_help(doc)}\n# TYPE {metric} gauge\n")
             present = ~np.isnan(values)
-            if np.isfinite(values[present]).all():
-                # Python's repr of a finite float is a number the text format takes
-                # (Go's ParseFloat): prometheus-client's Go-style rewrite of each one
-                # was half the scrape at 8,000 GPUs
-                out.extend(f"{metric}{{{lab}}} {v!r}\n"
-                           for lab, v in zip(itertools.compress(labels, present.tolist()), values[present].tolist()))
-            else:
-                out.extend(f"{metric}{{{lab}}} {floatToGoString(v)}\n"
-                           for lab, v in zip(itertools.compress(labels, present.tolist()), values[present].tolist()))
+            # Python's repr of a finite float is a number the text format takes
+            # (Go's ParseFloat): prometheus-client's Go-style rewrite of each one
+            # was half the scrape at 8,000 GPUs; it stays for +Inf
+            write = repr if np.isfinite(values[present]).all() else floatToGoString
+            out.extend(f"{metric}{{{lab}}} {write(v)}\n"
+                       for lab, v in zip(itertools.compress(labels, present.tolist()), values[present].tolist()))
         return "".join(out).encode()
 
     def _gpu_labels(self, view) -> tuple[np.ndarray, list[str]]:

@@ -626,7 +626,7 @@ class Coordinator:
         facts = self.gpu_scheduler_facts()
         unhealthy = (pb.GPU_HEALTH_READ_FAILED, pb.GPU_HEALTH_FROZEN, pb.GPU_HEALTH_LOST)
 
-        def extras(row: int, msg: cpb.Gpu) -> None:
+        def extras(node: NodeRecord, row: int, msg: cpb.Gpu) -> None:
             if smoothed:
                 if not math.isnan(forecast[row]):
                     msg.util_forecast_pct = forecast[row]
@@ -638,8 +638,7 @@ class Coordinator:
             if held is not None:
                 msg.reserved_vram_mib = int(held[0])
                 msg.active_tasks = held[1]
-            node = self.view.nodes.get(msg.node_id)
-            listed = node.processes.get(msg.index) if node is not None else None
+            listed = node.processes.get(msg.index)
             for pid, mib in sorted(listed or (), key=lambda p: (-p[1], p[0])):  # most memory first
                 msg.processes.add(pid=pid, used_memory_mib=mib)
 

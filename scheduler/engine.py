@@ -339,7 +339,7 @@ class Scheduler:
             del self._held_nodes[task_id]
             self._hold_lost.pop(task_id, None)
         if self._room_waits:
-            self.room_wait_ends()  # forgets the waits of tasks that left the queue unplaced
+            self._forget_room_waits()
         held: dict[str, int | None] = {}  # barrier -> held node index, once per dispatch
         fences: dict[frozenset, np.ndarray] = {}  # held node set -> GPUs fenced tasks may use
         # held node index -> (when its leases end, its speed); "lease_ends" ->
@@ -722,11 +722,16 @@ class Scheduler:
         """When the first task now waiting for room to grow stops waiting (the
         clock's time), or None: a caller that dispatches only on events (the
         simulator) dispatches then, as the coordinator's periodic pass would."""
+        self._forget_room_waits()
         now = self._clock()
+        return min((end for end in self._room_waits.values() if end > now), default=None)
+
+    def _forget_room_waits(self) -> None:
+        """Drop the waits of tasks that left the queue unplaced (cancelled,
+        expired, rejected): no outcome to count."""
         for task_id in [t for t in self._room_waits if self._tasks.get(t) is None
                         or self._tasks[t].state != TaskState.QUEUED]:
-            del self._room_waits[task_id]  # cancelled, expired, rejected: no outcome to count
-        return min((end for end in self._room_waits.values() if end > now), default=None)
+            del self._room_waits[task_id]
 
     def _growth_room(self, task: Task, view: PlacementView, now: float) -> tuple[float, float, bool] | None:
         """(MiB, growth ratio, may wait): the memory free on a GPU that holds
