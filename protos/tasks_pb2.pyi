@@ -26,6 +26,7 @@ class TaskState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_STATE_LOST: _ClassVar[TaskState]
     TASK_STATE_REJECTED: _ClassVar[TaskState]
     TASK_STATE_FAILED: _ClassVar[TaskState]
+    TASK_STATE_PREEMPTED: _ClassVar[TaskState]
 PRIORITY_UNSPECIFIED: Priority
 PRIORITY_P0: Priority
 PRIORITY_P1: Priority
@@ -40,6 +41,7 @@ TASK_STATE_EXPIRED: TaskState
 TASK_STATE_LOST: TaskState
 TASK_STATE_REJECTED: TaskState
 TASK_STATE_FAILED: TaskState
+TASK_STATE_PREEMPTED: TaskState
 
 class TaskSpec(_message.Message):
     __slots__ = ("task_id", "tenant", "priority", "kind", "num_gpus", "vram_mib", "gpu_share", "duration_s", "gpu_spec", "needs_nvlink", "io_heavy", "movable", "deadline_s", "labels", "required_node_labels", "preferred_node_labels")

@@ -57,6 +57,28 @@ class SchedulerConfig:
     # (placement as before).
     growth_room_wait_s: float = 5.0
 
+    # ---- preemption ------------------------------------------------------------
+    # Urgent work is never stuck behind batch work: a P0 task (by spec) that
+    # fits no GPU for this many s evicts lower-priority leases (see
+    # preempt_min_victim_priority) from the GPU where that costs least, and
+    # that GPU is kept for it until the victims' memory shows free in the
+    # readings. The victims go back to the queue (state PREEMPTED, then
+    # QUEUED: their lease holders stop them; checkpoint-and-restart work
+    # resumes, the rest starts over). 1 s rather than 0: a P0 that a lease
+    # ending this instant would make room for evicts nothing, and the 5 s SLA
+    # still leaves the victims seconds to stop.
+    preemption: bool = True
+    preempt_after_s: float = 1.0
+    # The most urgent class a victim may be (by spec): 2 = P2 batch and P3
+    # background may be evicted, P1 never; 3: P3 only; 1: P1 too. P0 never is.
+    preempt_min_victim_priority: int = 2
+    # Most leases one P0 task may evict; a GPU that needs more is not chosen.
+    preempt_max_victims: int = 4
+    # s the evicted GPU stays kept for its P0 task: long enough for the
+    # victims to stop and the agent's readings to show their memory free. A
+    # P0 task still waiting then may evict again, elsewhere.
+    preempt_grace_s: float = 30.0
+
     # ---- filters (hard) -----------------------------------------------------
     # % of GPU memory that memory used + reservations + the task must stay under.
     memory_reject_pct: float = 85.0
@@ -124,6 +146,15 @@ class SchedulerConfig:
             raise InvalidArgument("backfill_max_skips", "must be >= 1")
         if not (math.isfinite(self.growth_room_wait_s) and self.growth_room_wait_s >= 0):
             raise InvalidArgument("growth_room_wait_s", f"must be a finite number >= 0, got {self.growth_room_wait_s!r}")
+        if not (math.isfinite(self.preempt_after_s) and self.preempt_after_s >= 0):
+            raise InvalidArgument("preempt_after_s", f"must be a finite number >= 0, got {self.preempt_after_s!r}")
+        if isinstance(self.preempt_min_victim_priority, bool) or self.preempt_min_victim_priority not in (1, 2, 3):
+            raise InvalidArgument("preempt_min_victim_priority",
+                                  f"must be 1, 2 or 3 (P1, P2 or P3), got {self.preempt_min_victim_priority!r}")
+        if isinstance(self.preempt_max_victims, bool) or not isinstance(self.preempt_max_victims, int) \
+                or self.preempt_max_victims < 1:
+            raise InvalidArgument("preempt_max_victims", f"must be an integer >= 1, got {self.preempt_max_victims!r}")
+        positive("preempt_grace_s", self.preempt_grace_s)
         if not (math.isfinite(self.backfill_estimate_factor) and self.backfill_estimate_factor >= 0):
             raise InvalidArgument("backfill_estimate_factor", "must be a finite number >= 0")
         for name in ("memory_reject_pct", "memory_warn_pct"):

@@ -12,7 +12,17 @@ Life cycle::
     submit --> QUEUED --dispatch--> LEASED --complete--> COMPLETED / FAILED
        |         |  \\--deadline--> EXPIRED      |--lease runs out--> EXPIRED
        |         \\--cancel--> CANCELLED          |--cancel--> CANCELLED
-       \\--never fits--> REJECTED                 \\--node_removed--> LOST (--> QUEUED if retryable)
+       \\--never fits--> REJECTED                 |--node_removed--> LOST (--> QUEUED if retryable)
+                                                  \\--a P0 task evicts it--> PREEMPTED --> QUEUED
+
+Preemption (``_preempt``): urgent work is never stuck behind batch work. A
+P0 task (by spec) that has fit nowhere for ``config.preempt_after_s`` evicts
+leases of ``config.preempt_min_victim_priority`` and below from the GPU (or,
+for a multi-GPU task, the node) where that costs least, and those GPUs are
+kept for it (no other task may take them) until their memory shows free in
+the readings or ``config.preempt_grace_s`` passes. Its victims are re-queued
+at once at their spec priority; their lease holders hear of it as the state
+PREEMPTED, the agents as a release.
 
 Retry rule for lost tasks: a task whose node is removed is re-queued (at its
 spec priority, aging restarting) when ``spec.movable`` is set or its ``kind``
@@ -71,6 +81,17 @@ _HOLD_GRACE_S = 5.0
 _KEPT_FREE_SETS = 4
 
 Listener = Callable[[Task], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Nomination:
+    """GPUs whose lower-priority leases were evicted for a P0 task, kept for
+    it until it is placed or ``until`` (the clock's time) passes."""
+
+    node_id: str
+    gpu_uuids: tuple[str, ...]
+    victims: tuple[str, ...]  # task ids evicted for it
+    until: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +159,18 @@ class Scheduler:
         # with the room ("found") or, the wait over, without it ("gave_up")
         self.room_wait_counts: Counter[str] = Counter()
         self._hold_lost: dict[str, float] = {}  # barrier task id -> since when its node is not reachable
+        # preemption: P0 task id -> the GPUs evicted for it; the rows they are
+        # in the current view (None: none kept); P0 tasks that fit nowhere ->
+        # when they may evict; victims evicted in this dispatch, re-queued
+        # once the queue's drain is done (it must not change under its walk)
+        self._nominations: dict[str, Nomination] = {}
+        self._nominated_rows: np.ndarray | None = None
+        self._preempt_due: dict[str, float] = {}
+        self._evicted: list[Task] = []
+        self._evicted_at: float | None = None  # when the last eviction was (next_decision_at)
+        # "evicted" (victims), "nominated" (P0 tasks that evicted), and how the
+        # nominations ended: "placed_there", "placed_elsewhere", "lapsed"
+        self.preemption_counts: Counter[str] = Counter()
         # per class, the queued multi-GPU tasks that failed to fit, in the order
         # they first did (``_urgent_sets``; stale ids are dropped as met)
         self._blocked_sets: list[dict[str, None]] = [{} for _ in Priority]
@@ -340,6 +373,9 @@ class Scheduler:
             self._hold_lost.pop(task_id, None)
         if self._room_waits:
             self._forget_room_waits()
+        self._forget_nominations(now)
+        self._evicted_at = None
+        self._nominated_rows = self._nomination_rows(view) if self._nominations else None
         held: dict[str, int | None] = {}  # barrier -> held node index, once per dispatch
         fences: dict[frozenset, np.ndarray] = {}  # held node set -> GPUs fenced tasks may use
         # held node index -> (when its leases end, its speed); "lease_ends" ->
@@ -369,8 +405,14 @@ class Scheduler:
             now,
             can_hold,
         )
+        for victim in self._evicted:
+            self._queue.push(victim, now)
+        if self._evicted:
+            self._evicted_at = now
+        self._evicted.clear()
         self._flush()
-        return [copy.copy(t) for t in placed]
+        # a task placed early in the drain may have been evicted for a P0 task later in it
+        return [copy.copy(t) for t in placed if t.state == TaskState.LEASED]
 
     def _held_node(self, task_id: str, view: PlacementView, now: float) -> int | None:
         """The node held for a barrier task: fenced tasks may not take it (but
@@ -621,14 +663,25 @@ class Scheduler:
                 spec.io_heavy,
                 frozenset(spec.required_node_labels.items()),
             )
+        nominated = self._nominated_rows
+        own = self._nominations.get(spec.task_id) if nominated is not None else None
         shape = of_spec + (
             held,
             # with estimates, whether a held node is open to it depends on how long it runs
             spec.duration_s if held and self.config.backfill_estimate_factor > 0 else 0.0,
+            # GPUs evicted for a P0 task are open to it alone
+            spec.task_id if own is not None else None,
         )
         reason = failed.get(shape)
         if reason is None:
             mask = feasible(view, spec, self.config)
+            mine = None  # the GPUs evicted for this task, where it passes the filters
+            if nominated is not None:
+                if own is None:
+                    mask &= ~nominated
+                else:
+                    mine = mask & _rows_mask(view, own.gpu_uuids)
+                    mask &= ~nominated
             if held:
                 fences = {} if fences is None else fences
                 allowed = fences.get(held)
@@ -654,6 +707,8 @@ class Scheduler:
                         if now + spec.duration_s / speed <= waiting:
                             allowed = allowed | (view.node == index)
                 mask = mask & allowed
+            if mine is not None:
+                mask = mask | mine  # evicted for it: no barrier's fence keeps it off them
             away = kept_off(int(task.priority)) if kept_off is not None else None
 
             def choose(candidates: np.ndarray) -> Placement | None:
@@ -697,6 +752,13 @@ class Scheduler:
             if placement is not None:
                 if self._room_waits.pop(spec.task_id, None) is not None:
                     self.room_wait_counts["found" if with_room else "gave_up"] += 1
+                self._preempt_due.pop(spec.task_id, None)
+                kept = self._nominations.pop(spec.task_id, None)
+                if kept is not None:
+                    there = set(placement.gpu_uuids) <= set(kept.gpu_uuids)
+                    self.preemption_counts["placed_there" if there else "placed_elsewhere"] += 1
+                    # what it does not take is open to the rest of this dispatch
+                    self._nominated_rows = self._nomination_rows(view)
                 self._apply(task, view, placement, now)
                 self._held_nodes.pop(task.task_id, None)
                 if spec.num_gpus > 1:
@@ -709,6 +771,18 @@ class Scheduler:
             failed[shape] = reason
         if spec.num_gpus > 1:
             self._blocked_sets[int(task.priority)][task.task_id] = None
+        if spec.priority == Priority.P0 and self.config.preemption:
+            evicted = self._nominations.get(spec.task_id)
+            if evicted is None:
+                due = self._preempt_due.setdefault(spec.task_id, task.queued_at + self.config.preempt_after_s)
+                # within one dispatch victims only go: a shape no eviction made room for once won't later
+                if now >= due and shape + ("preempt",) not in failed:
+                    evicted = self._preempt(task, view, now, held)
+                    if evicted is None:
+                        failed[shape + ("preempt",)] = reason
+            if evicted is not None:
+                reason = (f"{reason}; {len(evicted.victims)} lower-priority task(s) evicted for it from node "
+                          f"{evicted.node_id}: placing it there once their memory shows free")
         kept_for_it = self._held_nodes.get(task.task_id)
         if kept_for_it is not None:
             # why that node is quiet, for the operator reading the queue
@@ -718,13 +792,25 @@ class Scheduler:
             self._changed(task)
         return Outcome.BLOCKED if view.any_room() else Outcome.EXHAUSTED
 
-    def room_wait_ends(self) -> float | None:
-        """When the first task now waiting for room to grow stops waiting (the
-        clock's time), or None: a caller that dispatches only on events (the
-        simulator) dispatches then, as the coordinator's periodic pass would."""
+    def next_decision_at(self) -> float | None:
+        """When the next decision that waits on time alone falls due (the
+        clock's time), or None: a task waiting for room to grow stops waiting,
+        a P0 task that fits nowhere may evict (``preempt_after_s``), GPUs
+        kept for one lapse (``preempt_grace_s``), or, right after an eviction,
+        its P0 task may fit already. A caller that dispatches
+        only on events (the simulator) dispatches then, as the coordinator's
+        periodic pass would."""
         self._forget_room_waits()
         now = self._clock()
-        return min((end for end in self._room_waits.values() if end > now), default=None)
+        if self._evicted_at == now:
+            # the victims' room may be free in the view already (one placed but
+            # not yet running): try their P0 tasks again at once
+            return now
+        times = [end for end in self._room_waits.values() if end > now]
+        times += [due for t, due in self._preempt_due.items() if due > now and t not in self._nominations
+                  and t in self._tasks and self._tasks[t].state == TaskState.QUEUED]
+        times += [kept.until for kept in self._nominations.values() if kept.until > now]
+        return min(times, default=None)
 
     def _forget_room_waits(self) -> None:
         """Drop the waits of tasks that left the queue unplaced (cancelled,
@@ -780,6 +866,179 @@ class Scheduler:
         elif not could.any():
             return None
         return need, table.hi, now - task.queued_at < wait
+
+    # ---- preemption ---------------------------------------------------------------------
+    def _forget_nominations(self, now: float) -> None:
+        """Drop what preemption keeps for tasks that left the queue (cancelled,
+        expired: placed ones were counted when placed), and the GPUs kept past
+        ``preempt_grace_s`` (counted as lapsed: their task may evict again)."""
+        for task_id in [t for t in self._preempt_due if self._tasks.get(t) is None
+                        or self._tasks[t].state != TaskState.QUEUED]:
+            del self._preempt_due[task_id]
+        for task_id, kept in list(self._nominations.items()):
+            task = self._tasks.get(task_id)
+            if task is None or task.state != TaskState.QUEUED:
+                del self._nominations[task_id]
+            elif kept.until <= now:
+                del self._nominations[task_id]
+                self._preempt_due[task_id] = now  # it may evict again, now
+                self.preemption_counts["lapsed"] += 1
+                log.warning("preemption lapsed for %s: the memory of %s on node %s did not show free in %g s",
+                            task_id, ", ".join(kept.victims), kept.node_id, self.config.preempt_grace_s)
+
+    def _nomination_rows(self, view: PlacementView) -> np.ndarray | None:
+        kept = [u for n in self._nominations.values() for u in n.gpu_uuids]
+        return _rows_mask(view, kept) if kept else None
+
+    def _preempt(
+        self, task: Task, view: PlacementView, now: float, fenced: frozenset[int] = frozenset()
+    ) -> Nomination | None:
+        """Evict lower-priority leases for the P0 ``task``, which fits nowhere,
+        from where that costs least, and keep those GPUs for it; the
+        ``Nomination``, or None when no eviction would make room.
+
+        Victims are leases of ``preempt_min_victim_priority`` and below (by
+        spec), at most ``preempt_max_victims``. Each frees what it asked for
+        (the memory of a task is not known apart from its GPU's reading); a
+        GPU is a candidate when it passes every filter but memory (and is not
+        kept for another P0 task) and its victims free enough that the task
+        would pass the memory filters too. On each GPU the victims are taken
+        in the order P3 before P2, movable (checkpointed, so they lose only a
+        restart) before not, the most recently placed first (the least work
+        lost) until the task fits. Among GPUs (for a task of k GPUs, nodes
+        with their k cheapest GPUs) the cheapest eviction wins, as Kubernetes
+        chooses: the least urgent most-urgent victim, then the fewest
+        victims, then the fewest that are not movable, then the least GPU time
+        lost. Nodes held for a blocked multi-GPU task ahead of it
+        (``fenced``: indices) are not cleared for it: that task waits for them
+        to drain. An NVLink task of several GPUs is left to wait: which of a
+        node's GPUs form its NVLink group once free is the placement's call.
+        """
+        spec = task.spec
+        cfg = self.config
+        if spec.num_gpus > 1 and spec.needs_nvlink:
+            return None
+        ok = self._static_ok(spec, view) & view.avail
+        if spec.io_heavy:
+            ok &= view.io_ok
+        if self._nominated_rows is not None:
+            ok &= ~self._nominated_rows
+        if fenced:
+            ok &= ~np.isin(view.node, list(fenced))
+        if not ok.any():
+            return None
+        # MiB the task still lacks per GPU under both memory filters (the VRAM
+        # left, and the reject threshold, which it must stay under)
+        pct = cfg.memory_reject_for(spec.tenant)
+        room = np.minimum(view.headroom, view.total * (pct / 100.0) - view.committed - 1.0)
+        lack = float(spec.vram_mib) - room
+        min_victim = cfg.preempt_min_victim_priority
+        on_row: dict[int, list[Task]] = {}
+        for node_id, ids in self._by_node.items():
+            for task_id in ids:
+                victim = self._tasks.get(task_id)
+                if victim is None or victim.assignment is None or int(victim.spec.priority) < min_victim:
+                    continue
+                for gpu_uuid in victim.assignment.gpu_uuids:
+                    row = view.row_of.get(gpu_uuid)
+                    if row is not None and ok[row]:
+                        on_row.setdefault(row, []).append(victim)
+
+        def lost(victim: Task) -> float:  # GPU-seconds its run so far is worth
+            return (now - victim.assignment.placed_at) * victim.spec.num_gpus  # type: ignore[union-attr]
+
+        def victims_for(row: int) -> tuple[Task, ...] | None:
+            need = float(lack[row])
+            if need <= 0:
+                return ()
+            chosen: list[Task] = []
+            freed = 0.0
+            # the task id last: _by_node holds sets, whose order changes from one process to the next
+            order = sorted(on_row.get(row, ()),
+                           key=lambda v: (-int(v.spec.priority), not v.spec.movable, lost(v), v.task_id))
+            for victim in order:
+                if len(chosen) == cfg.preempt_max_victims:
+                    return None
+                chosen.append(victim)
+                freed += float(victim.spec.vram_mib)
+                if freed >= need:
+                    return tuple(chosen)
+            return None
+
+        def cost(victims: Sequence[Task]) -> tuple:
+            return (-min(int(v.spec.priority) for v in victims), len(victims),
+                    sum(not v.spec.movable for v in victims), sum(lost(v) for v in victims))
+
+        best: tuple | None = None
+        if spec.num_gpus == 1:
+            for row in sorted(on_row):
+                victims = victims_for(row)
+                if victims:
+                    key = cost(victims) + (row,)
+                    if best is None or key < best[0]:
+                        best = (key, (row,), victims)
+        else:
+            rows_of: dict[int, list[int]] = {}
+            for row in np.flatnonzero(ok):
+                rows_of.setdefault(int(view.node[row]), []).append(int(row))
+            for node, rows in sorted(rows_of.items()):
+                if len(rows) < spec.num_gpus or not any(r in on_row for r in rows):
+                    continue
+                options = []
+                for row in rows:
+                    victims = victims_for(row)
+                    if victims is not None:
+                        options.append((cost(victims) if victims else (), row, victims))
+                if len(options) < spec.num_gpus:
+                    continue
+                options.sort(key=lambda o: (o[0] != (), o[0], o[1]))
+                picked = options[: spec.num_gpus]
+                union = {v.task_id: v for _, _, vs in picked for v in vs}
+                if not union or len(union) > cfg.preempt_max_victims:
+                    continue
+                key = cost(list(union.values())) + (node,)
+                if best is None or key < best[0]:
+                    best = (key, tuple(r for _, r, _ in picked), tuple(union.values()))
+        if best is None:
+            return None
+        _, rows, victims = best
+        s = view.snapshot
+        node_id = s.node_ids[int(view.node[rows[0]])]
+        for victim in victims:
+            self._evict(victim, task, node_id, now)
+        kept = Nomination(
+            node_id=node_id,
+            gpu_uuids=tuple(str(s.gpu_uuid[r]) for r in rows),
+            victims=tuple(v.task_id for v in victims),
+            until=now + cfg.preempt_grace_s,
+        )
+        self._nominations[task.task_id] = kept
+        self._preempt_due.pop(task.task_id, None)
+        self._nominated_rows = self._nomination_rows(view)
+        self.preemption_counts["nominated"] += 1
+        self.preemption_counts["evicted"] += len(victims)
+        log.info("preempted %s on node %s for P0 task %s", ", ".join(kept.victims), node_id, task.task_id)
+        return kept
+
+    def _evict(self, victim: Task, by: Task, node_id: str, now: float) -> None:
+        """End ``victim``'s lease for the P0 task ``by``: PREEMPTED (its lease
+        holder and its agent stop it), then QUEUED at its spec priority, in the
+        queue once the dispatch's drain is done."""
+        self._release(victim)
+        victim.state = TaskState.PREEMPTED
+        victim.reason = f"preempted for P0 task {by.task_id} on node {node_id}"
+        self._changed(victim)  # watchers see the eviction, with the GPUs it left, before the re-queue
+        victim.state = TaskState.QUEUED
+        victim.assignment = None
+        victim.reason = f"re-queued after it was preempted for P0 task {by.task_id}"
+        victim.priority = Priority(victim.spec.priority)
+        victim.queued_at = now
+        self._evicted.append(victim)
+        self._changed(victim)
+
+    def nominations(self) -> dict[str, Nomination]:
+        """P0 task id -> the GPUs evicted for it and kept for it now."""
+        return dict(self._nominations)
 
     def _why_not(self, view: PlacementView, spec: TaskSpec) -> str:
         result = explain(view, spec, self.config)
@@ -961,6 +1220,11 @@ class Scheduler:
             if held == node_id and blocked in self._tasks and self._tasks[blocked].state == TaskState.QUEUED:
                 raise Unplaceable(f"{field}: node {node_id} is kept for the blocked task {blocked!r} while "
                                   "gpulb's tasks there end")
+        for p0_id, kept in self._nominations.items():
+            taken = set(kept.gpu_uuids) & set(uuids)
+            if taken and p0_id in self._tasks and self._tasks[p0_id].state == TaskState.QUEUED:
+                raise Unplaceable(f"{field}: {sorted(taken)[0]} is kept for P0 task {p0_id!r}: lower-priority "
+                                  "tasks were evicted from it to make room")
         for u, row in zip(uuids, rows):
             failed = first_failure(view, spec, row, self.config)
             if failed is not None:
@@ -1153,6 +1417,14 @@ class Scheduler:
             sla_misses=self._queue.sla_misses,
             placed=self.placed,
         )
+
+
+def _rows_mask(view: PlacementView, gpu_uuids: Sequence[str]) -> np.ndarray:
+    """Per GPU of ``view``: whether it is one of ``gpu_uuids`` (unknown ones are ignored)."""
+    mask = np.zeros(view.gpu_count, dtype=bool)
+    rows = [view.row_of[u] for u in gpu_uuids if u in view.row_of]
+    mask[rows] = True
+    return mask
 
 
 def _node_index(view: PlacementView) -> dict[str, int]:

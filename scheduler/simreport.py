@@ -36,6 +36,8 @@ Definitions (every figure is computed from ``SimResult`` alone):
   tasks that waited for a GPU with room for their kind's largest growth,
   ``room_waits_found``: of those, placed with it), **sla_misses** (P0
   tasks queued past the SLA, from the scheduler's own counter),
+  **preemptions** (leases evicted for P0 tasks; ``preempted_work_h``: the
+  GPU-hours, at reference speed, their runs redo),
   **throughput** (completed tasks per hour of makespan), **makespan** (last
   completion).
 * **saturation** (when run): share of GPU capacity left unallocated when the
@@ -155,6 +157,8 @@ def figures(r: SimResult) -> dict[str, Any]:
         "oom_kills_idle_room": r.oom_kills_idle_room,
         "room_waits": r.room_waits,
         "room_waits_found": r.room_waits_found,
+        "preemptions": r.preemptions,
+        "preempted_work_h": r.preempted_work_s / 3600.0,
         "sla_misses": r.sla_misses,
         "throughput_per_h": len(done) / (makespan / 3600.0) if makespan > 0 else math.nan,
         "makespan_s": makespan,
@@ -428,6 +432,9 @@ def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
     if any(f["room_waits"] for f in figs):
         row("waits for room to grow / found it", [f"{f['room_waits']}/{f['room_waits_found']}" for f in figs])
     row("P0 SLA misses", [fmt(f["sla_misses"]) for f in figs])
+    if any(f["preemptions"] for f in figs):
+        row("preempted for P0 / GPU-h redone",
+            [f"{f['preemptions']:,}/{f['preempted_work_h']:,.1f}" for f in figs])
     if any(f["plans"] for f in figs):
         row("rebalance plans / migrations", [f"{f['plans']}/{f['migrations']}" for f in figs])
     row("throughput tasks/h", [fmt(f["throughput_per_h"], 1) for f in figs])

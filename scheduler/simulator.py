@@ -327,6 +327,7 @@ class TaskRecord:
     state: str = "pending"  # completed | dropped | rejected | unfinished
     reason: str = ""
     migrations: int = 0  # times the advisor moved it
+    preemptions: int = 0  # times it was evicted for a P0 task
 
     @property
     def jct_s(self) -> float:
@@ -370,6 +371,11 @@ class SimResult:
     # and of those, the ones placed with that room
     room_waits: int = 0
     room_waits_found: int = 0
+    # leases evicted for P0 tasks (Scheduler preemption), and the work those
+    # runs redo: GPU-seconds at reference speed (a movable task's restart
+    # cost; the whole run so far of one that starts over)
+    preemptions: int = 0
+    preempted_work_s: float = 0.0
 
 
 @dataclass
@@ -674,6 +680,8 @@ class Simulation:
         self._advise_gate = math.inf  # when that evaluation's answer may change on the same readings
         self.plans = 0
         self.migrations = 0
+        self.preemptions = 0
+        self.preempted_work_s = 0.0
         # bookkeeping
         self.records = [
             TaskRecord(t.task_id, int(t.priority), t.kind, t.submit_s, t.duration_s, t.num_gpus, t.gpu_share)
@@ -702,7 +710,13 @@ class Simulation:
         self._heat: list[np.ndarray] = []
 
     def _on_change(self, task) -> None:
-        """A queued run the engine ended without placing it (REJECTED, EXPIRED)."""
+        """A queued run the engine ended without placing it (REJECTED, EXPIRED),
+        or a running one it evicted for a P0 task (PREEMPTED)."""
+        if task.state == TaskState.PREEMPTED:
+            run = self._running.get(task.task_id)
+            if run is not None:
+                self._preempted(run)
+            return
         if task.terminal and task.task_id in self._queued and task.state != TaskState.COMPLETED:
             idx, _, _ = self._queued.pop(task.task_id)
             rec = self.records[idx]
@@ -813,6 +827,8 @@ class Simulation:
             },
             plans=self.plans,
             migrations=self.migrations,
+            preemptions=self.preemptions,
+            preempted_work_s=self.preempted_work_s,
             prediction_mape=self.predictor.mape() if self.predictor is not None else math.nan,
             prediction_samples=self.predictor.samples if self.predictor is not None else 0,
             memory_growth_samples=self.growth.samples if self.growth is not None else 0,
@@ -843,7 +859,7 @@ class Simulation:
         placed = self.sched.dispatch(snap)
         for task in placed:
             self._start(task)
-        wake = self.sched.room_wait_ends()
+        wake = self.sched.next_decision_at()
         if wake is not None and wake not in self._wakes:
             # the coordinator dispatches at least every dispatch_interval_s; here
             # nothing else need happen by the time a task stops waiting for room
@@ -1247,10 +1263,7 @@ class Simulation:
             task = self.sched.migrate(run.run_id, run.lease_id, tuple(to_gpu_uuids), snap)
         except SchedulerError:
             return False
-        run.done += run.rate * (now - run.t_last)
-        run.t_last = now
-        left = max(run.work - run.done, 0.0)
-        self._remove(run)
+        left = self._stop(run)
         rec = self.records[run.idx]
         rec.migrations += 1
         self.migrations += 1
@@ -1260,6 +1273,34 @@ class Simulation:
         self._resume[run.run_id] = (left, run.util)
         self._start(task)
         return True
+
+    def _stop(self, run: _Run) -> float:
+        """Stop ``run`` now: its load and memory leave its GPUs. Returns the
+        work (reference seconds) it has left."""
+        run.done += run.rate * (self.now - run.t_last)
+        run.t_last = self.now
+        left = max(run.work - run.done, 0.0)
+        self._remove(run)
+        return left
+
+    def _preempted(self, run: _Run) -> None:
+        """The scheduler evicted ``run`` for a P0 task and re-queued it: its
+        load and memory leave the GPUs now (the readings show it after the
+        sampling delay, when the P0 task can start). A movable task was
+        checkpointed: its next run does what is left plus the restart cost
+        (``migration_cost_s``, as a migration); any other starts over."""
+        now = self.now
+        left = self._stop(run)
+        rec = self.records[run.idx]
+        rec.preemptions += 1
+        self.preemptions += 1
+        gpus = len(run.rows)
+        if self.tasks[run.idx].is_movable:
+            self._resume[run.run_id] = (left, run.util)
+            self.preempted_work_s += self.cfg.migration_cost_s * gpus
+        else:
+            self.preempted_work_s += run.done * gpus
+        self._queued[run.run_id] = (run.idx, run.ask, now)
 
     def _kill(self, run: _Run, used: float) -> None:
         """Out of memory: the run whose allocation overflowed dies and is resubmitted."""

@@ -51,6 +51,7 @@ class TaskState(IntEnum):
     LOST = 6  # its node was removed while it ran (and it was not re-queued)
     REJECTED = 7  # can never fit any current node
     FAILED = 8  # the lease holder reported failure
+    PREEMPTED = 9  # evicted for a P0 task: the lease ended, and it is QUEUED again at once
 
 
 TERMINAL_STATES = frozenset(

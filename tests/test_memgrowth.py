@@ -293,13 +293,13 @@ def test_a_task_below_p0_waits_a_little_for_a_card_with_room_for_the_largest_gro
     task = sched.get("t")
     assert task.state.name == "QUEUED"
     assert "27,525 MiB free" in task.reason and "2.10x the ask" in task.reason and "training" in task.reason
-    assert sched.room_wait_ends() == 105.0  # a dispatcher driven by events wakes then
+    assert sched.next_decision_at() == 105.0  # a dispatcher driven by events wakes then
     # the G3's memory is freed within the wait: the task goes there
     clock[0] += 3.0
     freed = _g2_and_g3(0.0)
     placed = sched.dispatch(freed)
     assert [t.assignment.node_id for t in placed] == ["g3"]
-    assert sched.room_wait_ends() is None
+    assert sched.next_decision_at() is None
     assert sched.room_wait_counts == {"waited": 1, "found": 1}
 
 
@@ -317,7 +317,7 @@ def test_after_the_wait_it_takes_the_best_card_it_fits():
 
 
 def test_a_cancelled_wait_is_forgotten_at_the_next_dispatch():
-    """The coordinator never asks room_wait_ends; dispatch forgets ended waits."""
+    """The coordinator never asks next_decision_at; dispatch forgets ended waits."""
     sched, clock = _scheduler(growth_room_wait_s=5.0)
     busy = _g2_and_g3(20_480.0)
     sched.submit(WHOLE, busy)

@@ -254,7 +254,8 @@ def test_window_runs_from_first_percentile_to_last_submission():
 
 def test_wait_figures_by_class():
     tasks = [task("A", 0, 100, 15_000), task("B", 10, 50, 15_000, priority=Priority.P0)]
-    f = figures(run(tasks, ONE_4090))
+    # without preemption, so the P0 task waits for the batch one (with it: the test above)
+    f = figures(run(tasks, ONE_4090, scheduler=SchedulerConfig(preemption=False)))
     assert f["wait_s"]["P0"]["n"] == 1 and f["wait_s"]["P0"]["mean"] == pytest.approx(92.4)
     assert f["wait_s"]["P2"]["mean"] == 0.0
     assert f["wait_s"]["all"]["p50"] == pytest.approx(46.2)
@@ -652,3 +653,30 @@ def test_command_line_runs_each_policy_with_and_without_the_advisor(tmp_path, ca
     assert "growth_room_wait_s" in capsys.readouterr().err
     assert simulate_main(base + ["--scheduler-set", "policy=fgd"]) == 2
     assert "set by the simulator (use --policy)" in capsys.readouterr().err
+
+
+def test_a_p0_task_preempts_a_background_task_which_resumes_after_it():
+    # B (P3, movable) holds the only GPU from 0; U (P0) arrives at 10 and fits
+    # nowhere. At 11 (preempt_after_s 1 s) B is evicted; its memory shows free
+    # 2.4 s later, when U starts: 13.4, done at 63.4. B, re-queued at 11, starts
+    # again when U's end is visible (65.8) and does what was left (1000 - 11 s)
+    # plus the 30 s restart: done at 65.8 + 989 + 30 = 1084.8.
+    tasks = [task("B", 0, 1000, 15_000, priority=Priority.P3, kind="background"),
+             task("U", 10, 50, 15_000, priority=Priority.P0, kind="inference")]
+    r = run(tasks, ONE_4090)
+    b, u = rec(r, "B"), rec(r, "U")
+    assert u.first_start_s == pytest.approx(11 + VISIBLE) and u.finish_s == pytest.approx(61 + VISIBLE)
+    assert b.preemptions == 1 and b.runs == 2
+    assert b.finish_s == pytest.approx(61 + 2 * VISIBLE + 989 + 30)
+    assert b.wait_s == pytest.approx(61 + 2 * VISIBLE - 11)
+    assert (r.preemptions, r.preempted_work_s, r.sla_misses) == (1, 30.0, 0)
+    f = figures(r)
+    assert (f["preemptions"], f["preempted_work_h"]) == (1, 30.0 / 3600)
+    assert "preempted for P0 / GPU-h redone" in render([r])
+    # a task that cannot checkpoint starts over: its 11 s are redone
+    tasks[0] = replace(tasks[0], movable=False)
+    r = run(tasks, ONE_4090)
+    assert rec(r, "B").finish_s == pytest.approx(61 + 2 * VISIBLE + 1000) and r.preempted_work_s == 11.0
+    # preemption off: U waits for B's end
+    r = run(tasks, ONE_4090, scheduler=SchedulerConfig(preemption=False))
+    assert rec(r, "U").first_start_s == pytest.approx(1000 + VISIBLE) and r.preemptions == 0 and r.sla_misses == 1

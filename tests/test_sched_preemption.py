@@ -1,0 +1,271 @@
+"""Preemption: a P0 task that fits nowhere evicts lower-priority leases, the
+GPUs are kept for it until the readings show them free, and the victims go
+back to the queue (scheduler.engine, ``_preempt``).
+
+Cards here are 24,564 MiB: the memory filter admits up to 85 %, 20,879 MiB.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Scheduler
+from scheduler.errors import InvalidArgument, NotLeaseHolder, Unplaceable
+from scheduler.snapshot import ClusterSnapshot, NodeFacts
+from scheduler.task import Priority, TaskSpec, TaskState
+
+GIB = 1024.0
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(**config):
+    clock = Clock()
+    ids = (f"lease-{i}" for i in itertools.count())
+    seen = []
+    sched = Scheduler(SchedulerConfig(**config), clock=clock, lease_ids=lambda: next(ids), on_change=seen.append)
+    return sched, clock, seen
+
+
+def spec(task_id: str, gib: float, priority: Priority = Priority.P3, **changes) -> TaskSpec:
+    kind = {Priority.P0: "inference", Priority.P1: "training", Priority.P2: "batch"}.get(priority, "background")
+    return TaskSpec(task_id=task_id, vram_mib=gib * GIB, gpu_share=0.5, priority=priority, kind=kind, **changes)
+
+
+def cluster(used_gib, nodes=1, gpus=None) -> ClusterSnapshot:
+    facts = [NodeFacts(f"n{i}", gpus or len(used_gib) // nodes) for i in range(nodes)]
+    return ClusterSnapshot.build(facts, memory_used_mib=[g * GIB for g in used_gib])
+
+
+def put(sched, s: TaskSpec, row: int, truth: list, nodes: int = 1):
+    """Place ``s`` on GPU ``row`` (the others read full while it is placed)
+    and add its memory to ``truth``, the readings (GiB per GPU) from then on."""
+    full = [20.5 if r != row else used for r, used in enumerate(truth)]
+    snap = cluster(full, nodes=nodes, gpus=len(truth) // nodes)
+    sched.submit(s, snap)
+    placed = sched.dispatch(snap)
+    assert [t.task_id for t in placed] == [s.task_id]
+    truth[row] += s.vram_mib / GIB
+    return placed[0]
+
+
+def test_a_p0_task_evicts_the_background_task_and_takes_its_gpu_once_the_readings_show_it_free():
+    sched, clock, seen = make()
+    # background (P3, 16 GiB) on GPU 0, batch (P2, 19 GiB) on GPU 1
+    truth = [0.0, 0.0]
+    leases = {}
+    for s, row in ((spec("bg", 16), 0), (spec("batch", 19, Priority.P2), 1)):
+        leases[s.task_id] = put(sched, s, row, truth)
+    bg_gpu = leases["bg"].assignment.gpu_uuids[0]
+    busy = cluster(truth)
+    assert sched.dispatch(busy) == []
+
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    assert sched.dispatch(busy) == []
+    assert sched.get("bg").state == TaskState.LEASED  # not before preempt_after_s (1 s)
+    assert sched.next_decision_at() == pytest.approx(1001.0)
+
+    clock.now += 1.0
+    seen.clear()
+    assert sched.dispatch(busy) == []
+    # the background task is the victim, not the batch one: P3 goes before P2
+    assert [(t.task_id, t.state) for t in seen if t.task_id == "bg"] == [
+        ("bg", TaskState.PREEMPTED), ("bg", TaskState.QUEUED)]
+    evicted = next(t for t in seen if t.state == TaskState.PREEMPTED)
+    assert evicted.assignment.gpu_uuids == (bg_gpu,)  # watchers see which GPUs it left
+    assert "preempted for P0 task urgent on node n0" in evicted.reason
+    assert sched.get("batch").state == TaskState.LEASED
+    bg = sched.get("bg")
+    assert bg.assignment is None and bg.priority == Priority.P3 and "re-queued" in bg.reason
+    with pytest.raises(NotLeaseHolder):  # its lease holder can no longer complete or renew it
+        sched.complete("bg", leases["bg"].assignment.lease_id)
+    urgent = sched.get("urgent")
+    assert urgent.state == TaskState.QUEUED
+    assert "1 lower-priority task(s) evicted for it from node n0" in urgent.reason
+    kept = sched.nominations()["urgent"]
+    assert kept.gpu_uuids == (bg_gpu,) and kept.victims == ("bg",) and kept.until == pytest.approx(1031.0)
+    assert sched.preemption_counts == {"nominated": 1, "evicted": 1}
+
+    # the readings still show the victim's memory: nothing fits yet, and a
+    # small task that would fit beside it keeps off the GPU kept for the P0
+    clock.now += 1.0
+    sched.submit(spec("small", 2), busy)
+    assert sched.dispatch(busy) == []
+    assert "small" not in [t.task_id for t in sched.tasks(state=TaskState.LEASED)]
+
+    # the victim's memory shows free: the P0 task goes there, the small one beside it
+    freed = cluster([0, 19])
+    clock.now += 1.0
+    placed = {t.task_id: t for t in sched.dispatch(freed)}
+    assert placed["urgent"].assignment.gpu_uuids == (bg_gpu,)
+    assert set(placed) == {"urgent", "small"}
+    assert sched.get("bg").state == TaskState.QUEUED  # 16 + 16 GiB does not fit one card
+    assert sched.nominations() == {}
+    assert sched.preemption_counts == {"nominated": 1, "evicted": 1, "placed_there": 1}
+    assert not sched.get("urgent").sla_missed  # 3 s < 5 s
+
+
+def test_p0_and_p1_leases_are_never_evicted_and_p2_only_when_allowed():
+    sched, clock, _ = make(preempt_min_victim_priority=3)
+    empty = cluster([0, 0, 0])
+    for s in (spec("p0", 16, Priority.P0), spec("p1", 16, Priority.P1), spec("p2", 16, Priority.P2)):
+        sched.submit(s, empty)
+    assert len(sched.dispatch(empty)) == 3
+    busy = cluster([16, 16, 16], gpus=3)
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    clock.now += 2.0
+    assert sched.dispatch(busy) == []
+    assert sched.preemption_counts == {}
+    assert all(sched.get(t).state == TaskState.LEASED for t in ("p0", "p1", "p2"))
+    assert "evicted" not in sched.get("urgent").reason
+
+    # with P2 allowed (the default) the batch task goes
+    sched.reconfigure(SchedulerConfig(preempt_min_victim_priority=2))
+    assert sched.dispatch(busy) == []
+    assert sched.get("p2").state == TaskState.QUEUED and sched.preemption_counts["evicted"] == 1
+
+
+def test_nothing_is_evicted_when_it_would_not_make_room():
+    # 10 GiB of memory gpulb did not place (another process) stays: evicting
+    # the 4 GiB background task leaves 20.4 - 10 = 10.4 GiB, short of 16
+    sched, clock, _ = make()
+    snap = ClusterSnapshot.build([NodeFacts("n0", 1)], memory_used_mib=[10 * GIB])
+    sched.submit(spec("bg", 4), snap)
+    assert len(sched.dispatch(snap)) == 1
+    sched.submit(spec("urgent", 16, Priority.P0), snap)
+    clock.now += 5.0
+    assert sched.dispatch(snap) == []
+    assert sched.get("bg").state == TaskState.LEASED and sched.preemption_counts == {}
+
+
+def test_preemption_off_evicts_nothing():
+    sched, clock, _ = make(preemption=False)
+    empty = cluster([0], gpus=1)
+    sched.submit(spec("bg", 16), empty)
+    sched.dispatch(empty)
+    busy = cluster([16], gpus=1)
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    clock.now += 10.0
+    assert sched.dispatch(busy) == []
+    assert sched.get("bg").state == TaskState.LEASED and sched.next_decision_at() is None
+
+
+def test_the_cheapest_gpu_to_clear_is_chosen():
+    # GPU 0: two 8 GiB background tasks; GPU 1: one 16 GiB batch task; GPU 2:
+    # two 8 GiB background tasks, one of them not movable. GPU 1 would take
+    # one eviction, GPU 0 two, but P3 victims beat a P2 one; of the two P3
+    # GPUs the one whose victims are all movable (checkpointed) wins.
+    sched, clock, _ = make()
+    truth = [0.0, 0.0, 0.0]
+    layout = [(spec("a1", 8), 0), (spec("a2", 8), 0), (spec("b", 16, Priority.P2), 1),
+              (spec("c1", 8), 2), (spec("c2", 8, movable=False), 2)]
+    for s, row in layout:
+        put(sched, s, row, truth)
+    busy = cluster(truth, gpus=3)
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    kept = sched.nominations()["urgent"]
+    assert kept.gpu_uuids == ("GPU-n0-0",) and sorted(kept.victims) == ["a1", "a2"]
+    assert sched.get("b").state == TaskState.LEASED and sched.get("c2").state == TaskState.LEASED
+
+
+def test_of_two_alike_victims_the_one_placed_last_goes():
+    sched, clock, _ = make()
+    truth = [0.0, 0.0]
+    put(sched, spec("old", 16), 0, truth)
+    clock.now += 100.0
+    put(sched, spec("new", 16), 1, truth)
+    busy = cluster(truth)
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    assert sched.nominations()["urgent"].victims == ("new",)  # 1 s of work lost, not 101 s
+
+
+def test_no_gpu_that_needs_more_victims_than_allowed():
+    sched, clock, _ = make(preempt_max_victims=2)
+    empty = cluster([0], gpus=1)
+    for i in range(3):
+        sched.submit(spec(f"bg{i}", 5), empty)
+    assert len(sched.dispatch(empty)) == 3
+    busy = cluster([15], gpus=1)
+    sched.submit(spec("urgent", 16, Priority.P0), busy)  # needs 16 - (20.4 - 15) = 10.6 GiB freed: 3 victims
+    clock.now += 1.0
+    sched.dispatch(busy)
+    assert sched.preemption_counts == {} and len(sched.leased()) == 3
+
+
+def test_kept_gpus_lapse_when_the_memory_never_shows_free_and_the_task_may_evict_again():
+    sched, clock, _ = make(preempt_grace_s=10.0)
+    empty = cluster([0, 0])
+    sched.submit(spec("bg0", 16), empty)
+    sched.submit(spec("bg1", 16), empty)
+    sched.dispatch(empty)
+    busy = cluster([16, 16])
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    first = sched.nominations()["urgent"]
+    assert sched.next_decision_at() == clock.now  # the victim's room may show at once: try again
+    assert sched.dispatch(busy) == []
+    assert sched.next_decision_at() == pytest.approx(first.until)
+    # the victim's process never stops: its memory stays in the readings
+    clock.now = first.until
+    sched.dispatch(busy)
+    second = sched.nominations()["urgent"]
+    assert second.gpu_uuids != first.gpu_uuids  # the other GPU this time
+    assert sched.preemption_counts == {"nominated": 2, "evicted": 2, "lapsed": 1}
+
+
+def test_a_two_gpu_p0_task_clears_two_gpus_of_one_node():
+    sched, clock, _ = make()
+    empty = cluster([0, 0, 0, 0], nodes=2)
+    for i in range(4):
+        sched.submit(spec(f"bg{i}", 16), empty)
+    assert len(sched.dispatch(empty)) == 4
+    busy = cluster([16, 16, 16, 16], nodes=2)
+    sched.submit(spec("urgent", 16, Priority.P0, num_gpus=2), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    kept = sched.nominations()["urgent"]
+    assert len(kept.gpu_uuids) == 2 and len(kept.victims) == 2
+    assert {u.split("-")[1] for u in kept.gpu_uuids} == {kept.node_id}
+    freed = [0 if f"GPU-n{i // 2}-{i % 2}" in kept.gpu_uuids else 16 for i in range(4)]
+    clock.now += 2.5
+    placed = sched.dispatch(cluster(freed, nodes=2))
+    assert [t.task_id for t in placed] == ["urgent"] and set(placed[0].assignment.gpu_uuids) == set(kept.gpu_uuids)
+
+
+def test_a_migration_may_not_take_a_gpu_kept_for_a_p0_task():
+    sched, clock, _ = make()
+    truth = [0.0, 0.0]
+    put(sched, spec("bg", 16), 0, truth)
+    mover = put(sched, spec("mover", 2, Priority.P2), 1, truth)
+    busy = cluster([16, 20])
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    assert sched.nominations()["urgent"].gpu_uuids == ("GPU-n0-0",)
+    with pytest.raises(Unplaceable, match="kept for P0 task 'urgent'"):
+        sched.migrate("mover", mover.assignment.lease_id, ["GPU-n0-0"], cluster([0, 20]))
+    assert sched.get("mover").assignment.gpu_uuids == ("GPU-n0-1",)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("preempt_after_s", -1.0), ("preempt_after_s", float("nan")), ("preempt_min_victim_priority", 0),
+    ("preempt_min_victim_priority", 4), ("preempt_max_victims", 0), ("preempt_grace_s", 0.0),
+])
+def test_bad_preemption_settings_are_refused_by_name(option, value):
+    with pytest.raises(InvalidArgument) as err:
+        SchedulerConfig(**{option: value}).validate()
+    assert err.value.field == option
