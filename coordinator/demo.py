@@ -59,6 +59,8 @@ POLICY_ORDER = ("round_robin", "load_aware")
 P0_SLA_S = 5.0
 _RPC_TIMEOUT_S = 5.0
 _ACTIVE = (tpb.TASK_STATE_QUEUED, tpb.TASK_STATE_LEASED)
+#: s between a lease holder's checks that its lease is still its own
+_HOLDER_CHECK_S = 1.0
 
 
 def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
@@ -240,6 +242,7 @@ class PhaseFigures:
     util_range: float
     hottest: str
     tenant_ooms: int | None = None  # other tenants refused memory gpulb's tasks held (simulated hosts)
+    preempted: int | None = None  # leases evicted for P0 tasks (the coordinator's log)
 
 
 def _p95(values: Sequence[float]) -> float:
@@ -255,6 +258,7 @@ def phase_figures(
     sla_misses: int,
     refused: int = 0,
     tenant_ooms: int | None = None,
+    preempted: int | None = None,
 ) -> PhaseFigures:
     """Figures of one phase.
 
@@ -303,6 +307,7 @@ def phase_figures(
         util_range=avg(ranges),
         hottest=hot[1] if hot else "-",
         tenant_ooms=tenant_ooms,
+        preempted=preempted,
     )
 
 
@@ -334,6 +339,8 @@ def render_summary(phases: Sequence[PhaseFigures]) -> str:
         rows.append(row(f"wait s, mean / p95: {label}", lambda p, s=scenario: wait(s, p)))
     rows += [
         row(f"P0 SLA misses (waited > {P0_SLA_S:g} s)", lambda p: p.sla_misses),
+        *([row("preempted for P0 (re-queued)", lambda p: "-" if p.preempted is None else p.preempted)]
+          if any(p.preempted for p in phases) else []),
         row("GPU util mean %", lambda p: fmt(p.util_mean, 1)),
         row("util std across GPUs, pp", lambda p: fmt(p.util_std, 1)),
         row("util max - min across GPUs, pp", lambda p: fmt(p.util_range, 1)),
@@ -415,18 +422,36 @@ class _Client(threading.Thread):
                 holder.join()
 
     def _hold(self, stub: tpb_grpc.SchedulerStub, task: DemoTask, task_id: str) -> None:
+        """Run the task as a well-behaved lease holder does: stop when the
+        lease is no longer its own (preempted for a P0 task: PREEMPTED, then
+        QUEUED) and run it again once it is placed again."""
         try:
             # Submitted (not yet placed) counts as soon as the call is made; a
-            # waiting call returns when the task is placed or cancelled.
+            # waiting call returns when the task is placed or cancelled (the
+            # same spec again is the same task: after a preemption it waits
+            # for the next placement).
             self.submitted.append(task_id)
-            reply = stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(task, task_id), wait=True), timeout=3600)
-            t = reply.task
-            if t.state != tpb.TASK_STATE_LEASED or self.stop.wait(task.run_s):
-                return
-            stub.CompleteTask(
-                tpb.CompleteTaskRequest(task_id=task_id, lease_id=t.assignment.lease_id, actual_duration_s=task.run_s),
-                timeout=_RPC_TIMEOUT_S,
-            )
+            spec = _spec(task, task_id)
+            while True:
+                t = stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec, wait=True), timeout=3600).task
+                if t.state != tpb.TASK_STATE_LEASED:
+                    return
+                lease_id = t.assignment.lease_id
+                ends = time.monotonic() + task.run_s
+                while (left := ends - time.monotonic()) > 0:
+                    if self.stop.wait(min(_HOLDER_CHECK_S, left)):
+                        return
+                    now = stub.GetTask(tpb.GetTaskRequest(task_id=task_id), timeout=_RPC_TIMEOUT_S)
+                    if now.state != tpb.TASK_STATE_LEASED or now.assignment.lease_id != lease_id:
+                        break  # preempted (or cancelled): stop
+                else:
+                    stub.CompleteTask(
+                        tpb.CompleteTaskRequest(task_id=task_id, lease_id=lease_id, actual_duration_s=task.run_s),
+                        timeout=_RPC_TIMEOUT_S,
+                    )
+                    return
+                if now.state != tpb.TASK_STATE_QUEUED:
+                    return
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT or exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 self.refused.append((task_id, f"{exc.code().name}: {exc.details()}"))
@@ -533,6 +558,8 @@ class _PhaseRecord:
     # other tenants refused memory gpulb's tasks held, from the simulated
     # hosts' logs once they stopped (None: not counted)
     tenant_ooms: int | None = None
+    # leases evicted for P0 tasks, from the coordinator's log (None: not counted)
+    preempted: int | None = None
 
 
 def _phase_tasks(stub: tpb_grpc.SchedulerStub, prefix: str) -> list[tpb.Task]:
@@ -766,6 +793,7 @@ def run_demo(args: argparse.Namespace) -> int:
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
         count_tenant_ooms(records, sorted(logs.glob("agent-*.log")))
+        count_preemptions(records, logs / "coordinator.log")
         if records:
             print()
             print("summary (the same workload, and the same other tenants' load, for each policy)")
@@ -798,6 +826,7 @@ def _figures(record: _PhaseRecord) -> PhaseFigures:
         record.sla_misses,
         refused=len(record.refused),
         tenant_ooms=record.tenant_ooms,
+        preempted=record.preempted,
     )
 
 
@@ -806,16 +835,35 @@ def count_tenant_ooms(records: Sequence[_PhaseRecord], agent_logs: Iterable[Path
     events (another tenant's job refused memory gpulb's tasks held; JSON log
     lines) whose time falls in the phase. Only the simulator knows of them: on
     real hosts the refused process is not gpulb's to see."""
-    times: list[float] = []
-    for path in agent_logs:
-        for line in path.read_text(errors="replace").splitlines():
-            if '"sim_tenant_oom"' not in line:
-                continue
-            try:
-                event = json.loads(line)
-                times.append(datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp())
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line of a killed process
+    times = _event_times(agent_logs, "sim_tenant_oom")
     for record in records:
         if record.ended_at > record.started_at:
             record.tenant_ooms = sum(1 for t in times if record.started_at <= t <= record.ended_at)
+
+
+def count_preemptions(records: Sequence[_PhaseRecord], coordinator_log: Path) -> None:
+    """Set each phase's ``preempted``: the coordinator's ``task_preempted``
+    events (a lease evicted for a P0 task) whose time falls in the phase."""
+    times = _event_times([coordinator_log], "task_preempted")
+    for record in records:
+        if record.ended_at > record.started_at:
+            record.preempted = sum(1 for t in times if record.started_at <= t <= record.ended_at)
+
+
+def _event_times(logs: Iterable[Path], event_name: str) -> list[float]:
+    """Unix times of the JSON log lines whose event is ``event_name``."""
+    needle = f'"{event_name}"'
+    times: list[float] = []
+    for path in logs:
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if needle not in line:
+                continue
+            try:
+                event = json.loads(line)
+                if event.get("event") == event_name:
+                    times.append(datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp())
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a torn last line of a killed process
+    return times

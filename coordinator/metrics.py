@@ -302,5 +302,6 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_tasks",
     "gpulb_workload_mix_share",
     "gpulb_growth_room_waits_total",
+    "gpulb_preemptions_total",
     *ADVISOR_METRIC_NAMES,  # the rebalance advisor's and the speed predictor's
 )

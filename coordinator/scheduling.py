@@ -223,6 +223,12 @@ class Dispatcher:
             session = self.c.gateway.sessions.get(a.node_id)
             if session is not None and task.state != TaskState.LOST:
                 session.send(pb.CoordinatorMessage(release=pb.TaskRelease(task_id=task.task_id, reason=task.state.name.lower())))
+                if task.state == TaskState.PREEMPTED:
+                    # a P0 task waits for these readings to show the memory free: sample fast
+                    session.send(pb.CoordinatorMessage(sampling_hint=pb.SamplingHint(interval_ms=200, duration_ms=10_000)))
+            if task.state == TaskState.PREEMPTED:
+                log.warning("task_preempted", task_id=task.task_id, node_id=a.node_id, gpus=list(a.gpu_indices),
+                            priority=task.spec.priority.name, reason=task.reason)
             self.request()  # room was freed
 
     def reconcile_node(self, node_id: str, running: set[str], *, runs_tasks: bool) -> tuple[int, int]:
@@ -386,7 +392,8 @@ class Dispatcher:
             depth.add_metric([cls.priority.name], cls.depth)
             oldest.add_metric([cls.priority.name], cls.oldest_wait_s if cls.depth else 0.0)
         known = self.engine.state_counts()
-        counts = {state.name.lower(): known.get(state, 0) for state in TaskState}
+        # PREEMPTED is a passage (QUEUED again in the same step): never a count
+        counts = {state.name.lower(): known.get(state, 0) for state in TaskState if state != TaskState.PREEMPTED}
         tasks = GaugeMetricFamily("gpulb_tasks", "Tasks the coordinator knows, by state", labels=["state"])
         for state, count in counts.items():
             tasks.add_metric([state], count)
@@ -408,7 +415,17 @@ class Dispatcher:
         )
         for outcome in ("waited", "found", "gave_up"):
             room.add_metric([outcome], self.engine.room_wait_counts[outcome])
-        return [depth, oldest, tasks, mix, room]
+        preempt = CounterMetricFamily(
+            "gpulb_preemptions",
+            "Preemption for P0 tasks that fit nowhere: P0 tasks that evicted lower-priority leases "
+            "(outcome=nominated), the leases evicted (evicted), and how the kept GPUs ended: the P0 task "
+            "placed on them (placed_there) or elsewhere (placed_elsewhere), or the victims' memory never "
+            "shown free within preempt_grace_s (lapsed: a lease holder that does not stop its task)",
+            labels=["outcome"],
+        )
+        for outcome in ("nominated", "evicted", "placed_there", "placed_elsewhere", "lapsed"):
+            preempt.add_metric([outcome], self.engine.preemption_counts[outcome])
+        return [depth, oldest, tasks, mix, room, preempt]
 
 
 def _time_out(future: asyncio.Future) -> None:

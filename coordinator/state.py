@@ -842,6 +842,12 @@ def restore_into(scheduler: "Scheduler", restored: Restored, now: float | None =
     finished: list[Task] = []
     dropped = 0
     for task in restored.tasks:
+        if task.state == TaskState.PREEMPTED:
+            # a passage the engine leaves at once for QUEUED; stored only if a
+            # write ever stopped between the two
+            task.state = TaskState.QUEUED
+            task.assignment = None
+            task.queued_at = task.enqueued_at = now
         if task.state == TaskState.LEASED and task.assignment is None:
             task.state = TaskState.QUEUED
             task.reason = "re-queued on restore: lease record missing"

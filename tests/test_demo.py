@@ -314,3 +314,29 @@ def test_tenant_refusals_are_counted_into_the_phase_they_happened_in(tmp_path):
               _PhaseRecord("binpack")]  # never ran: not counted
     count_tenant_ooms(phases, sorted(tmp_path.glob("agent-*.log")))
     assert [p.tenant_ooms for p in phases] == [2, 1, None]
+
+
+def test_preemptions_are_counted_from_the_coordinators_log_into_their_phase(tmp_path):
+    from coordinator.demo import _PhaseRecord, count_preemptions, phase_figures, render_summary
+
+    def line(event: str, at: str) -> str:
+        return json.dumps({"event": event, "task_id": "bg-1", "level": "warning", "timestamp": at})
+
+    log = tmp_path / "coordinator.log"
+    log.write_text("\n".join([
+        line("task_preempted", "2026-11-30T10:00:03.000000Z"),  # phase 1
+        line("task_placed", "2026-11-30T10:00:04.000000Z"),  # another event
+        json.dumps({"event": "task_placed", "reason": "task_preempted", "timestamp": "2026-11-30T10:00:05Z"}),
+        line("task_preempted", "2026-11-30T10:00:20.000000Z"),  # phase 2
+        line("task_preempted", "2026-11-30T10:00:21.000000Z"),  # phase 2
+    ]) + "\n")
+    t0 = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc).timestamp()
+    phases = [_PhaseRecord("round_robin", started_at=t0, ended_at=t0 + 10),
+              _PhaseRecord("load_aware", started_at=t0 + 15, ended_at=t0 + 25)]
+    count_preemptions(phases, log)
+    assert [p.preempted for p in phases] == [1, 2]
+    table = render_summary([phase_figures(p.policy, [], [], 0, preempted=p.preempted) for p in phases])
+    row = next(r for r in table.splitlines() if "preempted for P0" in r)
+    assert row.split()[-2:] == ["1", "2"]
+    # no preemption in any phase: no row
+    assert "preempted" not in render_summary([phase_figures("load_aware", [], [], 0, preempted=0)])

@@ -337,3 +337,82 @@ async def test_gpulb_submit_array_places_n_tasks_named_id_i(capsys):
                 await asyncio.to_thread(gpulb, argv + ["--array", "0"])
     finally:
         await coord.stop(grace_s=0.1)
+
+
+async def test_a_p0_task_preempts_a_background_task_through_a_real_coordinator():
+    """One 24 GiB GPU holding a background task that runs until released: an
+    urgent P0 task evicts it. Its watcher sees PREEMPTED (with the GPU it
+    left), then QUEUED; its old lease is refused; the sim agent stops it, so
+    the readings show the memory free, and the P0 task is placed there."""
+    coord, port = await _start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=1, workload="idle"):
+            await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.any(), what="a healthy GPU")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                bg = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(
+                    "bg", kind="background", priority=tpb.PRIORITY_P3, vram_mib=16 * GIB, gpu_share=0.5)), timeout=10)).task
+                assert bg.state == tpb.TASK_STATE_LEASED
+                row = coord.view.nodes[bg.assignment.node_id].rows[bg.assignment.gpu_index[0]]
+                await _until(lambda: coord.view.raw[row, 2] >= 16 * GIB, what="the readings show the background task")
+                watch = stub.WatchTask(tpb.WatchTaskRequest(task_id="bg"))
+                assert (await watch.read()).state == tpb.TASK_STATE_LEASED
+                urgent = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(
+                    "urgent", kind="inference", priority=tpb.PRIORITY_P0, vram_mib=16 * GIB, gpu_share=0.5)), timeout=20)).task
+                assert urgent.state == tpb.TASK_STATE_LEASED
+                assert urgent.assignment.gpu_uuid == bg.assignment.gpu_uuid
+                evicted = await asyncio.wait_for(watch.read(), 5)
+                assert evicted.state == tpb.TASK_STATE_PREEMPTED
+                assert "preempted for P0 task urgent" in evicted.reason
+                assert list(evicted.assignment.gpu_uuid) == list(bg.assignment.gpu_uuid)
+                requeued = await asyncio.wait_for(watch.read(), 5)
+                assert requeued.state == tpb.TASK_STATE_QUEUED and not requeued.HasField("assignment")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.CompleteTask(tpb.CompleteTaskRequest(task_id="bg", lease_id=bg.assignment.lease_id))
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                # the agent stopped it: the GPU holds the P0 task's memory alone
+                await _until(lambda: 15 * GIB <= coord.view.raw[row, 2] < 20 * GIB, what="one task's memory on the GPU")
+                exposition = text_string_to_metric_families(coord.metrics.exposition().decode())
+                counts = {s.labels["outcome"]: s.value for f in exposition if f.name == "gpulb_preemptions"
+                          for s in f.samples if s.name == "gpulb_preemptions_total"}
+                assert counts == {"nominated": 1, "evicted": 1, "placed_there": 1, "placed_elsewhere": 0, "lapsed": 0}
+                assert (await stub.GetTask(tpb.GetTaskRequest(task_id="bg"))).state == tpb.TASK_STATE_QUEUED
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def test_the_demos_lease_holder_stops_when_preempted_and_runs_again_when_placed_again():
+    import threading
+
+    from coordinator.demo import _Client
+    from coordinator.demo_workload import DemoTask
+    from scheduler.task import Priority
+
+    coord, port = await _start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=1, workload="idle"):
+            await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.any(), what="a healthy GPU")
+            target = f"127.0.0.1:{port}"
+            bg = DemoTask("bg-0", "analysis", 0.0, Priority.P3, "background", 1, 16 * GIB, 0.3, 3.0,
+                          client_completes=True)
+            client = _Client(target, "t-", [bg], 0.0, threading.Event())
+            async with grpc.aio.insecure_channel(target) as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                holder = asyncio.ensure_future(asyncio.to_thread(client._hold, client_stub(target), bg, "t-bg-0"))
+                first = await _until(lambda: _state(stub, "t-bg-0", tpb.TASK_STATE_LEASED), what="the holder's task placed")
+                urgent = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(
+                    "urgent", kind="inference", priority=tpb.PRIORITY_P0, vram_mib=16 * GIB, duration_s=1.0)),
+                    timeout=20)).task
+                assert urgent.state == tpb.TASK_STATE_LEASED
+                await asyncio.wait_for(holder, 30)
+                done = await stub.GetTask(tpb.GetTaskRequest(task_id="t-bg-0"))
+                # completed under its second lease: it ran again after the P0 task
+                assert done.state == tpb.TASK_STATE_COMPLETED and done.attempts == 2
+                assert done.assignment.lease_id != first.assignment.lease_id
+                assert done.finished_at_ns > urgent.assignment.placed_at_ns
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+def client_stub(target: str):
+    return tpb_grpc.SchedulerStub(grpc.insecure_channel(target))

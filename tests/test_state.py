@@ -590,3 +590,36 @@ async def test_what_the_predictor_learned_survives_a_coordinator_restart(tmp_pat
         assert p.factor("m40-1", m40, "training") == pytest.approx(p.prior(m40))
 
     await run(from_priors)
+
+
+def test_a_preempted_task_is_stored_queued_and_one_stored_preempted_restores_queued(tmp_path: Path) -> None:
+    """The engine passes a victim through PREEMPTED to QUEUED in one step, so
+    the store holds QUEUED; a row left PREEMPTED (a write that stopped
+    between the two) comes back queued, with no assignment."""
+    clock = Clock(100.0)
+    s = scheduler(clock, SchedulerConfig())
+    one = ClusterSnapshot.build([NodeFacts("n0", 1, memory_total_mib=24 * GIB)])
+    with TaskStore(tmp_path / "s.db", timebase=timebase(clock, WALL0)) as store:
+        s.add_listener(store.stage)
+        s.submit(TaskSpec(task_id="bg", vram_mib=16 * GIB, priority=Priority.P3, kind="background"), one)
+        s.dispatch(one)
+        busy = ClusterSnapshot.build([NodeFacts("n0", 1, memory_total_mib=24 * GIB)], memory_used_mib=[16 * GIB])
+        s.submit(TaskSpec(task_id="urgent", vram_mib=16 * GIB, priority=Priority.P0, kind="inference"), busy)
+        clock.now += 1.0
+        s.dispatch(busy)
+        assert s.get("bg").state == TaskState.QUEUED
+        store.commit()
+        restored = store.load()
+    assert {t.task_id: t.state for t in restored.tasks} == {"bg": TaskState.QUEUED, "urgent": TaskState.QUEUED}
+    bg = next(t for t in restored.tasks if t.task_id == "bg")
+    bg.state, bg.assignment = TaskState.PREEMPTED, replace_assignment()
+    fresh = scheduler(Clock(5.0), SchedulerConfig())
+    restore_into(fresh, restored)
+    again = fresh.get("bg")
+    assert again.state == TaskState.QUEUED and again.assignment is None
+    assert [t.task_id for t in fresh._queue.tasks()] == ["urgent", "bg"]
+
+
+def replace_assignment() -> Assignment:
+    return Assignment(node_id="n0", gpu_indices=(0,), gpu_uuids=("GPU-n0-0",), lease_id="old", lease_expires_at=0.0,
+                      score=ScoreBreakdown(policy="load_aware", total=0.0, terms={}, candidates=1), placed_at=0.0)
