@@ -72,6 +72,12 @@ class SchedulerConfig:
     # The most urgent class a victim may be (by spec): 2 = P2 batch and P3
     # background may be evicted, P1 never; 3: P3 only; 1: P1 too. P0 never is.
     preempt_min_victim_priority: int = 2
+    # A P0 task that fits now only where its kind's largest learned memory
+    # growth would not (see growth_room_wait_s) goes to a GPU with room for
+    # that growth when one can take it, and otherwise evicts lower-priority
+    # work from one that could, waiting for it at most until its SLA runs
+    # out; then it takes the best GPU it fits. Needs preemption.
+    preempt_for_growth: bool = True
     # Most leases one P0 task may evict; a GPU that needs more is not chosen.
     preempt_max_victims: int = 4
     # s the evicted GPU stays kept for its P0 task: long enough for the

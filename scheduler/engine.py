@@ -79,6 +79,12 @@ _HOLD_GRACE_S = 5.0
 #: multi-GPU tasks that keep less urgent work off a node from their first
 #: failure (``_urgent_sets``)
 _KEPT_FREE_SETS = 4
+#: s a P0 task must have left of its SLA to evict for room to grow
+#: (``_urgent_room``): the victims' memory takes a sampling round or two to show free
+_MIN_GROWTH_WAIT_S = 2.0
+#: s before its SLA runs out that a P0 task waiting for room to grow gives up
+#: the wait and takes the GPU it fits (the next dispatch places it)
+_SLA_MARGIN_S = 0.5
 
 Listener = Callable[[Task], None]
 
@@ -168,6 +174,7 @@ class Scheduler:
         self._preempt_due: dict[str, float] = {}
         self._evicted: list[Task] = []
         self._evicted_at: float | None = None  # when the last eviction was (next_decision_at)
+        self._evicted_for_growth: set[str] = set()  # queued P0 tasks that evicted for room to grow
         # "evicted" (victims), "nominated" (P0 tasks that evicted), and how the
         # nominations ended: "placed_there", "placed_elsewhere", "lapsed"
         self.preemption_counts: Counter[str] = Counter()
@@ -400,13 +407,20 @@ class Scheduler:
                 kept[cls] = ~np.isin(view.node, nodes) if nodes else None
             return kept[cls]
 
+        due = self._preempt_due
+
+        def stuck(task: Task) -> bool:  # a P0 task that may evict, or has: offered before the rounds
+            return task.task_id in self._nominations or (task.task_id in due and due[task.task_id] <= now)
+
         placed = self._queue.drain(
             lambda t, fenced: self._try_place(t, view, now, failed, fenced, held, fences, drains, kept_off),
             now,
             can_hold,
+            stuck if self.config.preemption and (due or self._nominations) else None,
         )
-        for victim in self._evicted:
-            self._queue.push(victim, now)
+        # at the head of their classes, in the order they were first submitted
+        # (as Kubernetes re-queues a preempted pod by its first attempt)
+        self._queue.push_front(sorted(self._evicted, key=lambda t: t.submitted_at), now)
         if self._evicted:
             self._evicted_at = now
         self._evicted.clear()
@@ -724,6 +738,13 @@ class Scheduler:
             with_room = False  # placed where its kind's largest growth fits
             if room is None:
                 placement = choose(mask)
+                if placement is not None and spec.priority == Priority.P0:
+                    placement, reason = self._urgent_room(task, view, now, held, mask, choose, placement)
+                    if placement is None:
+                        if task.reason != reason:
+                            task.reason = reason
+                            self._changed(task)
+                        return Outcome.BLOCKED
             else:
                 # within one dispatch free room only shrinks: a shape and kind that
                 # waited once waits again (an array of 200 such tasks pays once)
@@ -819,6 +840,65 @@ class Scheduler:
                         or self._tasks[t].state != TaskState.QUEUED]:
             del self._room_waits[task_id]
 
+    def _urgent_room(
+        self, task: Task, view: PlacementView, now: float, fenced: frozenset[int], mask: np.ndarray,
+        choose: Callable[[np.ndarray], Placement | None], placement: Placement,
+    ) -> tuple[Placement | None, str]:
+        """Where a P0 task that fits now goes when its kind's memory growth
+        would not fit there (``preempt_for_growth``): ``(placement, "")`` to
+        place it, ``(None, reason)`` to wait for GPUs evicted for it.
+
+        Below P0 a task may wait a few seconds for a card with room to grow
+        (``_growth_room``); a P0 task may not, and what was left of the OOM
+        kills on the openb cluster were P0 inference tasks placed, with every
+        card big enough busy, on one they outgrew. So a P0 task goes to a GPU
+        with room for the largest growth its kind has shown when one can take
+        it; when none can, it evicts lower-priority work from one that could
+        (``_preempt``, the same choice of victims) and waits for it, but only
+        until its SLA runs out (``p0_sla_s`` from when it was queued): if the
+        victims' memory has not shown free by then, or nothing could be
+        evicted, it takes ``placement``, the best GPU it fits. It evicts for
+        growth once: after that it takes the GPU it fits."""
+        cfg = self.config
+        if not (cfg.preemption and cfg.preempt_for_growth):
+            return placement, ""
+        kept = self._nominations.get(task.task_id)
+        if kept is None and task.task_id in self._evicted_for_growth:
+            return placement, ""  # it evicted once and the wait lapsed
+        grown = self._growth_need(task.spec, view)
+        if grown is None:
+            return placement, ""
+        need, ratio = grown
+        if min(float(view.headroom[r]) for r in placement.rows) >= need:
+            return placement, ""
+        with_memory = mask & (view.headroom >= need)
+        if kept is not None:
+            # the GPUs evicted for it, once their memory shows free: their
+            # compute is free too (the smoothed load falls behind the readings)
+            there = choose(with_memory & _rows_mask(view, kept.gpu_uuids))
+            if there is not None:
+                return there, ""
+        # with compute to spare too: stacked onto a busy big card, urgent work
+        # ran slower (openb cluster: slowdown p95 0.98 -> 1.74, README)
+        roomy = choose(with_memory & (view.load + 100.0 * task.spec.gpu_share <= 100.0))
+        if roomy is not None:
+            return roomy, ""
+        if kept is None:
+            until = task.queued_at + cfg.p0_sla_s - _SLA_MARGIN_S
+            if until - now >= _MIN_GROWTH_WAIT_S:
+                kept = self._preempt(task, view, now, fenced, want_mib=need, want_compute=True, until=until)
+            if kept is None:
+                # nothing to evict, or no time: the best GPU it fits (sharing a
+                # big card's compute instead saved 3 of 12 kills on the openb
+                # cluster but slowed P0 work: slowdown p95 0.98 -> 1.62)
+                return placement, ""
+            self._evicted_for_growth.add(task.task_id)
+            self.preemption_counts["for_growth"] += 1
+        return None, (f"waiting: {len(kept.victims)} lower-priority task(s) evicted for it from node "
+                      f"{kept.node_id}, for room to grow ({need:,.0f} MiB: {ratio:.2f}x the ask, the largest "
+                      f"growth {task.spec.kind or 'its'} tasks have shown); placing it there once their memory "
+                      f"shows free, or at {kept.until - task.queued_at:g} s where it fits")
+
     def _growth_room(self, task: Task, view: PlacementView, now: float) -> tuple[float, float, bool] | None:
         """(MiB, growth ratio, may wait): the memory free on a GPU that holds
         ``task`` grown by the largest peak-over-ask ratio its kind has shown,
@@ -840,9 +920,18 @@ class Scheduler:
         learned risk (``oom_risk``: load_aware, fgd) do."""
         spec = task.spec
         wait = self.config.growth_room_wait_s
-        if wait <= 0 or spec.priority == Priority.P0 or spec.vram_mib <= 0:
+        if wait <= 0 or spec.priority == Priority.P0:
             return None
-        if not self._policy.weights.get("oom_risk"):
+        grown = self._growth_need(spec, view)
+        if grown is None:
+            return None
+        return grown[0], grown[1], now - task.queued_at < wait
+
+    def _growth_need(self, spec: TaskSpec, view: PlacementView) -> tuple[float, float] | None:
+        """(MiB, ratio): ``spec``'s ask grown by the largest peak-over-ask
+        ratio its kind has shown, where some GPU that may take the task could
+        hold that and some other could not (``_growth_room``); else None."""
+        if spec.vram_mib <= 0 or not self._policy.weights.get("oom_risk"):
             return None  # a policy blind to memory growth (round_robin, binpack) or told to be
         growth = view.snapshot.memory_growth
         table = table_for(growth, spec.kind) if growth else None
@@ -865,7 +954,7 @@ class Scheduler:
                 return None
         elif not could.any():
             return None
-        return need, table.hi, now - task.queued_at < wait
+        return need, table.hi
 
     # ---- preemption ---------------------------------------------------------------------
     def _forget_nominations(self, now: float) -> None:
@@ -875,6 +964,9 @@ class Scheduler:
         for task_id in [t for t in self._preempt_due if self._tasks.get(t) is None
                         or self._tasks[t].state != TaskState.QUEUED]:
             del self._preempt_due[task_id]
+        for task_id in [t for t in self._evicted_for_growth if self._tasks.get(t) is None
+                        or self._tasks[t].state != TaskState.QUEUED]:
+            self._evicted_for_growth.discard(task_id)
         for task_id, kept in list(self._nominations.items()):
             task = self._tasks.get(task_id)
             if task is None or task.state != TaskState.QUEUED:
@@ -883,15 +975,16 @@ class Scheduler:
                 del self._nominations[task_id]
                 self._preempt_due[task_id] = now  # it may evict again, now
                 self.preemption_counts["lapsed"] += 1
-                log.warning("preemption lapsed for %s: the memory of %s on node %s did not show free in %g s",
-                            task_id, ", ".join(kept.victims), kept.node_id, self.config.preempt_grace_s)
+                log.warning("preemption lapsed for %s: the memory of %s on node %s did not show free in time",
+                            task_id, ", ".join(kept.victims), kept.node_id)
 
     def _nomination_rows(self, view: PlacementView) -> np.ndarray | None:
         kept = [u for n in self._nominations.values() for u in n.gpu_uuids]
         return _rows_mask(view, kept) if kept else None
 
     def _preempt(
-        self, task: Task, view: PlacementView, now: float, fenced: frozenset[int] = frozenset()
+        self, task: Task, view: PlacementView, now: float, fenced: frozenset[int] = frozenset(),
+        *, want_mib: float | None = None, want_compute: bool = False, until: float | None = None,
     ) -> Nomination | None:
         """Evict lower-priority leases for the P0 ``task``, which fits nowhere,
         from where that costs least, and keep those GPUs for it; the
@@ -911,7 +1004,12 @@ class Scheduler:
         victims, then the fewest that are not movable, then the least GPU time
         lost. Nodes held for a blocked multi-GPU task ahead of it
         (``fenced``: indices) are not cleared for it: that task waits for them
-        to drain. An NVLink task of several GPUs is left to wait: which of a
+        to drain. ``want_mib``: memory each GPU must also have free for it
+        (room to grow, ``_urgent_room``); ``want_compute``: the victims must
+        also free the compute the task's share needs (its GPU's load plus
+        the share under 100 %, each victim freeing its own share);
+        ``until``: when the kept GPUs lapse
+        (default ``preempt_grace_s`` from now). An NVLink task of several GPUs is left to wait: which of a
         node's GPUs form its NVLink group once free is the placement's call.
         """
         spec = task.spec
@@ -932,6 +1030,10 @@ class Scheduler:
         pct = cfg.memory_reject_for(spec.tenant)
         room = np.minimum(view.headroom, view.total * (pct / 100.0) - view.committed - 1.0)
         lack = float(spec.vram_mib) - room
+        if want_mib is not None:
+            lack = np.maximum(lack, want_mib - view.headroom)
+        # % of compute to free per GPU (none unless asked)
+        busy = view.load + 100.0 * spec.gpu_share - 100.0 if want_compute else None
         min_victim = cfg.preempt_min_victim_priority
         on_row: dict[int, list[Task]] = {}
         for node_id, ids in self._by_node.items():
@@ -949,10 +1051,11 @@ class Scheduler:
 
         def victims_for(row: int) -> tuple[Task, ...] | None:
             need = float(lack[row])
-            if need <= 0:
+            need_util = float(busy[row]) if busy is not None else 0.0
+            if need <= 0 and need_util <= 0:
                 return ()
             chosen: list[Task] = []
-            freed = 0.0
+            freed = freed_util = 0.0
             # the task id last: _by_node holds sets, whose order changes from one process to the next
             order = sorted(on_row.get(row, ()),
                            key=lambda v: (-int(v.spec.priority), not v.spec.movable, lost(v), v.task_id))
@@ -961,7 +1064,8 @@ class Scheduler:
                     return None
                 chosen.append(victim)
                 freed += float(victim.spec.vram_mib)
-                if freed >= need:
+                freed_util += 100.0 * victim.spec.gpu_share
+                if freed >= need and freed_util >= need_util:
                     return tuple(chosen)
             return None
 
@@ -1010,7 +1114,7 @@ class Scheduler:
             node_id=node_id,
             gpu_uuids=tuple(str(s.gpu_uuid[r]) for r in rows),
             victims=tuple(v.task_id for v in victims),
-            until=now + cfg.preempt_grace_s,
+            until=until if until is not None else now + cfg.preempt_grace_s,
         )
         self._nominations[task.task_id] = kept
         self._preempt_due.pop(task.task_id, None)
@@ -1022,8 +1126,8 @@ class Scheduler:
 
     def _evict(self, victim: Task, by: Task, node_id: str, now: float) -> None:
         """End ``victim``'s lease for the P0 task ``by``: PREEMPTED (its lease
-        holder and its agent stop it), then QUEUED at its spec priority, in the
-        queue once the dispatch's drain is done."""
+        holder and its agent stop it), then QUEUED at its spec priority, at
+        the head of its class once the dispatch's drain is done."""
         self._release(victim)
         victim.state = TaskState.PREEMPTED
         victim.reason = f"preempted for P0 task {by.task_id} on node {node_id}"

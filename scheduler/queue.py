@@ -169,6 +169,22 @@ class AgingQueue:
         if int(task.spec.priority) == Priority.P0 and not task.sla_missed:
             self._sla_watch.append(self._index[task.task_id])
 
+    def push_front(self, tasks: Sequence[Task], now: float) -> None:
+        """Put ``tasks`` at the head of their classes, in the order given; they
+        enter now. For tasks that lost their place through no doing of their
+        own (leases evicted for a P0 task): at the tail, an evicted batch task
+        waited behind every task that arrived while it ran, and one evicted in
+        the dispatch that had just placed it lost its turn altogether."""
+        heads: dict[int, list[str]] = {}
+        for task in tasks:
+            self.push(task, now)
+            heads.setdefault(int(task.priority), []).append(task.task_id)
+        for cls, ids in heads.items():
+            old = self._classes[cls]
+            front = {task_id: old[task_id] for task_id in ids}
+            front.update((k, v) for k, v in old.items() if k not in front)
+            self._classes[cls] = front
+
     def remove(self, task_id: str) -> Task | None:
         """Take a task out of the queue (cancelled, expired); None if not queued."""
         entry = self._index.get(task_id)
@@ -293,6 +309,7 @@ class AgingQueue:
         try_place: Callable[[Task, frozenset[str]], Outcome],
         now: float,
         can_hold: Callable[[Task], bool] | None = None,
+        urgent: Callable[[Task], bool] | None = None,
     ) -> list[Task]:
         """Offer queued tasks to ``try_place(task, fenced_by)`` in dispatch order;
         return those placed.
@@ -303,29 +320,21 @@ class AgingQueue:
         ``can_hold(task)``: whether anything can be reserved for a barrier
         (the engine: a node it could run on once gpulb's leases there end);
         one that cannot does not become the head, so the next barrier may.
-        See the module docstring for the backfill rule.
+        ``urgent(task)``: P0 tasks offered first, before the weighted rounds
+        (the engine: those stuck long enough to preempt, so that work of
+        other classes does not take, in the same pass, the room they would
+        otherwise evict it from). See the module docstring for the backfill rule.
         """
         self.promote_due(now)
         placed: list[Task] = []
-        lists = [list(d.values()) for d in self._classes]
-        pos = [0] * CLASSES
-        credit = list(self._credit)
         # The most urgent barrier met so far in this drain (class, task id): only
         # it holds a node. Holding one per barrier would, with many blocked
         # tasks, hold every node and stall the cluster as a global barrier did.
         head: tuple[int, str] | None = None
         head_fence: frozenset[str] = _NO_FENCE
-        # classes with tasks left to offer, in class order (kept as classes run
-        # out rather than rebuilt per task: a deep queue is walked every dispatch)
-        active = [c for c in range(CLASSES) if lists[c]]
-        while active:
-            c = self._pick(credit, active)
-            entry = lists[c][pos[c]]
-            pos[c] += 1
-            if pos[c] == len(lists[c]):
-                active.remove(c)
-            if not self._live(entry):
-                continue
+
+        def offer(entry: _Entry) -> Outcome:
+            nonlocal head, head_fence
             fenced = head_fence if head is not None and head[0] <= entry.cls else _NO_FENCE
             outcome = try_place(entry.task, fenced)
             if outcome is Outcome.PLACED:
@@ -333,7 +342,7 @@ class AgingQueue:
                 self._drop(entry)
                 self.mark_sla(entry.task, now)
                 placed.append(entry.task)
-                continue
+                return outcome
             entry.skips += 1
             if entry.blocked_since is None:
                 entry.blocked_since = now
@@ -344,7 +353,29 @@ class AgingQueue:
             ):
                 head = (entry.cls, entry.task.task_id)
                 head_fence = frozenset((head[1],))
-            if outcome is Outcome.EXHAUSTED:
+            return outcome
+
+        offered: set[str] = set()
+        if urgent is not None:
+            for entry in [e for e in self._classes[0].values() if urgent(e.task)]:
+                offered.add(entry.task.task_id)
+                if offer(entry) is Outcome.EXHAUSTED:
+                    return placed
+        lists = [list(d.values()) for d in self._classes]
+        pos = [0] * CLASSES
+        credit = list(self._credit)
+        # classes with tasks left to offer, in class order (kept as classes run
+        # out rather than rebuilt per task: a deep queue is walked every dispatch)
+        active = [c for c in range(CLASSES) if lists[c]]
+        while active:
+            c = self._pick(credit, active)
+            entry = lists[c][pos[c]]
+            pos[c] += 1
+            if pos[c] == len(lists[c]):
+                active.remove(c)
+            if not self._live(entry) or entry.task.task_id in offered:
+                continue
+            if offer(entry) is Outcome.EXHAUSTED:
                 break
         return placed
 

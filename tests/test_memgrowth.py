@@ -7,6 +7,7 @@ kills into one."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -461,3 +462,101 @@ def test_a_card_with_room_to_grow_wins_over_a_less_loaded_one(wait_s, node):
     placed = sched.dispatch(snap)
     assert [t.assignment.node_id for t in placed] == [node]
     assert sched.room_wait_counts == {}  # nobody waited
+
+
+# ---- P0 tasks: no wait, but eviction for room to grow (preempt_for_growth) -------------------------
+
+URGENT = TaskSpec(task_id="u", vram_mib=13_107.0, gpu_share=1.0, priority=Priority.P0, kind="inference")
+
+
+def _g2_and_busy_g3(clock, sched, g3_priority=Priority.P3, share=0.5):
+    """The G3 holds a 16 GiB task of ``g3_priority`` (placed while the G2
+    read full), using half its compute; the G2 is idle. Returns the snapshot
+    as the readings show it now."""
+    full_g2 = ClusterSnapshot.build(
+        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
+         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)],
+        memory_used_mib=[24_000.0, 0.0])
+    full_g2.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
+    kind = "inference" if g3_priority == Priority.P0 else "background"
+    sched.submit(TaskSpec(task_id="bg", vram_mib=16_384.0, gpu_share=share, priority=g3_priority, kind=kind), full_g2)
+    assert [t.assignment.node_id for t in sched.dispatch(full_g2)] == ["g3"]
+    return _readings(g3_used=16_384.0, g3_util=100.0 * share)
+
+
+def _readings(g3_used: float, g3_util: float) -> ClusterSnapshot:
+    snap = ClusterSnapshot.build(
+        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
+         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)],
+        memory_used_mib=[0.0, g3_used], util_pct=[0.0, g3_util])
+    snap.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
+    return snap
+
+
+def test_a_p0_task_evicts_background_work_from_the_card_it_cannot_outgrow_and_waits_for_it():
+    # 13,107 MiB x 2.1 = 27,525 MiB: only the G3 could hold it, and a
+    # background task holds 16 GiB there. The G2 takes it now; instead the
+    # background task is evicted and the P0 task goes to the G3 once it reads free.
+    sched, clock = _scheduler()
+    busy = _g2_and_busy_g3(clock, sched)
+    sched.submit(URGENT, busy)
+    assert sched.dispatch(busy) == []
+    assert sched.get("bg").state.name == "QUEUED" and sched.get("u").state.name == "QUEUED"
+    assert "for room to grow (27,525 MiB: 2.10x the ask" in sched.get("u").reason
+    assert sched.nominations()["u"].gpu_uuids == ("GPU-g3-0",)
+    assert sched.nominations()["u"].until == pytest.approx(100.0 + 5.0 - 0.5)  # within its SLA
+    clock[0] += 2.4
+    placed = sched.dispatch(_readings(g3_used=0.0, g3_util=50.0))  # the smoothed load still falling
+    by_id = {t.task_id: t.assignment.node_id for t in placed}
+    assert by_id["u"] == "g3" and not sched.get("u").sla_missed
+    assert by_id.get("bg") == "g2"  # the victim, re-queued at the head of P3, takes the idle G2
+    assert sched.preemption_counts["for_growth"] == 1 and sched.preemption_counts["placed_there"] == 1
+
+
+def test_a_p0_task_takes_the_card_it_fits_when_nothing_there_may_be_evicted():
+    sched, clock = _scheduler()
+    busy = _g2_and_busy_g3(clock, sched, g3_priority=Priority.P0)
+    sched.submit(URGENT, busy)
+    placed = sched.dispatch(busy)
+    assert [t.assignment.node_id for t in placed] == ["g2"]
+    assert sched.get("bg").state.name == "LEASED" and sched.preemption_counts == {}
+
+
+def test_the_wait_for_room_to_grow_ends_before_the_p0_sla_and_the_task_takes_the_card_it_fits():
+    sched, clock = _scheduler()
+    busy = _g2_and_busy_g3(clock, sched)
+    sched.submit(URGENT, busy)
+    sched.dispatch(busy)
+    # the victim's memory never shows free (its holder does not stop it)
+    clock[0] += 4.5
+    placed = sched.dispatch(busy)
+    assert [t.assignment.node_id for t in placed] == ["g2"]
+    assert not placed[0].sla_missed and sched.preemption_counts["lapsed"] == 1
+    assert sched.get("u").state.name == "LEASED"
+
+
+@pytest.mark.parametrize("config", [{"preempt_for_growth": False}, {"preemption": False}])
+def test_without_preemption_for_growth_the_p0_task_takes_the_card_it_fits_at_once(config):
+    sched, clock = _scheduler(**config)
+    busy = _g2_and_busy_g3(clock, sched)
+    sched.submit(URGENT, busy)
+    assert [t.assignment.node_id for t in sched.dispatch(busy)] == ["g2"]
+    assert sched.get("bg").state.name == "LEASED"
+
+
+def test_a_p0_task_goes_straight_to_a_big_card_with_memory_and_compute_to_spare():
+    # a background task of 4 GiB and a tenth of the compute on the G3: a P0
+    # task of half a GPU's compute that may grow to 27,525 MiB fits beside it
+    # (32,768 - 4,096 MiB free, 10-20 % + 50 % load): nothing is evicted
+    sched, clock = _scheduler()
+    full_g2 = ClusterSnapshot.build(
+        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
+         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)], memory_used_mib=[24_000.0, 0.0])
+    sched.submit(TaskSpec(task_id="small", vram_mib=4_096.0, gpu_share=0.1, priority=Priority.P3,
+                          kind="background"), full_g2)
+    assert [t.assignment.node_id for t in sched.dispatch(full_g2)] == ["g3"]
+    now = _readings(g3_used=4_096.0, g3_util=10.0)
+    sched.submit(replace(URGENT, gpu_share=0.5), now)
+    placed = sched.dispatch(now)
+    assert [t.assignment.node_id for t in placed] == ["g3"] and sched.preemption_counts == {}
+    assert sched.get("small").state.name == "LEASED"

@@ -114,6 +114,23 @@ def test_a_p0_task_evicts_the_background_task_and_takes_its_gpu_once_the_reading
     assert not sched.get("urgent").sla_missed  # 3 s < 5 s
 
 
+def test_a_victim_goes_back_to_the_head_of_its_class_not_behind_what_came_while_it_ran():
+    sched, clock, _ = make()
+    truth = [0.0]
+    put(sched, spec("bg", 16), 0, truth)
+    busy = cluster(truth)
+    for i in range(3):
+        clock.now += 1.0
+        sched.submit(spec(f"later-{i}", 16), busy)
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    assert sched.dispatch(busy) == []
+    clock.now += 1.0
+    sched.dispatch(busy)
+    assert sched.get("bg").state == TaskState.QUEUED
+    order = [t.task_id for t in sched.queue_summary().head]
+    assert order == ["urgent", "bg", "later-0", "later-1", "later-2"]
+
+
 def test_p0_and_p1_leases_are_never_evicted_and_p2_only_when_allowed():
     sched, clock, _ = make(preempt_min_victim_priority=3)
     empty = cluster([0, 0, 0])

@@ -442,3 +442,50 @@ def test_drain_stops_at_exhausted_and_counts_the_failure() -> None:
 
     assert q.drain(full, now=0.0) == []
     assert tried == ["t0"]
+
+
+# ---- preemption's hooks ------------------------------------------------------------------------------
+
+
+def test_urgent_p0_tasks_are_offered_before_the_weighted_rounds() -> None:
+    """One slot is free. Ten P0 tasks that do not fit come first in their class,
+    then ``stuck``, a P0 task that would; two P2 tasks would fit too. In the
+    rounds a P2 task takes the slot before ``stuck`` is reached; offered first
+    (the engine: a P0 task stuck long enough to preempt), ``stuck`` gets it."""
+
+    def run(urgent):
+        q = AgingQueue()
+        for i in range(10):
+            q.push(make_task(f"big-{i}", 0, slots=2), now=0.0)
+        q.push(make_task("stuck", 0), now=0.0)
+        for i in range(2):
+            q.push(make_task(f"batch-{i}", 2), now=0.0)
+        free = [1]
+
+        def try_place(task: Task, fenced: frozenset[str] = frozenset()) -> Outcome:
+            if int(task.spec.vram_mib) > free[0]:
+                return Outcome.BLOCKED
+            free[0] -= int(task.spec.vram_mib)
+            return Outcome.PLACED
+
+        return [t.task_id for t in q.drain(try_place, now=0.0, urgent=urgent)], q
+
+    placed, _ = run(None)
+    assert placed == ["batch-0"]
+    placed, q = run(lambda t: t.task_id == "stuck")
+    assert placed == ["stuck"]
+    assert "stuck" not in q and q.depths() == (10, 0, 2, 0)
+
+
+def test_push_front_puts_evicted_tasks_at_the_head_of_their_classes_in_the_order_given() -> None:
+    q = AgingQueue()
+    for i in range(3):
+        q.push(make_task(f"q{i}", 3), now=0.0)
+    q.push(make_task("p2", 2), now=0.0)
+    q.push_front([make_task("old", 3, now=-50.0), make_task("older-p2", 2, now=-60.0), make_task("new", 3)], now=10.0)
+    by_class = [[t.task_id for t in q.tasks() if int(t.priority) == c] for c in (2, 3)]
+    assert by_class == [["older-p2", "p2"], ["old", "new", "q0", "q1", "q2"]]
+    # they entered now: aging counts from 10 s, not from their submission
+    assert q.get("old").enqueued_at == 10.0
+    with pytest.raises(ValueError):
+        q.push_front([make_task("q0", 3)], now=11.0)
