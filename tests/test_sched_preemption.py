@@ -36,9 +36,9 @@ def make(**config):
     return sched, clock, seen
 
 
-def spec(task_id: str, gib: float, priority: Priority = Priority.P3, **changes) -> TaskSpec:
+def spec(task_id: str, gib: float, priority: Priority = Priority.P3, share: float = 0.5, **changes) -> TaskSpec:
     kind = {Priority.P0: "inference", Priority.P1: "training", Priority.P2: "batch"}.get(priority, "background")
-    return TaskSpec(task_id=task_id, vram_mib=gib * GIB, gpu_share=0.5, priority=priority, kind=kind, **changes)
+    return TaskSpec(task_id=task_id, vram_mib=gib * GIB, gpu_share=share, priority=priority, kind=kind, **changes)
 
 
 def cluster(used_gib, nodes=1, gpus=None) -> ClusterSnapshot:
@@ -176,15 +176,16 @@ def test_preemption_off_evicts_nothing():
     assert sched.get("bg").state == TaskState.LEASED and sched.next_decision_at() is None
 
 
-def test_the_cheapest_gpu_to_clear_is_chosen():
-    # GPU 0: two 8 GiB background tasks; GPU 1: one 16 GiB batch task; GPU 2:
-    # two 8 GiB background tasks, one of them not movable. GPU 1 would take
-    # one eviction, GPU 0 two, but P3 victims beat a P2 one; of the two P3
-    # GPUs the one whose victims are all movable (checkpointed) wins.
+def test_among_gpus_the_policy_scores_alike_the_cheapest_to_clear_is_chosen():
+    # Two 8 GiB tasks on each GPU, the same memory, compute and task count, so
+    # load_aware scores them alike: background on GPU 0, batch on GPU 1,
+    # background on GPU 2 but one of them not movable. P3 victims beat P2
+    # ones; of the two P3 GPUs the one whose victims all checkpoint wins.
     sched, clock, _ = make()
     truth = [0.0, 0.0, 0.0]
-    layout = [(spec("a1", 8), 0), (spec("a2", 8), 0), (spec("b", 16, Priority.P2), 1),
-              (spec("c1", 8), 2), (spec("c2", 8, movable=False), 2)]
+    layout = [(spec("a1", 8, share=0.25), 0), (spec("a2", 8, share=0.25), 0),
+              (spec("b1", 8, Priority.P2, share=0.25), 1), (spec("b2", 8, Priority.P2, share=0.25), 1),
+              (spec("c1", 8, share=0.25), 2), (spec("c2", 8, share=0.25, movable=False), 2)]
     for s, row in layout:
         put(sched, s, row, truth)
     busy = cluster(truth, gpus=3)
@@ -193,7 +194,23 @@ def test_the_cheapest_gpu_to_clear_is_chosen():
     sched.dispatch(busy)
     kept = sched.nominations()["urgent"]
     assert kept.gpu_uuids == ("GPU-n0-0",) and sorted(kept.victims) == ["a1", "a2"]
-    assert sched.get("b").state == TaskState.LEASED and sched.get("c2").state == TaskState.LEASED
+    assert sched.get("b1").state == TaskState.LEASED and sched.get("c2").state == TaskState.LEASED
+
+
+def test_the_gpu_the_policy_would_give_the_task_beats_a_cheaper_eviction():
+    # GPU 0 holds a background task (P3: the cheaper victim) using all its
+    # compute; GPU 1 a batch task (P2) using a tenth: the urgent task is
+    # better off on GPU 1, and load_aware scores it so
+    sched, clock, _ = make()
+    truth = [0.0, 0.0]
+    put(sched, spec("bg", 16, share=1.0), 0, truth)
+    put(sched, spec("batch", 16, Priority.P2, share=0.1), 1, truth)
+    busy = ClusterSnapshot.build([NodeFacts("n0", 2)], memory_used_mib=[16 * GIB, 16 * GIB], util_pct=[100.0, 10.0])
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    assert sched.nominations()["urgent"].victims == ("batch",)
+    assert sched.get("bg").state == TaskState.LEASED
 
 
 def test_of_two_alike_victims_the_one_placed_last_goes():
