@@ -64,9 +64,9 @@ class SchedulerConfig:
     # that GPU is kept for it until the victims' memory shows free in the
     # readings. The victims go back to the queue (state PREEMPTED, then
     # QUEUED: their lease holders stop them; checkpoint-and-restart work
-    # resumes, the rest starts over). 1 s rather than 0: a P0 that a lease
-    # ending this instant would make room for evicts nothing, and the 5 s SLA
-    # still leaves the victims seconds to stop.
+    # resumes, the rest starts over). 1 s rather than 0 so that a P0 task a
+    # lease ending this instant makes room for evicts nothing, while its 5 s
+    # SLA still leaves the victims seconds to stop.
     preemption: bool = True
     preempt_after_s: float = 1.0
     # The most urgent class a victim may be (by spec): 2 = P2 batch and P3
