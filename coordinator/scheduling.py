@@ -418,12 +418,13 @@ class Dispatcher:
         preempt = CounterMetricFamily(
             "gpulb_preemptions",
             "Preemption for P0 tasks that fit nowhere: P0 tasks that evicted lower-priority leases "
-            "(outcome=nominated), the leases evicted (evicted), and how the kept GPUs ended: the P0 task "
+            "(outcome=nominated; for_growth: of those, P0 tasks that fit but evicted for room for their kind's "
+            "learned memory growth), the leases evicted (evicted), and how the kept GPUs ended: the P0 task "
             "placed on them (placed_there) or elsewhere (placed_elsewhere), or the victims' memory never "
             "shown free within preempt_grace_s (lapsed: a lease holder that does not stop its task)",
             labels=["outcome"],
         )
-        for outcome in ("nominated", "evicted", "placed_there", "placed_elsewhere", "lapsed"):
+        for outcome in ("nominated", "for_growth", "evicted", "placed_there", "placed_elsewhere", "lapsed"):
             preempt.add_metric([outcome], self.engine.preemption_counts[outcome])
         return [depth, oldest, tasks, mix, room, preempt]
 
