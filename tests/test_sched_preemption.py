@@ -183,9 +183,11 @@ def test_among_gpus_the_policy_scores_alike_the_cheapest_to_clear_is_chosen():
     # ones; of the two P3 GPUs the one whose victims all checkpoint wins.
     sched, clock, _ = make()
     truth = [0.0, 0.0, 0.0]
-    layout = [(spec("a1", 8, share=0.25), 0), (spec("a2", 8, share=0.25), 0),
-              (spec("b1", 8, Priority.P2, share=0.25), 1), (spec("b2", 8, Priority.P2, share=0.25), 1),
-              (spec("c1", 8, share=0.25), 2), (spec("c2", 8, share=0.25, movable=False), 2)]
+    # (the all-movable GPU last, so the row order cannot be what picks it)
+    layout = [(spec("c1", 8, share=0.25, movable=True), 0), (spec("c2", 8, share=0.25), 0),
+              (spec("b1", 8, Priority.P2, share=0.25, movable=True), 1),
+              (spec("b2", 8, Priority.P2, share=0.25, movable=True), 1),
+              (spec("a1", 8, share=0.25, movable=True), 2), (spec("a2", 8, share=0.25, movable=True), 2)]
     for s, row in layout:
         put(sched, s, row, truth)
     busy = cluster(truth, gpus=3)
@@ -193,7 +195,7 @@ def test_among_gpus_the_policy_scores_alike_the_cheapest_to_clear_is_chosen():
     clock.now += 1.0
     sched.dispatch(busy)
     kept = sched.nominations()["urgent"]
-    assert kept.gpu_uuids == ("GPU-n0-0",) and sorted(kept.victims) == ["a1", "a2"]
+    assert kept.gpu_uuids == ("GPU-n0-2",) and sorted(kept.victims) == ["a1", "a2"]
     assert sched.get("b1").state == TaskState.LEASED and sched.get("c2").state == TaskState.LEASED
 
 
@@ -303,3 +305,32 @@ def test_bad_preemption_settings_are_refused_by_name(option, value):
     with pytest.raises(InvalidArgument) as err:
         SchedulerConfig(**{option: value}).validate()
     assert err.value.field == option
+
+
+def test_a_task_that_checkpoints_is_not_the_victim_every_time():
+    # a and b (background, movable) share GPU 0. The first P0 task evicts b
+    # (placed last); once b runs there again, the next one evicts a: among
+    # tasks that lose only a restart, the one evicted least often goes
+    sched, clock, _ = make()
+    truth = [0.0]
+    put(sched, spec("a", 8, movable=True), 0, truth)
+    clock.now += 10.0
+    put(sched, spec("b", 8, movable=True), 0, truth)
+    busy = cluster(truth)
+    sched.submit(spec("u1", 8, Priority.P0), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    assert sched.nominations()["u1"].victims == ("b",)
+    # b's memory shows free: u1 goes there; u1 ends; b runs there again
+    clock.now += 2.5
+    placed = {t.task_id: t for t in sched.dispatch(cluster([8.0]))}
+    assert "u1" in placed
+    sched.complete("u1", placed["u1"].assignment.lease_id)
+    clock.now += 2.5
+    again = sched.dispatch(cluster([8.0]))
+    assert [t.task_id for t in again] == ["b"]
+    busy = cluster([16.0])
+    sched.submit(spec("u2", 8, Priority.P0), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    assert sched.nominations()["u2"].victims == ("a",)
