@@ -79,6 +79,10 @@ class SchedulerConfig:
     # work from one that could, waiting for it at most until its SLA runs
     # out; then it takes the best GPU it fits. Needs preemption.
     preempt_for_growth: bool = True
+    # s a lease must have run before it may be evicted (Slurm's
+    # PreemptExemptTime): a task just restarted after an eviction is not the
+    # victim again at once. 0 (the default): any lease of a victim class may go.
+    preempt_min_run_s: float = 0.0
     # Most leases one P0 task may evict; a GPU that needs more is not chosen.
     preempt_max_victims: int = 4
     # s the evicted GPU stays kept for its P0 task: long enough for the
@@ -162,6 +166,8 @@ class SchedulerConfig:
                 or self.preempt_max_victims < 1:
             raise InvalidArgument("preempt_max_victims", f"must be an integer >= 1, got {self.preempt_max_victims!r}")
         positive("preempt_grace_s", self.preempt_grace_s)
+        if not (math.isfinite(self.preempt_min_run_s) and self.preempt_min_run_s >= 0):
+            raise InvalidArgument("preempt_min_run_s", f"must be a finite number >= 0, got {self.preempt_min_run_s!r}")
         if not (math.isfinite(self.backfill_estimate_factor) and self.backfill_estimate_factor >= 0):
             raise InvalidArgument("backfill_estimate_factor", "must be a finite number >= 0")
         for name in ("memory_reject_pct", "memory_warn_pct"):

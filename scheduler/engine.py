@@ -1049,6 +1049,8 @@ class Scheduler:
                 victim = self._tasks.get(task_id)
                 if victim is None or victim.assignment is None or int(victim.spec.priority) < min_victim:
                     continue
+                if now - victim.assignment.placed_at < cfg.preempt_min_run_s:
+                    continue  # exempt while it has run less than preempt_min_run_s
                 for gpu_uuid in victim.assignment.gpu_uuids:
                     row = view.row_of.get(gpu_uuid)
                     if row is not None and ok[row]:

@@ -300,6 +300,7 @@ def test_a_migration_may_not_take_a_gpu_kept_for_a_p0_task():
 @pytest.mark.parametrize("option, value", [
     ("preempt_after_s", -1.0), ("preempt_after_s", float("nan")), ("preempt_min_victim_priority", 0),
     ("preempt_min_victim_priority", 4), ("preempt_max_victims", 0), ("preempt_grace_s", 0.0),
+    ("preempt_min_run_s", -1.0), ("preempt_min_run_s", float("inf")),
 ])
 def test_bad_preemption_settings_are_refused_by_name(option, value):
     with pytest.raises(InvalidArgument) as err:
@@ -334,3 +335,18 @@ def test_a_task_that_checkpoints_is_not_the_victim_every_time():
     clock.now += 1.0
     sched.dispatch(busy)
     assert sched.nominations()["u2"].victims == ("a",)
+
+
+def test_a_lease_younger_than_preempt_min_run_s_is_exempt():
+    sched, clock, _ = make(preempt_min_run_s=60.0)
+    truth = [0.0, 0.0]
+    put(sched, spec("old", 16), 0, truth)
+    clock.now += 100.0
+    put(sched, spec("young", 16), 1, truth)
+    busy = cluster(truth)
+    sched.submit(spec("urgent", 16, Priority.P0), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    # without the exemption "young" would go (the least work lost)
+    assert sched.nominations()["urgent"].victims == ("old",)
+    assert sched.get("young").state == TaskState.LEASED
