@@ -59,7 +59,11 @@ would on a real cluster. Turning either off (``--no-prediction``,
 (``advisor``) is off unless configured; its plans are carried out as an
 executor does through the coordinator's MigrateTask (``Scheduler.migrate``:
 the lease moves to the destination in one step, the restart never queues),
-with a checkpoint-and-restart cost (``migration_cost_s``).
+with a checkpoint-and-restart cost (``migration_cost_s``). The scheduler's
+preemption runs as it does in the coordinator (``SchedulerConfig.preemption``):
+a lease it evicts for a P0 task stops at once (its memory shows free after
+the sampling delay, when the P0 task can start); a movable task resumes with
+the same restart cost, any other starts over.
 
 Telemetry. The scheduler sees what the coordinator's view would show, not the
 truth. A change is first sampled ``sample_delay_s`` later (the agent's stable
