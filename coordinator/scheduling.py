@@ -221,12 +221,13 @@ class Dispatcher:
             metrics.tasks_finished.labels(task.state.name.lower()).inc()
         if previous == TaskState.LEASED and task.state != TaskState.LEASED and a is not None:
             session = self.c.gateway.sessions.get(a.node_id)
+            preempted = task.state == TaskState.PREEMPTED
             if session is not None and task.state != TaskState.LOST:
                 session.send(pb.CoordinatorMessage(release=pb.TaskRelease(task_id=task.task_id, reason=task.state.name.lower())))
-                if task.state == TaskState.PREEMPTED:
+                if preempted:
                     # a P0 task waits for these readings to show the memory free: sample fast
                     session.send(pb.CoordinatorMessage(sampling_hint=pb.SamplingHint(interval_ms=200, duration_ms=10_000)))
-            if task.state == TaskState.PREEMPTED:
+            if preempted:
                 log.warning("task_preempted", task_id=task.task_id, node_id=a.node_id, gpus=list(a.gpu_indices),
                             priority=task.spec.priority.name, reason=task.reason)
             self.request()  # room was freed

@@ -221,6 +221,11 @@ class Scheduler:
             raise UnknownTask(task_id)
         return task
 
+    def _is_queued(self, task_id: str) -> bool:
+        """Whether ``task_id`` is a task waiting in the queue (not placed, ended or forgotten)."""
+        task = self._tasks.get(task_id)
+        return task is not None and task.state == TaskState.QUEUED
+
     def get(self, task_id: str) -> Task:
         """A copy of the task's record; UnknownTask if never seen (or forgotten)."""
         return copy.copy(self._get(task_id))
@@ -379,7 +384,7 @@ class Scheduler:
         for task in self._queue.promote_due(now):
             self._changed(task)
         failed: dict[tuple, str] = {}
-        for task_id in [t for t in self._held_nodes if self._tasks.get(t) is None or self._tasks[t].state != TaskState.QUEUED]:
+        for task_id in [t for t in self._held_nodes if not self._is_queued(t)]:
             del self._held_nodes[task_id]
             self._hold_lost.pop(task_id, None)
         if self._room_waits:
@@ -832,16 +837,15 @@ class Scheduler:
             # not yet running): try their P0 tasks again at once
             return now
         times = [end for end in self._room_waits.values() if end > now]
-        times += [due for t, due in self._preempt_due.items() if due > now and t not in self._nominations
-                  and t in self._tasks and self._tasks[t].state == TaskState.QUEUED]
+        times += [due for t, due in self._preempt_due.items()
+                  if due > now and t not in self._nominations and self._is_queued(t)]
         times += [kept.until for kept in self._nominations.values() if kept.until > now]
         return min(times, default=None)
 
     def _forget_room_waits(self) -> None:
         """Drop the waits of tasks that left the queue unplaced (cancelled,
         expired, rejected): no outcome to count."""
-        for task_id in [t for t in self._room_waits if self._tasks.get(t) is None
-                        or self._tasks[t].state != TaskState.QUEUED]:
+        for task_id in [t for t in self._room_waits if not self._is_queued(t)]:
             del self._room_waits[task_id]
 
     def _urgent_room(
@@ -965,15 +969,11 @@ class Scheduler:
         """Drop what preemption keeps for tasks that left the queue (cancelled,
         expired: placed ones were counted when placed), and the GPUs kept past
         ``preempt_grace_s`` (counted as lapsed: their task may evict again)."""
-        for task_id in [t for t in self._preempt_due if self._tasks.get(t) is None
-                        or self._tasks[t].state != TaskState.QUEUED]:
+        for task_id in [t for t in self._preempt_due if not self._is_queued(t)]:
             del self._preempt_due[task_id]
-        for task_id in [t for t in self._evicted_for_growth if self._tasks.get(t) is None
-                        or self._tasks[t].state != TaskState.QUEUED]:
-            self._evicted_for_growth.discard(task_id)
+        self._evicted_for_growth = {t for t in self._evicted_for_growth if self._is_queued(t)}
         for task_id, kept in list(self._nominations.items()):
-            task = self._tasks.get(task_id)
-            if task is None or task.state != TaskState.QUEUED:
+            if not self._is_queued(task_id):
                 del self._nominations[task_id]
             elif kept.until <= now:
                 del self._nominations[task_id]
@@ -1347,12 +1347,12 @@ class Scheduler:
                 raise Unplaceable(f"{field}: the task needs NVLink and GPUs {indices} of node {node_id} "
                                   "are not one NVLink-connected group")
         for blocked, held in self._held_nodes.items():
-            if held == node_id and blocked in self._tasks and self._tasks[blocked].state == TaskState.QUEUED:
+            if held == node_id and self._is_queued(blocked):
                 raise Unplaceable(f"{field}: node {node_id} is kept for the blocked task {blocked!r} while "
                                   "gpulb's tasks there end")
         for p0_id, kept in self._nominations.items():
             taken = set(kept.gpu_uuids) & set(uuids)
-            if taken and p0_id in self._tasks and self._tasks[p0_id].state == TaskState.QUEUED:
+            if taken and self._is_queued(p0_id):
                 raise Unplaceable(f"{field}: {sorted(taken)[0]} is kept for P0 task {p0_id!r}: lower-priority "
                                   "tasks were evicted from it to make room")
         for u, row in zip(uuids, rows):
