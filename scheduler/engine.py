@@ -88,6 +88,10 @@ _MIN_GROWTH_WAIT_S = 2.0
 #: s before its SLA runs out that a P0 task waiting for room to grow gives up
 #: the wait and takes the GPU it fits (the next dispatch places it)
 _SLA_MARGIN_S = 0.5
+#: s after gpulb's last lease on a GPU ended during which its compute reading
+#: may still show that task: the agent's 2 s calm period, then the anomaly
+#: filter's confirmation (2.4 s in all by default), with room to spare
+_RELEASE_SHOWS_S = 10.0
 
 Listener = Callable[[Task], None]
 
@@ -179,6 +183,8 @@ class Scheduler:
         self._evicted_at: float | None = None  # when the last eviction was (next_decision_at)
         self._evicted_for_growth: set[str] = set()  # queued P0 tasks that evicted for room to grow
         self._times_evicted: Counter[str] = Counter()  # live task id -> leases of it evicted so far
+        # GPU uuid -> when gpulb's last lease on it ended (kept _RELEASE_SHOWS_S)
+        self._emptied_at: dict[str, float] = {}
         # "evicted" (victims), "nominated" (P0 tasks that evicted), and how the
         # nominations ended: "placed_there", "placed_elsewhere", "lapsed"
         self.preemption_counts: Counter[str] = Counter()
@@ -887,8 +893,9 @@ class Scheduler:
             if there is not None:
                 return there, ""
         # with compute to spare too: stacked onto a busy big card, urgent work
-        # ran slower (openb cluster: slowdown p95 0.98 -> 1.74, README)
-        roomy = choose(with_memory & (view.load + 100.0 * task.spec.gpu_share <= 100.0))
+        # ran slower (openb cluster: slowdown p95 0.98 -> 1.74, README). A GPU
+        # whose last lease just ended has it: its reading still shows that task
+        roomy = choose(with_memory & ((view.load + 100.0 * task.spec.gpu_share <= 100.0) | self._just_emptied(view, now)))
         if roomy is not None:
             return roomy, ""
         if kept is None:
@@ -906,6 +913,17 @@ class Scheduler:
                       f"{kept.node_id}, for room to grow ({need:,.0f} MiB: {ratio:.2f}x the ask, the largest "
                       f"growth {task.spec.kind or 'its'} tasks have shown); placing it there once their memory "
                       f"shows free, or at {kept.until - task.queued_at:g} s where it fits")
+
+    def _just_emptied(self, view: PlacementView, now: float) -> np.ndarray:
+        """Per GPU: gpulb's last lease on it ended under ``_RELEASE_SHOWS_S``
+        ago and none has come since, so its compute reading may still show
+        the task that left (on the openb cluster, P0 tasks that needed room
+        to grow passed over such 80 GiB cards for a 24 GiB one they outgrew)."""
+        for gpu_uuid in [u for u, t in self._emptied_at.items() if now - t > _RELEASE_SHOWS_S]:
+            del self._emptied_at[gpu_uuid]
+        if not self._emptied_at:
+            return np.zeros(view.gpu_count, dtype=bool)
+        return _rows_mask(view, list(self._emptied_at)) & (view.leases == 0)
 
     def _growth_room(self, task: Task, view: PlacementView, now: float) -> tuple[float, float, bool] | None:
         """(MiB, growth ratio, may wait): the memory free on a GPU that holds
@@ -1044,17 +1062,21 @@ class Scheduler:
         busy = view.load + 100.0 * spec.gpu_share - 100.0 if want_compute else None
         min_victim = cfg.preempt_min_victim_priority
         on_row: dict[int, list[Task]] = {}
+        shares: dict[int, float] = {}  # per candidate row, the shares its leases reserved
         for node_id, ids in self._by_node.items():
             for task_id in ids:
-                victim = self._tasks.get(task_id)
-                if victim is None or victim.assignment is None or int(victim.spec.priority) < min_victim:
+                lease = self._tasks.get(task_id)
+                if lease is None or lease.assignment is None:
                     continue
-                if now - victim.assignment.placed_at < cfg.preempt_min_run_s:
-                    continue  # exempt while it has run less than preempt_min_run_s
-                for gpu_uuid in victim.assignment.gpu_uuids:
+                victim = int(lease.spec.priority) >= min_victim
+                # exempt while it has run less than preempt_min_run_s
+                victim = victim and now - lease.assignment.placed_at >= cfg.preempt_min_run_s
+                for gpu_uuid in lease.assignment.gpu_uuids:
                     row = view.row_of.get(gpu_uuid)
                     if row is not None and ok[row]:
-                        on_row.setdefault(row, []).append(victim)
+                        shares[row] = shares.get(row, 0.0) + lease.spec.gpu_share
+                        if victim:
+                            on_row.setdefault(row, []).append(lease)
 
         def lost(victim: Task) -> float:  # GPU-seconds its run so far is worth
             return (now - victim.assignment.placed_at) * victim.spec.num_gpus  # type: ignore[union-attr]
@@ -1083,7 +1105,13 @@ class Scheduler:
                     return None
                 chosen.append(victim)
                 freed += float(victim.spec.vram_mib)
-                freed_util += 100.0 * victim.spec.gpu_share
+                # its reading, and its part of the compute still reserved on the GPU:
+                # a task using less memory than it asked keeps its reservation (the
+                # reservation fades as the memory readings rise), so the load counts
+                # its compute twice; freeing only its share, a G3 card at "200 %"
+                # with one whole-GPU batch task was never cleared for a P0 task
+                share = victim.spec.gpu_share
+                freed_util += 100.0 * share + (float(view.res_util[row]) * (share / shares[row]) if share > 0 else 0.0)
                 if freed >= need and freed_util >= need_util:
                     return tuple(chosen)
             return None
@@ -1221,6 +1249,10 @@ class Scheduler:
             return
         self._leases.release(assignment.lease_id)
         uuids = self._reservations.release(assignment.lease_id)
+        now = self._clock()
+        for gpu_uuid in uuids:
+            if self._reservations.gpu(gpu_uuid) is None:
+                self._emptied_at[gpu_uuid] = now
         if self._view is not None:
             self._view.refresh(uuids)
         on_node = self._by_node.get(assignment.node_id)

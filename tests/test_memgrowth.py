@@ -560,3 +560,66 @@ def test_a_p0_task_goes_straight_to_a_big_card_with_memory_and_compute_to_spare(
     placed = sched.dispatch(now)
     assert [t.assignment.node_id for t in placed] == ["g3"] and sched.preemption_counts == {}
     assert sched.get("small").state.name == "LEASED"
+
+
+def test_a_victim_using_less_memory_than_it_asked_frees_its_reserved_compute_too():
+    # The batch task on the G3 asked 4,096 MiB and the whole GPU but reads only
+    # 1,000 MiB: its reservation fades with the memory readings, so 3,096 MiB
+    # of it and 76 % of compute stay reserved on top of the 100 % util the GPU
+    # reads (load 176 %). Evicting it frees both; counted as its share alone
+    # (100 %), the G3 never looked clearable and the P0 task took the G2 it
+    # may outgrow (openb cluster: such "200 %" G3 cards held one batch task).
+    sched, clock = _scheduler()
+    full_g2 = ClusterSnapshot.build(
+        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
+         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)], memory_used_mib=[24_000.0, 0.0])
+    full_g2.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
+    sched.submit(TaskSpec(task_id="bg", vram_mib=4_096.0, gpu_share=1.0, priority=Priority.P3, kind="batch"), full_g2)
+    assert [t.assignment.node_id for t in sched.dispatch(full_g2)] == ["g3"]
+    clock[0] += 60.0
+    busy = _readings(g3_used=1_000.0, g3_util=100.0)
+    sched.submit(URGENT, busy)
+    assert sched.dispatch(busy) == []
+    assert sched.get("bg").state.name == "QUEUED"
+    assert sched.nominations()["u"].gpu_uuids == ("GPU-g3-0",)
+    clock[0] += 2.4
+    placed = sched.dispatch(_readings(g3_used=0.0, g3_util=40.0))
+    assert {t.task_id: t.assignment.node_id for t in placed}["u"] == "g3"
+
+
+def _g3_running_p0(sched):
+    """A P0 task of 4 GiB and the whole GPU placed on the G3 (the G2 read
+    full); the readings now: the G2 idle, the G3 at 100 % with 4 GiB used."""
+    full_g2 = ClusterSnapshot.build(
+        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
+         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)], memory_used_mib=[24_000.0, 0.0])
+    full_g2.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
+    sched.submit(TaskSpec(task_id="p0", vram_mib=4_096.0, gpu_share=1.0, priority=Priority.P0, kind="serve"), full_g2)
+    assert [t.assignment.node_id for t in sched.dispatch(full_g2)] == ["g3"]
+    return _readings(g3_used=4_096.0, g3_util=100.0)
+
+
+def test_a_p0_task_takes_a_big_card_whose_last_lease_just_ended_though_it_still_reads_busy():
+    # The G3's P0 task has just completed: for a sampling round or two the G3
+    # still reads 100 % util (and its 4 GiB). Its compute is free, so the P0
+    # task that may grow to 27,525 MiB goes there, not to the G2 it could
+    # outgrow; nothing is evicted.
+    sched, clock = _scheduler()
+    busy = _g3_running_p0(sched)
+    clock[0] += 5.0  # within its lease
+    sched.complete("p0", sched.get("p0").assignment.lease_id)
+    clock[0] += 1.0
+    sched.submit(URGENT, busy)
+    assert [t.assignment.node_id for t in sched.dispatch(busy)] == ["g3"]
+    assert sched.preemption_counts == {}
+
+
+def test_a_big_card_busy_with_work_gpulb_did_not_place_is_not_taken_for_room_to_grow():
+    # Past the readings' lag, 100 % util with no lease of gpulb's there is
+    # another tenant's compute: the P0 task takes the G2 at once, as before.
+    sched, clock = _scheduler()
+    busy = _g3_running_p0(sched)
+    sched.complete("p0", sched.get("p0").assignment.lease_id)
+    clock[0] += 60.0
+    sched.submit(URGENT, busy)
+    assert [t.assignment.node_id for t in sched.dispatch(busy)] == ["g2"]
