@@ -1215,8 +1215,9 @@ class Scheduler:
         lease = self._leases.grant(spec.task_id, now, self.config.lease_s)
         # the readings the reservation fades against (stale ones too: see Reservations)
         used = [float(view.used[r]) for r in placement.rows]
+        util = [float(view.util_reading[r]) for r in placement.rows]
         self._reservations.add(
-            lease.lease_id, placement.gpu_uuids, float(spec.vram_mib), 100.0 * spec.gpu_share, used
+            lease.lease_id, placement.gpu_uuids, float(spec.vram_mib), 100.0 * spec.gpu_share, used, util
         )
         view.refresh(placement.gpu_uuids)
         self._policy.commit(view, placement)

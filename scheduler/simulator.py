@@ -420,6 +420,7 @@ class ColumnarReservations(Reservations):
         self._row = {u: i for i, u in enumerate(self._order)}
         n = len(self._order)
         self._b = np.full(n, np.inf)
+        self._bu = np.full(n, np.inf)
         self._r = np.zeros(n)
         self._u = np.zeros(n)
         self._n = np.zeros(n, dtype=np.int32)
@@ -433,8 +434,10 @@ class ColumnarReservations(Reservations):
             g = Reservations.gpu(self, u)
             if g is None:
                 self._b[row], self._r[row], self._u[row], self._n[row] = math.inf, 0.0, 0.0, 0
+                self._bu[row] = math.inf
             else:
                 self._b[row] = g.baseline_mib
+                self._bu[row] = g.baseline_util_pct
                 self._r[row] = g.vram_mib
                 self._u[row] = g.util_pct
                 self._n[row] = len(g.members)
@@ -443,8 +446,8 @@ class ColumnarReservations(Reservations):
         self._dirty.add(gpu_uuid)
         return super().gpu(gpu_uuid)
 
-    def add(self, key, gpu_uuids, vram_mib, util_pct, used_mib) -> None:  # type: ignore[override]
-        super().add(key, gpu_uuids, vram_mib, util_pct, used_mib)
+    def add(self, key, gpu_uuids, vram_mib, util_pct, used_mib, util_now=None) -> None:  # type: ignore[override]
+        super().add(key, gpu_uuids, vram_mib, util_pct, used_mib, util_now)
         self._sync(gpu_uuids)
 
     def release(self, key: str) -> tuple[str, ...]:
@@ -452,14 +455,16 @@ class ColumnarReservations(Reservations):
         self._sync(uuids)
         return uuids
 
-    def columns(self, row_of: Mapping[str, int], used_mib: np.ndarray, fresh: np.ndarray) -> ReservedColumns:
+    def columns(
+        self, row_of: Mapping[str, int], used_mib: np.ndarray, fresh: np.ndarray, util_now: np.ndarray | None = None,
+    ) -> ReservedColumns:
         n = len(self._order)
         if (
             len(row_of) != n
             or used_mib.shape[0] != n
             or (n and (row_of.get(self._order[0]) != 0 or row_of.get(self._order[-1]) != n - 1))
         ):
-            return super().columns(row_of, used_mib, fresh)
+            return super().columns(row_of, used_mib, fresh, util_now)
         if self._dirty:
             dirty, self._dirty = self._dirty, set()
             self._sync(dirty)
@@ -478,6 +483,20 @@ class ColumnarReservations(Reservations):
             eff_live = np.minimum(r, np.maximum(0.0, b + r - used))
         eff = np.where(live, eff_live, np.where(has, r, 0.0))
         util = np.where(has, self._u * eff / np.where(has, r, 1.0), 0.0)
+        if util_now is not None:  # as Reservations.columns: compute shown by the util reading
+            x = np.asarray(util_now, dtype=np.float64)
+            known = live & np.isfinite(x)
+            bu = self._bu
+            lower_u = known & (x < bu)
+            if lower_u.any():
+                bu[lower_u] = x[lower_u]
+                for row in np.flatnonzero(lower_u):
+                    g = Reservations.gpu(self, self._order[row])
+                    if g is not None:
+                        g.baseline_util_pct = float(x[row])
+            with np.errstate(invalid="ignore"):
+                shown = np.minimum(self._u, np.maximum(0.0, bu + self._u - x))
+            util = np.where(known, np.minimum(util, shown), util)
         return ReservedColumns(vram_mib=eff, util_pct=util, leases=self._n.copy(), asked_mib=r.copy())
 
 

@@ -465,6 +465,8 @@ class PlacementView:
                 forecast = np.asarray(s.util_forecast_pct, dtype=np.float64)
                 util = np.where(np.isnan(forecast), util, forecast)
             self.util_base = np.where(np.isnan(util), 100.0, np.clip(util, 0.0, 100.0))
+            # the reading reservations fade against (NaN: unknown, they stay)
+            self.util_reading = np.where(self.stale, np.nan, np.clip(util, 0.0, 100.0))
 
         self.nodes_contiguous = topo.nodes_contiguous
         self.node_gpus = topo.node_gpus
@@ -482,7 +484,7 @@ class PlacementView:
         self._node_sums: dict[object, tuple[np.ndarray, np.ndarray]] = {}
 
         if reservations is not None and len(reservations):
-            cols = reservations.columns(self.row_of, used, fresh)
+            cols = reservations.columns(self.row_of, used, fresh, self.util_reading)
         else:
             cols = ReservedColumns.empty(count)
         self._reservations = reservations
@@ -601,7 +603,7 @@ class PlacementView:
             if gpu is None:
                 eff, util, leases, asked = 0.0, 0.0, 0, 0.0
             else:
-                eff, util = gpu.effective(float(self.used[row]), bool(self.fresh[row]))
+                eff, util = gpu.effective(float(self.used[row]), bool(self.fresh[row]), float(self.util_reading[row]))
                 leases, asked = len(gpu.members), gpu.vram_mib
             self.res_vram[row] = eff
             self.res_util[row] = util

@@ -40,6 +40,43 @@ def test_effective_vram_fades_with_the_reading(
     assert util == pytest.approx(40.0 * expected / reserved)
 
 
+@pytest.mark.parametrize(
+    "used, util_now, fresh, expected_util",
+    [
+        (2_000.0, 10.0, True, 100.0),  # neither reading shows it yet
+        (2_000.0, 60.0, True, 50.0),  # half its compute shows, its memory does not
+        (2_000.0, 110.0, True, 0.0),  # its compute shows: a task using 1 GiB of the 8 GiB it asked
+        (6_000.0, 60.0, True, 50.0),  # memory and compute half shown
+        (10_000.0, 10.0, True, 0.0),  # its memory shows (its compute may sit idle): faded as before
+        (2_000.0, NAN, True, 100.0),  # no util reading: the memory rule alone
+        (2_000.0, 110.0, False, 100.0),  # stale node: keep it all
+    ],
+)
+def test_effective_util_fades_when_either_reading_shows_the_task(
+    used: float, util_now: float, fresh: bool, expected_util: float
+) -> None:
+    res = Reservations()
+    res.add("a", ["g"], 8_000.0, 100.0, [2_000.0], [10.0])  # at 2 GiB and 10 % util
+    eff, util = res.gpu("g").effective(used, fresh, util_now)
+    assert util == pytest.approx(expected_util)
+    assert eff == pytest.approx(8_000.0 if not fresh else min(8_000.0, max(0.0, 10_000.0 - used)))
+
+
+def test_a_lower_util_reading_lowers_the_util_baseline_and_columns_agree() -> None:
+    res = Reservations()
+    res.add("a", ["g"], 8_000.0, 80.0, [0.0], [30.0])
+    # the other work on the GPU went idle: the task's 80 % has still to show in full
+    cols = res.columns({"g": 0}, np.array([0.0]), np.array([True]), np.array([5.0]))
+    assert cols.util_pct[0] == pytest.approx(80.0)
+    assert res.gpu("g").baseline_util_pct == 5.0
+    cols = res.columns({"g": 0}, np.array([500.0]), np.array([True]), np.array([65.0]))
+    assert cols.util_pct[0] == pytest.approx(20.0)  # its memory shows 1/16: 75 % by that rule
+    assert res.gpu("g").effective(500.0, True, 65.0)[1] == pytest.approx(cols.util_pct[0])
+    # a second task stacked at a reading of 65 %: its 50 % shows above that
+    res.add("b", ["g"], 1_000.0, 50.0, [500.0], [65.0])
+    assert res.gpu("g").effective(500.0, True, 100.0)[1] == pytest.approx(130.0 - 100.0 + 5.0)
+
+
 def test_two_reservations_on_one_gpu_fade_first_come_first_served() -> None:
     res = Reservations()
     res.add("a", ["g"], 10_000.0, 30.0, [2_000.0])

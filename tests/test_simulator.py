@@ -358,9 +358,10 @@ def test_columnar_reservations_match_the_engine_on_random_sequences():
             key = f"k{step}"
             gpus = rng.sample(uuids, rng.choice([1, 1, 2, 4]))
             used = [rng.choice([math.nan, rng.uniform(0, 20_000)]) for _ in gpus]
+            util_now = [rng.choice([math.nan, rng.uniform(0, 100)]) for _ in gpus]
             vram, util = rng.uniform(100, 8_000), rng.uniform(0, 100)
-            base.add(key, gpus, vram, util, used)
-            fast.add(key, gpus, vram, util, used)
+            base.add(key, gpus, vram, util, used, util_now)
+            fast.add(key, gpus, vram, util, used, util_now)
             live.append(key)
         elif op < 0.7:
             key = live.pop(rng.randrange(len(live)))
@@ -369,14 +370,17 @@ def test_columnar_reservations_match_the_engine_on_random_sequences():
             # what the view's refresh does: effective() on one GPU
             u = rng.choice(uuids)
             reading, fresh = rng.uniform(0, 20_000), rng.random() < 0.8
+            util_reading = rng.choice([math.nan, rng.uniform(0, 100)])
             gb, gf = base.gpu(u), fast.gpu(u)
             assert (gb is None) == (gf is None)
             if gb is not None:
-                assert gb.effective(reading, fresh) == gf.effective(reading, fresh)
+                assert gb.effective(reading, fresh, util_reading) == gf.effective(reading, fresh, util_reading)
         else:
             used = np.array([rng.choice([math.nan, rng.uniform(0, 20_000)]) for _ in uuids])
             fresh = np.array([rng.random() < 0.8 for _ in uuids])
-            a, b = base.columns(row_of, used, fresh), fast.columns(row_of, used, fresh)
+            # the util readings too, some of the time (as the view passes them)
+            util_now = np.array([rng.choice([math.nan, rng.uniform(0, 100)]) for _ in uuids]) if rng.random() < 0.7 else None
+            a, b = base.columns(row_of, used, fresh, util_now), fast.columns(row_of, used, fresh, util_now)
             np.testing.assert_allclose(a.vram_mib, b.vram_mib, rtol=1e-12, atol=1e-9)
             np.testing.assert_allclose(a.util_pct, b.util_pct, rtol=1e-12, atol=1e-9)
             np.testing.assert_array_equal(a.leases, b.leases)
