@@ -1062,21 +1062,17 @@ class Scheduler:
         busy = view.load + 100.0 * spec.gpu_share - 100.0 if want_compute else None
         min_victim = cfg.preempt_min_victim_priority
         on_row: dict[int, list[Task]] = {}
-        shares: dict[int, float] = {}  # per candidate row, the shares its leases reserved
         for node_id, ids in self._by_node.items():
             for task_id in ids:
-                lease = self._tasks.get(task_id)
-                if lease is None or lease.assignment is None:
+                victim = self._tasks.get(task_id)
+                if victim is None or victim.assignment is None or int(victim.spec.priority) < min_victim:
                     continue
-                victim = int(lease.spec.priority) >= min_victim
-                # exempt while it has run less than preempt_min_run_s
-                victim = victim and now - lease.assignment.placed_at >= cfg.preempt_min_run_s
-                for gpu_uuid in lease.assignment.gpu_uuids:
+                if now - victim.assignment.placed_at < cfg.preempt_min_run_s:
+                    continue  # exempt while it has run less than preempt_min_run_s
+                for gpu_uuid in victim.assignment.gpu_uuids:
                     row = view.row_of.get(gpu_uuid)
                     if row is not None and ok[row]:
-                        shares[row] = shares.get(row, 0.0) + lease.spec.gpu_share
-                        if victim:
-                            on_row.setdefault(row, []).append(lease)
+                        on_row.setdefault(row, []).append(victim)
 
         def lost(victim: Task) -> float:  # GPU-seconds its run so far is worth
             return (now - victim.assignment.placed_at) * victim.spec.num_gpus  # type: ignore[union-attr]
@@ -1105,13 +1101,9 @@ class Scheduler:
                     return None
                 chosen.append(victim)
                 freed += float(victim.spec.vram_mib)
-                # its reading, and its part of the compute still reserved on the GPU:
-                # a task using less memory than it asked keeps its reservation (the
-                # reservation fades as the memory readings rise), so the load counts
-                # its compute twice; freeing only its share, a G3 card at "200 %"
-                # with one whole-GPU batch task was never cleared for a P0 task
-                share = victim.spec.gpu_share
-                freed_util += 100.0 * share + (float(view.res_util[row]) * (share / shares[row]) if share > 0 else 0.0)
+                # the load counts a task's compute once: the part its GPU's reading
+                # shows and the part still reserved (Reservations) add up to its share
+                freed_util += 100.0 * victim.spec.gpu_share
                 if freed >= need and freed_util >= need_util:
                     return tuple(chosen)
             return None

@@ -562,13 +562,13 @@ def test_a_p0_task_goes_straight_to_a_big_card_with_memory_and_compute_to_spare(
     assert sched.get("small").state.name == "LEASED"
 
 
-def test_a_victim_using_less_memory_than_it_asked_frees_its_reserved_compute_too():
+def test_a_victim_using_less_memory_than_it_asked_is_evicted_for_room_to_grow():
     # The batch task on the G3 asked 4,096 MiB and the whole GPU but reads only
-    # 1,000 MiB: its reservation fades with the memory readings, so 3,096 MiB
-    # of it and 76 % of compute stay reserved on top of the 100 % util the GPU
-    # reads (load 176 %). Evicting it frees both; counted as its share alone
-    # (100 %), the G3 never looked clearable and the P0 task took the G2 it
-    # may outgrow (openb cluster: such "200 %" G3 cards held one batch task).
+    # 1,000 MiB. Reservations used to fade with the memory reading alone, so 76 %
+    # of its compute stayed reserved on top of the 100 % util the GPU reads:
+    # "176 %", more than evicting it (its share, 100 %) could free, and the P0
+    # task took the G2 it may outgrow (openb cluster: such G3 cards read "200 %"
+    # with one batch task). The util reading shows its compute: load 100 %.
     sched, clock = _scheduler()
     full_g2 = ClusterSnapshot.build(
         [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
