@@ -1243,8 +1243,9 @@ class Scheduler:
         self._leases.release(assignment.lease_id)
         uuids = self._reservations.release(assignment.lease_id)
         now = self._clock()
+        reserved = self._reservations.reserved_gpus()  # a key view: gpu() would mark the simulator's mirror dirty
         for gpu_uuid in uuids:
-            if self._reservations.gpu(gpu_uuid) is None:
+            if gpu_uuid not in reserved:
                 self._emptied_at[gpu_uuid] = now
         if self._view is not None:
             self._view.refresh(uuids)

@@ -469,18 +469,23 @@ def test_a_card_with_room_to_grow_wins_over_a_less_loaded_one(wait_s, node):
 URGENT = TaskSpec(task_id="u", vram_mib=13_107.0, gpu_share=1.0, priority=Priority.P0, kind="inference")
 
 
+def _placed_on_g3(sched, spec: TaskSpec) -> None:
+    """``spec`` placed on the G3 while the G2 reads full (one task in twenty
+    learned to grow 2.1x, as in ``_readings``)."""
+    full_g2 = ClusterSnapshot.build(
+        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
+         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)], memory_used_mib=[24_000.0, 0.0])
+    full_g2.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
+    sched.submit(spec, full_g2)
+    assert [t.assignment.node_id for t in sched.dispatch(full_g2)] == ["g3"]
+
+
 def _g2_and_busy_g3(clock, sched, g3_priority=Priority.P3, share=0.5):
     """The G3 holds a 16 GiB task of ``g3_priority`` (placed while the G2
     read full), using half its compute; the G2 is idle. Returns the snapshot
     as the readings show it now."""
-    full_g2 = ClusterSnapshot.build(
-        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
-         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)],
-        memory_used_mib=[24_000.0, 0.0])
-    full_g2.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
     kind = "inference" if g3_priority == Priority.P0 else "background"
-    sched.submit(TaskSpec(task_id="bg", vram_mib=16_384.0, gpu_share=share, priority=g3_priority, kind=kind), full_g2)
-    assert [t.assignment.node_id for t in sched.dispatch(full_g2)] == ["g3"]
+    _placed_on_g3(sched, TaskSpec(task_id="bg", vram_mib=16_384.0, gpu_share=share, priority=g3_priority, kind=kind))
     return _readings(g3_used=16_384.0, g3_util=100.0 * share)
 
 
@@ -549,12 +554,8 @@ def test_a_p0_task_goes_straight_to_a_big_card_with_memory_and_compute_to_spare(
     # task of half a GPU's compute that may grow to 27,525 MiB fits beside it
     # (32,768 - 4,096 MiB free, 10-20 % + 50 % load): nothing is evicted
     sched, clock = _scheduler()
-    full_g2 = ClusterSnapshot.build(
-        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
-         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)], memory_used_mib=[24_000.0, 0.0])
-    sched.submit(TaskSpec(task_id="small", vram_mib=4_096.0, gpu_share=0.1, priority=Priority.P3,
-                          kind="background"), full_g2)
-    assert [t.assignment.node_id for t in sched.dispatch(full_g2)] == ["g3"]
+    _placed_on_g3(sched, TaskSpec(task_id="small", vram_mib=4_096.0, gpu_share=0.1, priority=Priority.P3,
+                                  kind="background"))
     now = _readings(g3_used=4_096.0, g3_util=10.0)
     sched.submit(replace(URGENT, gpu_share=0.5), now)
     placed = sched.dispatch(now)
@@ -570,12 +571,7 @@ def test_a_victim_using_less_memory_than_it_asked_is_evicted_for_room_to_grow():
     # task took the G2 it may outgrow (openb cluster: such G3 cards read "200 %"
     # with one batch task). The util reading shows its compute: load 100 %.
     sched, clock = _scheduler()
-    full_g2 = ClusterSnapshot.build(
-        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
-         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)], memory_used_mib=[24_000.0, 0.0])
-    full_g2.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
-    sched.submit(TaskSpec(task_id="bg", vram_mib=4_096.0, gpu_share=1.0, priority=Priority.P3, kind="batch"), full_g2)
-    assert [t.assignment.node_id for t in sched.dispatch(full_g2)] == ["g3"]
+    _placed_on_g3(sched, TaskSpec(task_id="bg", vram_mib=4_096.0, gpu_share=1.0, priority=Priority.P3, kind="batch"))
     clock[0] += 60.0
     busy = _readings(g3_used=1_000.0, g3_util=100.0)
     sched.submit(URGENT, busy)
@@ -590,12 +586,7 @@ def test_a_victim_using_less_memory_than_it_asked_is_evicted_for_room_to_grow():
 def _g3_running_p0(sched):
     """A P0 task of 4 GiB and the whole GPU placed on the G3 (the G2 read
     full); the readings now: the G2 idle, the G3 at 100 % with 4 GiB used."""
-    full_g2 = ClusterSnapshot.build(
-        [NodeFacts("g2", 1, model="G2", memory_total_mib=24_576.0),
-         NodeFacts("g3", 1, model="G3", memory_total_mib=32_768.0)], memory_used_mib=[24_000.0, 0.0])
-    full_g2.memory_growth = {ANY_KIND: GrowthTable.from_ratios([1.0] * 19 + [2.1])}
-    sched.submit(TaskSpec(task_id="p0", vram_mib=4_096.0, gpu_share=1.0, priority=Priority.P0, kind="serve"), full_g2)
-    assert [t.assignment.node_id for t in sched.dispatch(full_g2)] == ["g3"]
+    _placed_on_g3(sched, TaskSpec(task_id="p0", vram_mib=4_096.0, gpu_share=1.0, priority=Priority.P0, kind="serve"))
     return _readings(g3_used=4_096.0, g3_util=100.0)
 
 

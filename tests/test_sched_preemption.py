@@ -215,16 +215,22 @@ def test_the_gpu_the_policy_would_give_the_task_beats_a_cheaper_eviction():
     assert sched.get("bg").state == TaskState.LEASED
 
 
-def test_of_two_alike_victims_the_one_placed_last_goes():
-    sched, clock, _ = make()
+def _old_and_new_then_urgent(sched, clock, new: str) -> None:
+    """Batch task "old" on GPU 0, ``new`` on GPU 1 100 s later, then a P0
+    task that fits nowhere, dispatched once it may evict."""
     truth = [0.0, 0.0]
     put(sched, spec("old", 16), 0, truth)
     clock.now += 100.0
-    put(sched, spec("new", 16), 1, truth)
+    put(sched, spec(new, 16), 1, truth)
     busy = cluster(truth)
     sched.submit(spec("urgent", 16, Priority.P0), busy)
     clock.now += 1.0
     sched.dispatch(busy)
+
+
+def test_of_two_alike_victims_the_one_placed_last_goes():
+    sched, clock, _ = make()
+    _old_and_new_then_urgent(sched, clock, "new")
     assert sched.nominations()["urgent"].victims == ("new",)  # 1 s of work lost, not 101 s
 
 
@@ -339,14 +345,7 @@ def test_a_task_that_checkpoints_is_not_the_victim_every_time():
 
 def test_a_lease_younger_than_preempt_min_run_s_is_exempt():
     sched, clock, _ = make(preempt_min_run_s=60.0)
-    truth = [0.0, 0.0]
-    put(sched, spec("old", 16), 0, truth)
-    clock.now += 100.0
-    put(sched, spec("young", 16), 1, truth)
-    busy = cluster(truth)
-    sched.submit(spec("urgent", 16, Priority.P0), busy)
-    clock.now += 1.0
-    sched.dispatch(busy)
+    _old_and_new_then_urgent(sched, clock, "young")
     # without the exemption "young" would go (the least work lost)
     assert sched.nominations()["urgent"].victims == ("old",)
     assert sched.get("young").state == TaskState.LEASED
