@@ -21,16 +21,22 @@ Trigger (``check_trigger``), either of:
 Each comparison is strict (at the threshold exactly, nothing fires).
 
 Hysteresis. Once the variance rule has led to a plan it holds
-(``Trigger.held``) until the variance falls to ``release_variance`` (100 %², a
-standard deviation of 10 points; never above ``variance_threshold``): plans go
+(``Trigger.held``) until the variance falls to ``release_variance`` (25 %², a
+standard deviation of 5 points; never above ``variance_threshold``): plans go
 on until the load is even, not only until it is one move under the threshold,
 and a variance hovering at the threshold does not switch the advisor on and
 off. It arms on a plan, not on the rule firing, so noise that crosses the
 threshold without a persistent source (see below) arms nothing. Without it
 the advisor stops at ~399 %² and the cluster spends its time just under the
 threshold (bench_learning's training cluster, 3 seeds: util std −7 % with
-the advisor on; with the hold, −15 %). ``release_variance =
-variance_threshold`` turns it off.
+the advisor on; with the hold, −15 %). What ends a held episode is then
+mostly the move rules, not the release: once no move narrows a difference by
+``margin_pct`` the plans stop by themselves. A release of 100 %² (a std of
+10, round 17) let go while such moves were left: util std on that cluster,
+placed by load_aware, −17 % with it, −29 % at 25 %² (50: −28 %; 10 or 0:
+the same as 25), with more moves (243 -> 413 a run) and a shorter mean
+response, and on every bench_learning run mean slowdown fell or held.
+``release_variance = variance_threshold`` turns it off.
 
 Against noise (``advise``). Migrating is expensive, so the advisor acts on
 imbalance that lasts: it judges each GPU by its own EWMA of the readings over
@@ -169,7 +175,7 @@ class AdvisorConfig:
     variance_threshold: float = 400.0
     # %²: once a plan came of the variance rule, it holds until the variance
     # falls to this (at most variance_threshold).
-    release_variance: float = 100.0
+    release_variance: float = 25.0
     # %: a GPU above this is hot.
     hot_pct: float = 85.0
     # %/min: a GPU whose trend is above this is rising.

@@ -384,8 +384,9 @@ def test_task_loads_match_a_per_gpu_split_on_a_random_cluster():
     "util, armed, fired, held",
     [
         ([40.0, 61.0], False, False, False),  # var 110.25: under 400, nothing armed
-        ([40.0, 61.0], True, True, True),  # armed: holds above the 100 %² release
-        ([40.0, 60.0], True, False, False),  # var exactly 100: released (strict, like the threshold)
+        ([40.0, 61.0], True, True, True),  # armed: holds above the 25 %² release
+        ([45.0, 55.1], True, True, True),  # var 25.5: still held
+        ([45.0, 55.0], True, False, False),  # var exactly 25: released (strict, like the threshold)
         ([30.0, 70.01], False, True, False),  # above 400 it fires whether armed or not, not held
     ],
 )
@@ -397,9 +398,10 @@ def test_variance_rule_holds_down_to_the_release_level(util, armed, fired, held)
 
 def test_release_level_is_never_above_the_threshold():
     # a threshold set under the default release: holding adds nothing (no error either)
-    cfg = AdvisorConfig(variance_threshold=50.0)
-    assert not check_trigger(snapshot([45.0, 55.0]), cfg, armed=True).fired  # var 25
-    assert check_trigger(snapshot([40.0, 60.0]), cfg, armed=False).fired  # var 100 > 50
+    cfg = AdvisorConfig(variance_threshold=16.0)
+    assert cfg.release_level == 16.0
+    assert not check_trigger(snapshot([46.0, 54.0]), cfg, armed=True).fired  # var 16
+    assert check_trigger(snapshot([45.0, 55.0]), cfg, armed=False).fired  # var 25 > 16
     off = AdvisorConfig(release_variance=400.0)
     assert not check_trigger(snapshot([40.0, 61.0]), off, armed=True).fired
 

@@ -511,7 +511,7 @@ async def test_advisor_table_configures_the_coordinator_and_reloads_live(tmp_pat
             stub = apb_grpc.AdvisorStub(ch)
             before = (await stub.GetPlan(apb.GetPlanRequest())).trigger
             assert (before.variance_threshold, before.hot_pct, before.rising_gpus) == (250.0, 90.0, 2)
-            assert before.release_variance == 100.0 and not before.held
+            assert before.release_variance == 25.0 and not before.held
             assert before.gpus == 0 and not before.fired  # never evaluated: thresholds only
 
             path.write_text(path.read_text().replace("variance_threshold = 250.0", "variance_threshold = 600.0\nrising_gpus = 3"))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
-from coordinator.settings import SECTIONS
+from coordinator.settings import SECTIONS, _toml_value, options
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -33,6 +34,23 @@ def test_every_option_is_in_the_configuration_reference():
     for section in SECTIONS:
         assert f"`[{section.name}]`" in README, f"no reference table for [{section.name}]"
     assert not missing, f"undocumented options: {missing}"
+
+
+def test_the_configuration_reference_gives_the_defaults_the_code_has():
+    # a default changed in code and not in the README sends operators the wrong
+    # way (round 18 moved advisor.release_variance 100 -> 25)
+    wrong = []
+    for section in SECTIONS:
+        heading = re.search(r"^`\[" + section.name + r"\]` \(", README, re.M)
+        assert heading, f"no reference table for [{section.name}]"
+        table = README[heading.start():]
+        table = table[: table.index("\n\n", table.index("|---"))]
+        for opt in options(section):
+            row = re.search(r"^\| `" + re.escape(opt.name) + r"` \| `([^`]*)` \|", table, re.M)
+            documented = row.group(1) if row else None
+            if documented != _toml_value(opt.default):
+                wrong.append(f"{opt.key}: README {documented!r}, code {_toml_value(opt.default)!r}")
+    assert not wrong, wrong
 
 
 def test_ci_runs_the_readme_test_command():
