@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import itertools
 import logging
 import math
 from collections import Counter, deque
@@ -1029,8 +1030,11 @@ class Scheduler:
         urgent most-urgent victim, then the fewest victims, then the fewest
         that are not movable, then the least GPU time lost. Nodes held for a blocked multi-GPU task ahead of it
         (``fenced``: indices) are not cleared for it: that task waits for them
-        to drain. An NVLink task of several GPUs is left to wait: which of
-        a node's GPUs form its NVLink group once free is the placement's call.
+        to drain. An NVLink task of several GPUs (tensor-parallel serving of
+        a model too big for one card) clears GPUs that form one
+        NVLink-connected group, the cheapest such group on each node
+        (``_cheapest_linked``): the k cheapest GPUs of a node with NVLink in
+        pairs are often in different pairs, and the task could not use them.
 
         ``want_mib``: memory each GPU must also have free for the task (room
         to grow, ``_urgent_room``); ``want_compute``: the victims must also
@@ -1040,9 +1044,9 @@ class Scheduler:
         """
         spec = task.spec
         cfg = self.config
-        if spec.num_gpus > 1 and spec.needs_nvlink:
-            return None
         ok = self._static_ok(spec, view) & view.avail
+        if spec.needs_nvlink:
+            ok &= view.has_peer
         if spec.io_heavy:
             ok &= view.io_ok
         if self._nominated_rows is not None:
@@ -1140,7 +1144,12 @@ class Scheduler:
                 if len(options) < spec.num_gpus:
                     continue
                 options.sort(key=lambda o: (o[0] != (), o[0], o[1]))
-                picked = options[: spec.num_gpus]
+                if spec.needs_nvlink:
+                    picked = _cheapest_linked(options, spec.num_gpus, view.snapshot, node, cost)
+                    if picked is None:
+                        continue
+                else:
+                    picked = options[: spec.num_gpus]
                 union = {v.task_id: v for _, _, vs in picked for v in vs}
                 if not union or len(union) > cfg.preempt_max_victims:
                     continue
@@ -1573,6 +1582,35 @@ class Scheduler:
             sla_misses=self._queue.sla_misses,
             placed=self.placed,
         )
+
+
+# GPUs of one node an NVLink eviction looks among (the cheapest first): a
+# k-set search over 12 is at most C(12, 6) = 924 sets; hosts have 8 or 16
+_LINKED_SEARCH_GPUS = 12
+
+
+def _cheapest_linked(
+    options: list[tuple[tuple, int, tuple]], k: int, snapshot: ClusterSnapshot, node: int,
+    cost: Callable[[Sequence[Task]], tuple],
+) -> list[tuple[tuple, int, tuple]] | None:
+    """Of one node's eviction ``options`` (``(cost, row, victims)``, cheapest
+    first; cost ``()`` for a GPU with room already), the ``k`` that form one
+    NVLink-connected group at the least cost: the fewest GPUs to clear, then
+    the cost of their victims together (a victim on two of them counts
+    once), then the lowest rows; None when no k of them are connected."""
+    pool = options[:_LINKED_SEARCH_GPUS]
+    pairs = snapshot.node_nvlink[node]
+    index = {row: int(snapshot.gpu_index[row]) for _, row, _ in pool}
+    best: tuple | None = None
+    for combo in itertools.combinations(pool, k):
+        if len(nvlink_groups(pairs, [index[row] for _, row, _ in combo])) != 1:
+            continue
+        union = {v.task_id: v for _, _, vs in combo for v in vs}
+        key = (sum(c != () for c, _, _ in combo), cost(list(union.values())) if union else (),
+               sorted(row for _, row, _ in combo))
+        if best is None or key < best[0]:
+            best = (key, list(combo))
+    return best[1] if best is not None else None
 
 
 def _rows_mask(view: PlacementView, gpu_uuids: Sequence[str]) -> np.ndarray:

@@ -349,3 +349,64 @@ def test_a_lease_younger_than_preempt_min_run_s_is_exempt():
     # without the exemption "young" would go (the least work lost)
     assert sched.nominations()["urgent"].victims == ("old",)
     assert sched.get("young").state == TaskState.LEASED
+
+
+def linked(used_gib) -> ClusterSnapshot:
+    """One host of four cards with NVLink in pairs, 0-1 and 2-3 (PCIe between the pairs)."""
+    return ClusterSnapshot.build([NodeFacts("n0", 4, nvlink_pairs=((0, 1), (2, 3)))],
+                                 memory_used_mib=[g * GIB for g in used_gib])
+
+
+def _fill_pairs(sched, clock, tenants) -> list[float]:
+    """Place ``tenants`` (spec per GPU row 0..3, in that order, 10 s apart)
+    one GPU each; the readings (GiB per GPU) once all run."""
+    truth = [0.0] * 4
+    for row, s in enumerate(tenants):
+        snap = linked([20.5 if r != row else used for r, used in enumerate(truth)])
+        sched.submit(s, snap)
+        assert [t.task_id for t in sched.dispatch(snap)] == [s.task_id]
+        truth[row] += s.vram_mib / GIB
+        clock.now += 10.0
+    return truth
+
+
+def test_an_nvlink_p0_task_clears_one_linked_pair_not_the_two_cheapest_gpus():
+    sched, clock, _ = make()
+    # the two cheapest victims, the background tasks placed last, sit on
+    # GPUs 3 and 1, which NVLink does not join; of the two linked pairs,
+    # 0-1 costs two background tasks, 2-3 a batch task too (P2 goes after P3)
+    truth = _fill_pairs(sched, clock, [spec("bg0", 16), spec("bg1", 16), spec("batch2", 16, Priority.P2),
+                                       spec("bg3", 16)])
+    busy = linked(truth)
+    urgent = spec("urgent", 16, Priority.P0, num_gpus=2, needs_nvlink=True)
+    sched.submit(urgent, busy)
+    clock.now += 1.0
+    assert sched.dispatch(busy) == []
+    kept = sched.nominations()["urgent"]
+    assert sorted(kept.gpu_uuids) == ["GPU-n0-0", "GPU-n0-1"]
+    assert sorted(kept.victims) == ["bg0", "bg1"]
+    assert sched.get("batch2").state == TaskState.LEASED and sched.get("bg3").state == TaskState.LEASED
+    clock.now += 2.5
+    placed = sched.dispatch(linked([0.0, 0.0, truth[2], truth[3]]))
+    assert [t.task_id for t in placed] == ["urgent"]
+    assert sorted(placed[0].assignment.gpu_uuids) == ["GPU-n0-0", "GPU-n0-1"]
+
+
+def test_an_nvlink_p0_task_evicts_nothing_where_no_linked_group_can_be_cleared():
+    sched, clock, _ = make()
+    # P1 work on one GPU of each pair: GPUs 0 and 2 could be cleared, but they
+    # are not linked, and a task that needs NVLink could not use them
+    truth = _fill_pairs(sched, clock, [spec("bg0", 16), spec("train1", 16, Priority.P1), spec("bg2", 16),
+                                       spec("train3", 16, Priority.P1)])
+    busy = linked(truth)
+    sched.submit(spec("urgent", 16, Priority.P0, num_gpus=2, needs_nvlink=True), busy)
+    clock.now += 1.0
+    assert sched.dispatch(busy) == []
+    assert sched.nominations() == {} and sched.preemption_counts == {}
+    assert len(sched.leased()) == 4
+    # the same task without NVLink takes GPUs 0 and 2
+    sched.cancel("urgent")
+    sched.submit(spec("urgent-pcie", 16, Priority.P0, num_gpus=2), busy)
+    clock.now += 1.0
+    sched.dispatch(busy)
+    assert sorted(sched.nominations()["urgent-pcie"].gpu_uuids) == ["GPU-n0-0", "GPU-n0-2"]
