@@ -410,3 +410,34 @@ def test_an_nvlink_p0_task_evicts_nothing_where_no_linked_group_can_be_cleared()
     clock.now += 1.0
     sched.dispatch(busy)
     assert sorted(sched.nominations()["urgent-pcie"].gpu_uuids) == ["GPU-n0-0", "GPU-n0-2"]
+
+
+def test_a_four_gpu_nvlink_p0_task_clears_one_linked_quad_and_is_placed_on_it():
+    # an 8-GPU host with NVLink within each half (0-3, 4-7, all pairs): the
+    # task needs four linked GPUs; the cheapest four victims straddle both halves
+    quads = tuple((a, b) for half in (range(4), range(4, 8)) for a in half for b in half if a < b)
+
+    def host(used_gib):
+        return ClusterSnapshot.build([NodeFacts("n0", 8, nvlink_pairs=quads)], memory_used_mib=[g * GIB for g in used_gib])
+
+    sched, clock, _ = make()
+    truth = [0.0] * 8
+    # background everywhere; the low half placed first (more work lost), the high half's GPU 7 batch
+    for row in (0, 1, 2, 4, 3, 5, 6, 7):
+        s = spec(f"t{row}", 16, Priority.P2 if row == 7 else Priority.P3)
+        snap = host([20.5 if r != row else used for r, used in enumerate(truth)])
+        sched.submit(s, snap)
+        assert [t.task_id for t in sched.dispatch(snap)] == [s.task_id]
+        truth[row] += 16.0
+        clock.now += 10.0
+    busy = host(truth)
+    sched.submit(spec("urgent", 16, Priority.P0, num_gpus=4, needs_nvlink=True), busy)
+    clock.now += 1.0
+    assert sched.dispatch(busy) == []
+    kept = sched.nominations()["urgent"]
+    # 4-7 would cost the batch task too: the low half goes, though its tasks ran longer
+    assert sorted(kept.gpu_uuids) == [f"GPU-n0-{i}" for i in range(4)]
+    clock.now += 2.5
+    placed = sched.dispatch(host([0.0] * 4 + truth[4:]))
+    assert [t.task_id for t in placed] == ["urgent"]
+    assert sorted(placed[0].assignment.gpu_uuids) == [f"GPU-n0-{i}" for i in range(4)]
