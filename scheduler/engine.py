@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import heapq
-import itertools
 import logging
 import math
 from collections import Counter, deque
@@ -1145,7 +1144,7 @@ class Scheduler:
                     continue
                 options.sort(key=lambda o: (o[0] != (), o[0], o[1]))
                 if spec.needs_nvlink:
-                    picked = _cheapest_linked(options, spec.num_gpus, view.snapshot, node, cost)
+                    picked = _cheapest_linked(options, spec.num_gpus, view, cost)
                     if picked is None:
                         continue
                 else:
@@ -1584,32 +1583,56 @@ class Scheduler:
         )
 
 
-# GPUs of one node an NVLink eviction looks among (the cheapest first): a
-# k-set search over 12 is at most C(12, 6) = 924 sets; hosts have 8 or 16
-_LINKED_SEARCH_GPUS = 12
-
-
 def _cheapest_linked(
-    options: list[tuple[tuple, int, tuple]], k: int, snapshot: ClusterSnapshot, node: int,
+    options: list[tuple[tuple, int, tuple]], k: int, view: PlacementView,
     cost: Callable[[Sequence[Task]], tuple],
 ) -> list[tuple[tuple, int, tuple]] | None:
     """Of one node's eviction ``options`` (``(cost, row, victims)``, cheapest
-    first; cost ``()`` for a GPU with room already), the ``k`` that form one
-    NVLink-connected group at the least cost: the fewest GPUs to clear, then
-    the cost of their victims together (a victim on two of them counts
-    once), then the lowest rows; None when no k of them are connected."""
-    pool = options[:_LINKED_SEARCH_GPUS]
-    pairs = snapshot.node_nvlink[node]
-    index = {row: int(snapshot.gpu_index[row]) for _, row, _ in pool}
+    first; cost ``()`` for a GPU with room already), ``k`` that form one
+    NVLink-connected group, or None when none do: the ``k`` cheapest when
+    they are connected (on an NVSwitch host always), else the best of the
+    groups grown from each GPU along NVLink, adding the cheapest linked GPU
+    at each step, as the policies' set search grows a set (by the fewest
+    GPUs to clear, then the cost of their victims together, a victim on two
+    of them counted once, then the lowest rows). Host-local bit masks, so a
+    fully busy cluster of 1,000 8-GPU hosts pays about what a task without
+    NVLink does (an exhaustive search over every k-set took 0.1-0.6 s)."""
+    bits = [1 << int(view.local_bit[row]) for _, row, _ in options]
+    peers = [int(view.adj_bits[row]) for _, row, _ in options]
+
+    def grown_from(first: int) -> list[int] | None:
+        chosen, members, reach = [first], bits[first], peers[first]
+        while len(chosen) < k:
+            step = next((j for j in range(len(options)) if bits[j] & reach and not bits[j] & members), None)
+            if step is None:
+                return None
+            chosen.append(step)
+            members |= bits[step]
+            reach |= peers[step]
+        return chosen
+
+    cheapest = list(range(k))
+    members = 0
+    for j in cheapest:
+        members |= bits[j]
+    reach = bits[0]
+    for _ in range(k):  # k rounds of spreading along links reach every member of a connected set
+        for j in cheapest:
+            if bits[j] & reach:
+                reach |= peers[j] & members
+    if reach == members:
+        return options[:k]
     best: tuple | None = None
-    for combo in itertools.combinations(pool, k):
-        if len(nvlink_groups(pairs, [index[row] for _, row, _ in combo])) != 1:
+    for first in range(len(options) - k + 1):
+        group = grown_from(first)
+        if group is None:
             continue
-        union = {v.task_id: v for _, _, vs in combo for v in vs}
-        key = (sum(c != () for c, _, _ in combo), cost(list(union.values())) if union else (),
-               sorted(row for _, row, _ in combo))
+        picked = [options[j] for j in group]
+        union = {v.task_id: v for _, _, vs in picked for v in vs}
+        key = (sum(c != () for c, _, _ in picked), cost(list(union.values())) if union else (),
+               sorted(row for _, row, _ in picked))
         if best is None or key < best[0]:
-            best = (key, list(combo))
+            best = (key, picked)
     return best[1] if best is not None else None
 
 
