@@ -816,6 +816,12 @@ class Scheduler:
                     evicted = self._preempt(task, view, now, held)
                     if evicted is None:
                         failed[shape + ("preempt",)] = reason
+                if now >= due and evicted is None:
+                    # the operator's next question: why did it not evict?
+                    linked = " NVLink-connected" if spec.needs_nvlink and spec.num_gpus > 1 else ""
+                    classes = "/".join(f"P{p}" for p in range(self.config.preempt_min_victim_priority, 4))
+                    room = "a GPU" if spec.num_gpus == 1 else f"{spec.num_gpus}{linked} GPUs on one node"
+                    reason += f"; evicting {classes} work would not free {room} for it"
             if evicted is not None:
                 reason = (f"{reason}; {len(evicted.victims)} lower-priority task(s) evicted for it from node "
                           f"{evicted.node_id}: placing it there once their memory shows free")

@@ -144,6 +144,7 @@ def test_p0_and_p1_leases_are_never_evicted_and_p2_only_when_allowed():
     assert sched.preemption_counts == {}
     assert all(sched.get(t).state == TaskState.LEASED for t in ("p0", "p1", "p2"))
     assert "evicted" not in sched.get("urgent").reason
+    assert sched.get("urgent").reason.endswith("; evicting P3 work would not free a GPU for it")
 
     # with P2 allowed (the default) the batch task goes
     sched.reconfigure(SchedulerConfig(preempt_min_victim_priority=2))
@@ -404,6 +405,8 @@ def test_an_nvlink_p0_task_evicts_nothing_where_no_linked_group_can_be_cleared()
     assert sched.dispatch(busy) == []
     assert sched.nominations() == {} and sched.preemption_counts == {}
     assert len(sched.leased()) == 4
+    assert sched.get("urgent").reason.endswith(
+        "; evicting P2/P3 work would not free 2 NVLink-connected GPUs on one node for it")
     # the same task without NVLink takes GPUs 0 and 2
     sched.cancel("urgent")
     sched.submit(spec("urgent-pcie", 16, Priority.P0, num_gpus=2), busy)

@@ -417,3 +417,63 @@ async def test_the_demos_lease_holder_stops_when_preempted_and_runs_again_when_p
 
 def client_stub(target: str):
     return tpb_grpc.SchedulerStub(grpc.insecure_channel(target))
+
+
+async def test_an_nvlink_p0_task_evicts_only_for_a_linked_pair_through_a_real_coordinator():
+    """One host of four 24 GiB GPUs with NVLink in pairs, 0-1 and 2-3, as the
+    sim agent reports its topology. P1 training (never evicted) holds one GPU
+    of each pair and background tasks the other two: those two could be
+    cleared, but they are not linked, so an urgent two-GPU task that needs
+    NVLink evicts nothing. Once one training task ends, its pair is one
+    eviction away: the background task there goes and the P0 task takes
+    that pair."""
+    coord, port = await _start()
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=4, workload="idle"):
+            await _until(lambda: coord.dispatcher.snapshots.snapshot().healthy.sum() == 4, what="4 healthy GPUs")
+            snap = coord.dispatcher.snapshots.snapshot()
+            assert snap.node_nvlink[0] == frozenset({frozenset({0, 1}), frozenset({2, 3})})
+            uuid_of = {int(snap.gpu_index[r]): str(snap.gpu_uuid[r]) for r in range(4)}
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+
+                async def lease(task_id: str, **kw) -> tpb.Task:
+                    task = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(
+                        task_id, vram_mib=16 * GIB, gpu_share=0.5, **kw)), timeout=10)).task
+                    assert task.state == tpb.TASK_STATE_LEASED
+                    return task
+
+                train = {t: await lease(t, kind="training", priority=tpb.PRIORITY_P1) for t in ("train-a", "train-b")}
+                index = {t: task.assignment.gpu_index[0] for t, task in train.items()}
+                if index["train-a"] // 2 == index["train-b"] // 2:  # one in each pair: move train-b over
+                    to = 2 if index["train-b"] < 2 else 0
+                    train["train-b"] = (await stub.MigrateTask(tpb.MigrateTaskRequest(
+                        task_id="train-b", lease_id=train["train-b"].assignment.lease_id,
+                        to_gpu_uuid=[uuid_of[to]]))).task
+                    index["train-b"] = to
+                bg = {t: await lease(t, kind="background", priority=tpb.PRIORITY_P3) for t in ("bg-1", "bg-2")}
+                assert {task.assignment.gpu_index[0] for task in bg.values()} == set(range(4)) - set(index.values())
+                await _until(lambda: (coord.view.raw[[coord.view.nodes[snap.node_ids[0]].rows[i] for i in range(4)], 2]
+                                      >= 16 * GIB).all(), what="the readings show all four tasks")
+
+                await stub.ScheduleTasks(tpb.ScheduleTasksRequest(specs=[_spec(
+                    "urgent", kind="inference", priority=tpb.PRIORITY_P0, num_gpus=2, needs_nvlink=True,
+                    vram_mib=16 * GIB, gpu_share=0.5)], wait=False), timeout=10)
+                await asyncio.sleep(2.0)  # past preempt_after_s (1 s), a dispatch every 0.1 s
+                engine = coord.dispatcher.engine
+                assert engine.get("urgent").state.name == "QUEUED" and engine.nominations() == {}
+                assert "NVLink-connected" in engine.get("urgent").reason
+                assert {engine.get(t).state.name for t in bg} == {"LEASED"}
+
+                # train-b ends: its pair is the background task next to it away
+                await stub.CompleteTask(tpb.CompleteTaskRequest(task_id="train-b",
+                                                                lease_id=train["train-b"].assignment.lease_id))
+                pair = {index["train-b"], index["train-b"] ^ 1}
+                victim = next(t for t, task in bg.items() if task.assignment.gpu_index[0] in pair)
+                await _until(lambda: engine.get("urgent").state.name == "LEASED", timeout=20, what="the P0 task placed")
+                assert set(engine.get("urgent").assignment.gpu_indices) == pair
+                assert engine.get(victim).state.name == "QUEUED"
+                assert engine.get(next(t for t in bg if t != victim)).state.name == "LEASED"
+                assert engine.get("train-a").state.name == "LEASED"
+    finally:
+        await coord.stop(grace_s=0.1)
