@@ -17,11 +17,18 @@ model            yes      a known model (``KNOWN_MODELS``: key, alias or full
                           ``vram_mib_per_gpu`` is given
 vram_mib_per_gpu no       MiB per GPU; empty = the model's
 speed            no       relative speed (RTX 4090 = 1.0); empty = the model's
+nvlink           no       the node's NVLink: empty or ``none``; ``all`` (every
+                          pair, an NVSwitch host); ``pairs`` (0-1, 2-3, ...:
+                          bridged PCIe cards); or the linked pairs of GPU
+                          indices, ``0-1;2-3;0-2``
 ================ ======== ======================================================
 
 ``read_cluster`` returns ``scheduler.snapshot.NodeFacts``, the model's full
 (NVML-style) name in ``model`` so that ``gpu_spec`` constraints such as
-``V100M16|V100M32`` or ``T4`` match as they would on real hardware.
+``V100M16|V100M32`` or ``T4`` match as they would on real hardware, and
+the NVLink pairs as an agent reports them, so a task that ``needs_nvlink``
+(trace column) is placed on, and evicts for, linked GPUs only, as the
+coordinator places it.
 
 Known models
 ============
@@ -76,12 +83,14 @@ __all__ = [
     "read_cluster",
     "write_cluster",
     "node_facts",
+    "nvlink_pairs",
+    "nvlink_text",
     "homogeneous",
     "convert_openb_nodes",
 ]
 
 CLUSTER_COLUMNS = ("node_id", "gpus", "model")
-OPTIONAL_CLUSTER_COLUMNS = ("vram_mib_per_gpu", "speed")
+OPTIONAL_CLUSTER_COLUMNS = ("vram_mib_per_gpu", "speed", "nvlink")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +154,7 @@ class ClusterNode:
     vram_mib_per_gpu: float
     speed: float
     model_key: str = ""  # the cluster file's model text
+    nvlink_pairs: tuple[tuple[int, int], ...] = ()  # linked GPU index pairs, a < b
 
     def facts(self) -> NodeFacts:
         return NodeFacts(
@@ -153,7 +163,41 @@ class ClusterNode:
             model=self.model,
             memory_total_mib=self.vram_mib_per_gpu,
             speed=self.speed,
+            nvlink_pairs=self.nvlink_pairs,
         )
+
+
+def nvlink_pairs(text: str, gpus: int) -> tuple[tuple[int, int], ...]:
+    """The ``nvlink`` column of a node of ``gpus`` GPUs (module docstring) as
+    sorted index pairs; ValueError says what is wrong."""
+    t = text.strip().lower()
+    if t in ("", "none"):
+        return ()
+    if t == "all":
+        return tuple((a, b) for a in range(gpus) for b in range(a + 1, gpus))
+    if t == "pairs":
+        return tuple((a, a + 1) for a in range(0, gpus - 1, 2))
+    pairs = set()
+    for part in filter(None, (p.strip() for p in t.split(";"))):
+        ends = part.split("-")
+        if len(ends) != 2 or not all(e.strip().isdigit() for e in ends):
+            raise ValueError(f"expected none, all, pairs or pairs of GPU indices like 0-1;2-3, got {part!r}")
+        a, b = sorted(int(e) for e in ends)
+        if a == b or b >= gpus:
+            raise ValueError(f"{part!r}: expected two different GPU indices below {gpus}")
+        pairs.add((a, b))
+    return tuple(sorted(pairs))
+
+
+def nvlink_text(pairs: Sequence[tuple[int, int]], gpus: int) -> str:
+    """The shortest ``nvlink`` column text for ``pairs``."""
+    kept = tuple(sorted(pairs))
+    if not kept:
+        return ""
+    for word in ("all", "pairs"):
+        if kept == nvlink_pairs(word, gpus):
+            return word
+    return ";".join(f"{a}-{b}" for a, b in kept)
 
 
 def _positive(text: str) -> float:
@@ -205,6 +249,8 @@ def parse_cluster(lines: Iterable[str], source: str = "<cluster>") -> list[Clust
             vram = _positive(vram_text) if vram_text else model.memory_mib  # type: ignore[union-attr]
             column = "speed"
             speed = _positive(speed_text) if speed_text else (model.speed if model else 1.0)
+            column = "nvlink"
+            links = nvlink_pairs(cells[index["nvlink"]], gpus) if "nvlink" in index else ()
         except ValueError as exc:
             raise TraceFormatError(source, line, column, str(exc)) from None
         first[node_id] = line
@@ -216,6 +262,7 @@ def parse_cluster(lines: Iterable[str], source: str = "<cluster>") -> list[Clust
                 vram_mib_per_gpu=vram,
                 speed=speed,
                 model_key=model_text,
+                nvlink_pairs=links,
             )
         )
     if not nodes:
@@ -238,13 +285,18 @@ def _num(value: float) -> str:
 
 
 def write_cluster(nodes: Sequence[ClusterNode], out: str | os.PathLike[str] | IO[str]) -> None:
-    """Write nodes with every column (model as the file's key when known)."""
+    """Write nodes with every column (model as the file's key when known;
+    ``nvlink`` only when some node has it)."""
+    linked = any(n.nvlink_pairs for n in nodes)
 
     def emit(fh: IO[str]) -> None:
         w = csv.writer(fh, lineterminator="\n")
-        w.writerow([*CLUSTER_COLUMNS, *OPTIONAL_CLUSTER_COLUMNS])
+        w.writerow([*CLUSTER_COLUMNS, *OPTIONAL_CLUSTER_COLUMNS[: 3 if linked else 2]])
         for n in nodes:
-            w.writerow([n.node_id, n.gpus, n.model_key or n.model, _num(n.vram_mib_per_gpu), _num(n.speed)])
+            row = [n.node_id, n.gpus, n.model_key or n.model, _num(n.vram_mib_per_gpu), _num(n.speed)]
+            if linked:
+                row.append(nvlink_text(n.nvlink_pairs, n.gpus))
+            w.writerow(row)
 
     if isinstance(out, (str, os.PathLike)):
         with open(out, "w", newline="", encoding="utf-8") as fh:
@@ -253,16 +305,20 @@ def write_cluster(nodes: Sequence[ClusterNode], out: str | os.PathLike[str] | IO
         emit(out)
 
 
-def homogeneous(hosts: int, gpus: int, model: str = "RTX 4090", prefix: str = "node") -> list[ClusterNode]:
-    """``hosts`` nodes of ``gpus`` GPUs of one known model (e.g. 8 x 4 RTX 4090)."""
+def homogeneous(
+    hosts: int, gpus: int, model: str = "RTX 4090", prefix: str = "node", nvlink: str = ""
+) -> list[ClusterNode]:
+    """``hosts`` nodes of ``gpus`` GPUs of one known model (e.g. 8 x 4 RTX 4090),
+    with the ``nvlink`` of the cluster format on each (e.g. ``all``)."""
     if hosts < 1 or not 1 <= gpus <= 64:
         raise ValueError(f"need hosts >= 1 and 1..64 GPUs per host, got {hosts} x {gpus}")
     m = lookup_model(model)
     if m is None:
         raise ValueError(f"unknown model {model!r}; known: {', '.join(KNOWN_MODELS)}")
+    links = nvlink_pairs(nvlink, gpus)
     width = max(2, len(str(hosts - 1)))
     return [
-        ClusterNode(f"{prefix}-{i:0{width}d}", gpus, m.name, m.memory_mib, m.speed, m.key)
+        ClusterNode(f"{prefix}-{i:0{width}d}", gpus, m.name, m.memory_mib, m.speed, m.key, links)
         for i in range(hosts)
     ]
 

@@ -1711,6 +1711,8 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
     homo.add_argument("--hosts", type=int, default=8)
     homo.add_argument("--gpus", type=int, default=4)
     homo.add_argument("--model", default="RTX 4090")
+    homo.add_argument("--nvlink", default="", metavar="none|all|pairs|0-1;2-3",
+                      help="each host's NVLink (the cluster format's nvlink column; default none)")
     homo.add_argument("out_csv")
     args = p.parse_args(argv)
     try:
@@ -1723,9 +1725,10 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
             nodes = convert_openb_nodes(args.node_csv, args.out_csv, normalize_speed=not args.no_normalize_speed)
             print(f"{args.out_csv}: {len(nodes)} nodes, {sum(n.gpus for n in nodes)} GPUs")
         else:
-            nodes = homogeneous(args.hosts, args.gpus, args.model)
+            nodes = homogeneous(args.hosts, args.gpus, args.model, nvlink=args.nvlink)
             write_cluster(nodes, args.out_csv)
-            print(f"{args.out_csv}: {args.hosts} hosts x {args.gpus} {nodes[0].model}")
+            linked = f", NVLink {args.nvlink}" if nodes[0].nvlink_pairs else ""
+            print(f"{args.out_csv}: {args.hosts} hosts x {args.gpus} {nodes[0].model}{linked}")
     except (OSError, ValueError) as exc:
         print(f"gpulb {args.group}: {exc}", file=sys.stderr)
         return 2

@@ -23,6 +23,8 @@ tenant      no       tenant name (per-tenant memory thresholds)
 util        no       % utilisation the task puts on each GPU (0..100);
                      empty = ``100 * gpu_share``
 movable     no       ``true``/``false`` (also 1/0, yes/no); empty = by kind
+needs_nvlink no      ``true``: its GPUs must be NVLink-connected (a cluster
+                     file's ``nvlink`` column says which are); empty = false
 =========== ======== ==========================================================
 
 Any other column is an error (a misspelt optional column must not be silently
@@ -138,7 +140,7 @@ TRACE_COLUMNS = (
     "priority",
     "kind",
 )
-OPTIONAL_TRACE_COLUMNS = ("gpu_spec", "tenant", "util", "movable")
+OPTIONAL_TRACE_COLUMNS = ("gpu_spec", "tenant", "util", "movable", "needs_nvlink")
 
 # openb qos -> (priority, kind); see the module docstring for why.
 OPENB_QOS: dict[str, tuple[Priority, str]] = {
@@ -186,6 +188,7 @@ class TraceTask:
     tenant: str = ""
     util: float | None = None  # % per GPU; None = 100 * gpu_share
     movable: bool | None = None  # None = by kind
+    needs_nvlink: bool = False
 
     @property
     def util_pct(self) -> float:
@@ -214,6 +217,7 @@ class TraceTask:
             duration_s=self.duration_s,
             gpu_spec=self.gpu_spec,
             movable=self.is_movable,
+            needs_nvlink=self.needs_nvlink,
         )
 
 
@@ -370,6 +374,10 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceTask
             if "movable" in index:
                 column = "movable"
                 movable = _bool(cells[index["movable"]])
+            needs_nvlink = False
+            if "needs_nvlink" in index:
+                column = "needs_nvlink"
+                needs_nvlink = bool(_bool(cells[index["needs_nvlink"]]))
         except ValueError as exc:
             raise TraceFormatError(source, line, column, str(exc)) from None
         first_line[task_id] = line
@@ -387,6 +395,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceTask
                 tenant=tenant,
                 util=util,
                 movable=movable,
+                needs_nvlink=needs_nvlink,
             )
         )
     return tasks
@@ -418,6 +427,7 @@ def write_trace(tasks: Sequence[TraceTask], out: str | os.PathLike[str] | IO[str
             or (name == "tenant" and t.tenant)
             or (name == "util" and t.util is not None)
             or (name == "movable" and t.movable is not None)
+            or (name == "needs_nvlink" and t.needs_nvlink)
             for t in tasks
         )
     ]
@@ -443,8 +453,10 @@ def write_trace(tasks: Sequence[TraceTask], out: str | os.PathLike[str] | IO[str
                     row.append(t.tenant)
                 elif name == "util":
                     row.append("" if t.util is None else _num(t.util))
-                else:
+                elif name == "movable":
                     row.append("" if t.movable is None else ("true" if t.movable else "false"))
+                else:
+                    row.append("true" if t.needs_nvlink else "")
             writer.writerow(row)
 
     if isinstance(out, (str, os.PathLike)):

@@ -78,6 +78,24 @@ def test_a_task_that_must_wait(policy):
     assert r.makespan_s == pytest.approx(152.4)
 
 
+@pytest.mark.parametrize("needs_nvlink", [True, False])
+def test_an_nvlink_task_waits_for_a_linked_pair(needs_nvlink):
+    # One host of four RTX 4090 with NVLink in pairs (0-1, 2-3: the cluster
+    # file's nvlink = pairs). round_robin deals A..D to GPUs 0..3 in turn;
+    # they end at 100, 400, 200 and 300. N (two GPUs, 15,000 MiB each) arrives
+    # at 1. Free GPUs: {0} from 102.4, {0, 2} from 202.4 (not linked), {0, 2, 3}
+    # from 302.4, where 2-3 is a linked pair. Without needs_nvlink, N takes 0
+    # and 2 at 202.4.
+    host = homogeneous(1, 4, nvlink="pairs")
+    tasks = [task(name, 0, end, 15_000) for name, end in zip("ABCD", (100, 400, 200, 300))]
+    tasks.append(replace(task("N", 1, 50, 15_000, gpus=2), needs_nvlink=needs_nvlink))
+    r = run(tasks, host, "round_robin")
+    n = rec(r, "N")
+    start = (300 if needs_nvlink else 200) + VISIBLE
+    assert n.first_start_s == pytest.approx(start) and n.wait_s == pytest.approx(start - 1)
+    assert n.state == "completed" and n.finish_s == pytest.approx(start + 50)
+
+
 def test_exact_telemetry_removes_the_lag():
     cfg = dict(sample_delay_s=0.0, persist=1)
     r = run([task("A", 0, 100, 15_000), task("B", 10, 50, 15_000)], ONE_4090, **cfg)
@@ -445,7 +463,14 @@ def test_command_line(tmp_path, capsys):
     write_trace([task("A", 0, 100, 15_000), task("B", 10, 50, 15_000)], trace)
     cluster = tmp_path / "cluster.csv"
     assert trace_main(["cluster", "homogeneous", "--hosts", "1", "--gpus", "1", str(cluster)]) == 0
-    capsys.readouterr()
+    linked = tmp_path / "dgx.csv"
+    assert trace_main(["cluster", "homogeneous", "--hosts", "2", "--gpus", "8", "--model", "H100", "--nvlink", "all",
+                       str(linked)]) == 0
+    assert "2 hosts x 8 NVIDIA H100 80GB HBM3, NVLink all" in capsys.readouterr().out
+    assert linked.read_text().splitlines()[:2] == ["node_id,gpus,model,vram_mib_per_gpu,speed,nvlink",
+                                                   "node-00,8,H100,81559,2.2,all"]
+    assert trace_main(["cluster", "homogeneous", "--nvlink", "ring", str(linked)]) == 2
+    assert "like 0-1;2-3, got 'ring'" in capsys.readouterr().err
     code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "round_robin,load_aware,round_robin@requests",
                           "--memory", "asked", "--json", "--no-progress", "--saturate"])
     assert code == 0

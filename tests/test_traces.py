@@ -15,6 +15,7 @@ from scheduler.cluster import (
     homogeneous,
     lookup_model,
     node_facts,
+    nvlink_pairs,
     parse_cluster,
     read_cluster,
     write_cluster,
@@ -129,6 +130,9 @@ def test_bad_optional_values():
     with pytest.raises(TraceFormatError) as info:
         parse(f"{head}\na,0,10,1,1000,0.5,P1,x,,,V100|\n")
     assert info.value.column == "gpu_spec"
+    with pytest.raises(TraceFormatError) as info:
+        parse(f"{HEADER},needs_nvlink\na,0,10,2,1000,0.5,P1,x,linked\n")
+    assert info.value.column == "needs_nvlink" and "true/false" in str(info.value)
 
 
 def test_write_then_read_is_the_same(tmp_path):
@@ -136,10 +140,12 @@ def test_write_then_read_is_the_same(tmp_path):
         TraceTask("a", 0.0, 12.5, 1, 6029.3, 0.46, Priority.P0, "inference"),
         TraceTask("b", 1.0 / 3.0, 7200.0, 8, 13107.2, 1.0, Priority.P3, "background",
                   gpu_spec="G2|T4", tenant="t", util=33.3, movable=True),
+        TraceTask("c", 2.0, 60.0, 4, 70_000.0, 1.0, Priority.P0, "inference", needs_nvlink=True),
     ]
     path = tmp_path / "trace.csv"
     write_trace(tasks, path)
     assert read_trace(path) == tasks
+    assert tasks[2].to_spec().needs_nvlink and not tasks[0].to_spec().needs_nvlink
     # optional columns are written only when used
     assert trace_to_text(tasks[:1]).splitlines()[0] == HEADER
 
@@ -305,8 +311,51 @@ def test_homogeneous():
     nodes = homogeneous(8, 4, "RTX 4090")
     assert len(nodes) == 8 and all(n.gpus == 4 and n.speed == 1.0 for n in nodes)
     assert nodes[0].node_id == "node-00" and nodes[7].node_id == "node-07"
+    assert all(n.nvlink_pairs == () for n in nodes)
     with pytest.raises(ValueError, match="unknown model"):
         homogeneous(1, 1, "Voodoo2")
+    linked = homogeneous(2, 4, "H100", nvlink="all")
+    assert linked[1].nvlink_pairs == ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
+
+
+@pytest.mark.parametrize(
+    ("text", "gpus", "pairs"),
+    [
+        ("", 8, ()),
+        ("None", 8, ()),
+        ("pairs", 4, ((0, 1), (2, 3))),
+        ("pairs", 3, ((0, 1),)),
+        ("all", 3, ((0, 1), (0, 2), (1, 2))),
+        (" 2-3; 1-0;3-2 ", 4, ((0, 1), (2, 3))),
+    ],
+)
+def test_nvlink_column_values(text, gpus, pairs):
+    assert nvlink_pairs(text, gpus) == pairs
+
+
+def test_cluster_nvlink_column_round_trip_and_errors(tmp_path):
+    text = ("node_id,gpus,model,nvlink\n"
+            "dgx,8,H100,all\n"
+            "bridged,4,RTX 4090,pairs\n"
+            "mesh,4,V100M32,0-1;1-2;2-3;3-0\n"
+            "plain,2,T4,\n")
+    nodes = parse_cluster(io.StringIO(text))
+    assert len(nodes[0].nvlink_pairs) == 28 and nodes[1].nvlink_pairs == ((0, 1), (2, 3))
+    assert nodes[2].nvlink_pairs == ((0, 1), (0, 3), (1, 2), (2, 3)) and nodes[3].nvlink_pairs == ()
+    path = tmp_path / "c.csv"
+    write_cluster(nodes, path)
+    assert read_cluster(path) == nodes
+    assert path.read_text().splitlines()[1:3] == ["dgx,8,H100,81559,2.2,all", "bridged,4,RTX 4090,24564,1,pairs"]
+    snap = ClusterSnapshot.build(node_facts(nodes))
+    assert snap.node_nvlink[1] == frozenset({frozenset({0, 1}), frozenset({2, 3})})
+    # a cluster without NVLink is written as before, without the column
+    buf = io.StringIO()
+    write_cluster(nodes[3:], buf)
+    assert buf.getvalue().splitlines()[0] == "node_id,gpus,model,vram_mib_per_gpu,speed"
+    for row, fragment in (("a,4,T4,0-4", "below 4"), ("a,4,T4,1-1", "two different"), ("a,4,T4,ring", "like 0-1;2-3")):
+        with pytest.raises(TraceFormatError) as info:
+            parse_cluster(io.StringIO(f"node_id,gpus,model,nvlink\n{row}\n"), source="c.csv")
+        assert (info.value.line, info.value.column) == (2, "nvlink") and fragment in str(info.value)
 
 
 def test_openb_node_list_normalises_speed(tmp_path):
