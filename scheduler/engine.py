@@ -1051,7 +1051,7 @@ class Scheduler:
         cfg = self.config
         ok = self._static_ok(spec, view) & view.avail
         if spec.needs_nvlink:
-            ok &= view.has_peer
+            ok &= view.nvlink_ok  # as the placement's nvlink filter: a peer, competition under the limit
         if spec.io_heavy:
             ok &= view.io_ok
         if self._nominated_rows is not None:

@@ -7,8 +7,10 @@ Cards here are 24,564 MiB: the memory filter admits up to 85 %, 20,879 MiB.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
+import numpy as np
 import pytest
 
 from scheduler.config import SchedulerConfig
@@ -444,3 +446,18 @@ def test_a_four_gpu_nvlink_p0_task_clears_one_linked_quad_and_is_placed_on_it():
     placed = sched.dispatch(host([0.0] * 4 + truth[4:]))
     assert [t.task_id for t in placed] == ["urgent"]
     assert sorted(placed[0].assignment.gpu_uuids) == [f"GPU-n0-{i}" for i in range(4)]
+
+
+def test_an_nvlink_p0_task_does_not_clear_a_pair_whose_nvlink_is_busy():
+    # the set-up of the pair test above, with GPUs 0 and 1 reading NVLink
+    # competition 0.9 (over nvlink_competition_max, 0.6): placement would
+    # refuse them once cleared, so the eviction takes 2-3, batch task and all
+    sched, clock, _ = make()
+    truth = _fill_pairs(sched, clock, [spec("bg0", 16), spec("bg1", 16), spec("batch2", 16, Priority.P2),
+                                       spec("bg3", 16)])
+    busy = dataclasses.replace(linked(truth), nvlink_competition=np.array([0.9, 0.9, np.nan, np.nan]))
+    sched.submit(spec("urgent", 16, Priority.P0, num_gpus=2, needs_nvlink=True), busy)
+    clock.now += 1.0
+    assert sched.dispatch(busy) == []
+    kept = sched.nominations()["urgent"]
+    assert sorted(kept.gpu_uuids) == ["GPU-n0-2", "GPU-n0-3"] and sorted(kept.victims) == ["batch2", "bg3"]
