@@ -11,6 +11,12 @@ its restart cost, any other its run so far).
 
     python benchmarks/bench_preemption.py                 # 3 traces x 3 seeds, ~5 min here
     python benchmarks/bench_preemption.py --traces default --seeds 0 --policy round_robin
+    python benchmarks/bench_preemption.py --hosts 4 --gpus 8 --nvlink all   # NVSwitch hosts, NVLink tasks
+
+``--nvlink`` gives every host that NVLink (the cluster format's ``nvlink``:
+``all``, ``pairs`` or ``0-1;2-3``) and marks every multi-GPU task
+``needs_nvlink``, as tensor-parallel serving and training ask; the table
+then also shows the multi-GPU P0 tasks' mean wait.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="load_aware")
     p.add_argument("--hosts", type=int, default=8)
     p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--nvlink", default="", metavar="all|pairs|0-1;2-3",
+                   help="every host's NVLink, and every multi-GPU task needs it (default: none)")
     args = p.parse_args(argv)
     logging.disable(logging.WARNING)  # one line per lapsed preemption would drown the table
-    nodes = homogeneous(args.hosts, args.gpus)
+    nodes = homogeneous(args.hosts, args.gpus, nvlink=args.nvlink)
+    linked = bool(nodes[0].nvlink_pairs)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     traces = [t for t in args.traces.split(",") if t]
     rows: list[list[str]] = []
@@ -57,11 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpulb-bench-") as tmp:
         for name in traces:
             tasks, _ = convert_openb(OPENB / f"openb_pod_list_{name}.csv", Path(tmp) / f"{name}.csv")
+            if linked:
+                tasks = [replace(t, needs_nvlink=t.num_gpus > 1) for t in tasks]
             for seed in seeds:
-                figs = {}
+                figs, multi = {}, {}
                 for on in (False, True):
                     cfg = SimConfig(seed=seed, scheduler=SchedulerConfig(preemption=on))
-                    figs[on] = figures(Simulation(tasks, nodes, args.policy, cfg).run())
+                    result = Simulation(tasks, nodes, args.policy, cfg).run()
+                    figs[on] = figures(result)
+                    waits = [r.wait_s for r in result.records
+                             if r.priority == 0 and r.num_gpus > 1 and r.state == "completed"]
+                    multi[on] = sum(waits) / len(waits) if waits else float("nan")
                     done += 1
                     print(f"[{done}/{runs}] {name} seed {seed} preemption {'on' if on else 'off'} "
                           f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
@@ -73,15 +89,17 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([
                     name, str(seed),
                     pair(("wait_s", "P0", "mean"), _hours),
+                    *([f"{_hours(multi[False])} -> {_hours(multi[True])}"] if linked else []),
                     pair(("sla_misses",), lambda v: f"{v:,}"),
                     pair(("jct_mean_s",), _hours),
                     pair(("wait_s", "P2", "mean"), _hours),
                     f"{on_['preemptions']:,} / {on_['preempted_work_h']:.1f}",
                 ])
-    print(f"\n{args.hosts} x {args.gpus} RTX 4090, {args.policy}, preemption off -> on "
+    topology = f", NVLink {args.nvlink}, multi-GPU tasks need it" if linked else ""
+    print(f"\n{args.hosts} x {args.gpus} RTX 4090{topology}, {args.policy}, preemption off -> on "
           f"({time.perf_counter() - started:.0f} s)\n")
-    print(render_table(["trace", "seed", "mean P0 wait", "P0 SLA misses", "mean response", "mean P2 wait",
-                        "evictions / GPU-h redone"], rows))
+    print(render_table(["trace", "seed", "mean P0 wait", *(["multi-GPU P0 wait"] if linked else []),
+                        "P0 SLA misses", "mean response", "mean P2 wait", "evictions / GPU-h redone"], rows))
     return 0
 
 
