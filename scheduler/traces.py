@@ -7,25 +7,25 @@ The format
 One CSV file, one task a row, a header naming the columns (any order).
 Blank lines and lines starting with ``#`` are ignored.
 
-=========== ======== ==========================================================
-column      required meaning
-=========== ======== ==========================================================
-task_id     yes      unique, printable, at most 128 characters
-submit_s    yes      s from the trace start when the task is submitted (>= 0)
-duration_s  yes      s the task runs on a speed-1.0 GPU (RTX 4090) alone (> 0)
-num_gpus    yes      GPUs on one node, 1..64
-vram_mib    yes      MiB of GPU memory the task asks for on each GPU (> 0)
-gpu_share   yes      0..1, share of each GPU's compute the task expects
-priority    yes      ``P0``..``P3`` (or 0..3); P0 is real-time inference
-kind        yes      ``inference``, ``training``, ``batch``, ``background`` or free text
-gpu_spec    no       model constraint, e.g. ``V100M16|V100M32`` (empty = any)
-tenant      no       tenant name (per-tenant memory thresholds)
-util        no       % utilisation the task puts on each GPU (0..100);
-                     empty = ``100 * gpu_share``
-movable     no       ``true``/``false`` (also 1/0, yes/no); empty = by kind
-needs_nvlink no      ``true``: its GPUs must be NVLink-connected (a cluster
-                     file's ``nvlink`` column says which are); empty = false
-=========== ======== ==========================================================
+============ ======== ==========================================================
+column       required meaning
+============ ======== ==========================================================
+task_id      yes      unique, printable, at most 128 characters
+submit_s     yes      s from the trace start when the task is submitted (>= 0)
+duration_s   yes      s the task runs on a speed-1.0 GPU (RTX 4090) alone (> 0)
+num_gpus     yes      GPUs on one node, 1..64
+vram_mib     yes      MiB of GPU memory the task asks for on each GPU (> 0)
+gpu_share    yes      0..1, share of each GPU's compute the task expects
+priority     yes      ``P0``..``P3`` (or 0..3); P0 is real-time inference
+kind         yes      ``inference``, ``training``, ``batch``, ``background`` or free text
+gpu_spec     no       model constraint, e.g. ``V100M16|V100M32`` (empty = any)
+tenant       no       tenant name (per-tenant memory thresholds)
+util         no       % utilisation the task puts on each GPU (0..100);
+                      empty = ``100 * gpu_share``
+movable      no       ``true``/``false`` (also 1/0, yes/no); empty = by kind
+needs_nvlink no       ``true``: its GPUs must be NVLink-connected (a cluster
+                      file's ``nvlink`` column says which are); empty = false
+============ ======== ==========================================================
 
 Any other column is an error (a misspelt optional column must not be silently
 ignored). ``read_trace`` raises ``TraceFormatError`` naming the file, the line
