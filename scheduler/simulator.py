@@ -472,13 +472,7 @@ class ColumnarReservations(Reservations):
         has = r > 0
         used = np.asarray(used_mib, dtype=np.float64)
         live = has & np.asarray(fresh, dtype=bool) & np.isfinite(used)
-        lower = live & (used < b)
-        if lower.any():
-            b[lower] = used[lower]
-            for row in np.flatnonzero(lower):
-                g = Reservations.gpu(self, self._order[row])
-                if g is not None:
-                    g.baseline_mib = float(used[row])
+        self._lower_baselines(b, used, live, "baseline_mib")
         with np.errstate(invalid="ignore"):
             eff_live = np.minimum(r, np.maximum(0.0, b + r - used))
         eff = np.where(live, eff_live, np.where(has, r, 0.0))
@@ -486,18 +480,23 @@ class ColumnarReservations(Reservations):
         if util_now is not None:  # as Reservations.columns: compute shown by the util reading
             x = np.asarray(util_now, dtype=np.float64)
             known = live & np.isfinite(x)
-            bu = self._bu
-            lower_u = known & (x < bu)
-            if lower_u.any():
-                bu[lower_u] = x[lower_u]
-                for row in np.flatnonzero(lower_u):
-                    g = Reservations.gpu(self, self._order[row])
-                    if g is not None:
-                        g.baseline_util_pct = float(x[row])
+            self._lower_baselines(self._bu, x, known, "baseline_util_pct")
             with np.errstate(invalid="ignore"):
-                shown = np.minimum(self._u, np.maximum(0.0, bu + self._u - x))
+                shown = np.minimum(self._u, np.maximum(0.0, self._bu + self._u - x))
             util = np.where(known, np.minimum(util, shown), util)
         return ReservedColumns(vram_mib=eff, util_pct=util, leases=self._n.copy(), asked_mib=r.copy())
+
+    def _lower_baselines(self, baseline: np.ndarray, reading: np.ndarray, where: np.ndarray, attr: str) -> None:
+        """Where a reading (``where``) is under its row's baseline, lower the
+        baseline column and the stack's ``attr`` to it, as ``GpuReservation``
+        does (memory ``B``, util ``Bu``)."""
+        lower = where & (reading < baseline)
+        if lower.any():
+            baseline[lower] = reading[lower]
+            for row in np.flatnonzero(lower):
+                g = Reservations.gpu(self, self._order[row])
+                if g is not None:
+                    setattr(g, attr, float(reading[row]))
 
 
 # ---- the simulation ------------------------------------------------------------------------------
