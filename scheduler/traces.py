@@ -25,6 +25,10 @@ util         no       % utilisation the task puts on each GPU (0..100);
 movable      no       ``true``/``false`` (also 1/0, yes/no); empty = by kind
 needs_nvlink no       ``true``: its GPUs must be NVLink-connected (a cluster
                       file's ``nvlink`` column says which are); empty = false
+estimate_s   no       s the client tells the scheduler the task will run (its
+                      ``duration_s`` estimate, e.g. a batch system's time
+                      limit); ``duration_s`` is what it really runs. Empty =
+                      ``duration_s`` (an exact estimate); 0 = no estimate
 ============ ======== ==========================================================
 
 Any other column is an error (a misspelt optional column must not be silently
@@ -140,7 +144,7 @@ TRACE_COLUMNS = (
     "priority",
     "kind",
 )
-OPTIONAL_TRACE_COLUMNS = ("gpu_spec", "tenant", "util", "movable", "needs_nvlink")
+OPTIONAL_TRACE_COLUMNS = ("gpu_spec", "tenant", "util", "movable", "needs_nvlink", "estimate_s")
 
 # openb qos -> (priority, kind); see the module docstring for why.
 OPENB_QOS: dict[str, tuple[Priority, str]] = {
@@ -189,6 +193,12 @@ class TraceTask:
     util: float | None = None  # % per GPU; None = 100 * gpu_share
     movable: bool | None = None  # None = by kind
     needs_nvlink: bool = False
+    estimate_s: float | None = None  # the client's estimate; None = duration_s, 0 = none
+
+    @property
+    def estimate(self) -> float:
+        """s the client tells the scheduler this task will run (0: no estimate)."""
+        return self.duration_s if self.estimate_s is None else self.estimate_s
 
     @property
     def util_pct(self) -> float:
@@ -204,7 +214,8 @@ class TraceTask:
     def to_spec(self, task_id: str | None = None, vram_mib: float | None = None) -> TaskSpec:
         """The ``TaskSpec`` a client would submit for this task.
 
-        The duration is passed as the client's estimate (``duration_s``).
+        The client's estimate (``estimate_s``, else the duration) is passed as
+        the spec's ``duration_s``.
         """
         return TaskSpec(
             task_id=task_id or self.task_id,
@@ -214,7 +225,7 @@ class TraceTask:
             num_gpus=self.num_gpus,
             vram_mib=float(vram_mib if vram_mib is not None else self.vram_mib),
             gpu_share=self.gpu_share,
-            duration_s=self.duration_s,
+            duration_s=self.estimate,
             gpu_spec=self.gpu_spec,
             movable=self.is_movable,
             needs_nvlink=self.needs_nvlink,
@@ -378,6 +389,12 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceTask
             if "needs_nvlink" in index:
                 column = "needs_nvlink"
                 needs_nvlink = bool(_bool(cells[index["needs_nvlink"]]))
+            estimate: float | None = None
+            if "estimate_s" in index:
+                column = "estimate_s"
+                text = cells[index["estimate_s"]].strip()
+                if text:
+                    estimate = _float(text, column, low=0.0)
         except ValueError as exc:
             raise TraceFormatError(source, line, column, str(exc)) from None
         first_line[task_id] = line
@@ -396,6 +413,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceTask
                 util=util,
                 movable=movable,
                 needs_nvlink=needs_nvlink,
+                estimate_s=estimate,
             )
         )
     return tasks
@@ -428,6 +446,7 @@ def write_trace(tasks: Sequence[TraceTask], out: str | os.PathLike[str] | IO[str
             or (name == "util" and t.util is not None)
             or (name == "movable" and t.movable is not None)
             or (name == "needs_nvlink" and t.needs_nvlink)
+            or (name == "estimate_s" and t.estimate_s is not None)
             for t in tasks
         )
     ]
@@ -455,8 +474,10 @@ def write_trace(tasks: Sequence[TraceTask], out: str | os.PathLike[str] | IO[str
                     row.append("" if t.util is None else _num(t.util))
                 elif name == "movable":
                     row.append("" if t.movable is None else ("true" if t.movable else "false"))
-                else:
+                elif name == "needs_nvlink":
                     row.append("true" if t.needs_nvlink else "")
+                else:
+                    row.append("" if t.estimate_s is None else _num(t.estimate_s))
             writer.writerow(row)
 
     if isinstance(out, (str, os.PathLike)):
@@ -484,7 +505,37 @@ def scale_trace(
         return list(tasks)
     sub = time_scale * arrival_scale
 
-    return [replace(t, submit_s=t.submit_s / sub, duration_s=t.duration_s / time_scale) for t in tasks]
+    return [
+        replace(
+            t,
+            submit_s=t.submit_s / sub,
+            duration_s=t.duration_s / time_scale,
+            estimate_s=None if t.estimate_s is None else t.estimate_s / time_scale,
+        )
+        for t in tasks
+    ]
+
+
+def misestimate(tasks: Sequence[TraceTask], scale: float = 1.0, noise: float = 0.0, seed: int = 0) -> list[TraceTask]:
+    """The tasks as clients that misjudge run times would submit them: each
+    task without an ``estimate_s`` gets ``duration_s * scale * exp(noise * z)``,
+    ``z`` a standard normal drawn per task from ``seed`` (run times are
+    misjudged by factors, so the error is log-normal; ``noise`` 1 puts a
+    third of the estimates more than 2.7 times off). ``scale`` below 1 is
+    clients that estimate short, the risk an estimate-trusting backfill
+    runs. Tasks that carry their own estimate keep it. Deterministic for
+    ``seed``."""
+    for name, value in (("scale", scale), ("noise", noise)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"estimate {name} must be a finite number >= 0, got {value!r}")
+    if scale == 1.0 and noise == 0.0:
+        return list(tasks)
+    rng = random.Random(seed)
+    out = []
+    for t in tasks:
+        z = rng.gauss(0.0, 1.0)  # drawn for every task, so one task's estimate does not move the others'
+        out.append(t if t.estimate_s is not None else replace(t, estimate_s=t.duration_s * scale * math.exp(noise * z)))
+    return out
 
 
 # ---- openb ------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from scheduler.traces import (
     TraceTask,
     convert_openb,
     convert_openb_rows,
+    misestimate,
     parse_trace,
     read_trace,
     scale_trace,
@@ -158,6 +159,47 @@ def test_scale_trace_compresses_time():
     assert (s.submit_s, s.duration_s) == (25.0, 50.0)
     with pytest.raises(ValueError, match="time_scale"):
         scale_trace([t], time_scale=0.0)
+
+
+def test_estimate_column_is_what_the_scheduler_is_told():
+    """``estimate_s`` is the client's estimate, passed as the spec's
+    duration_s; empty is an exact estimate, 0 none at all; the run time the
+    simulator replays stays ``duration_s``."""
+    a, b, c = parse(f"{HEADER},estimate_s\na,0,100,1,1000,0.5,P1,x,30\nb,0,100,1,1000,0.5,P1,x,\nc,0,100,1,1000,0.5,P1,x,0\n")
+    assert (a.to_spec().duration_s, b.to_spec().duration_s, c.to_spec().duration_s) == (30.0, 100.0, 0.0)
+    assert a.duration_s == b.duration_s == c.duration_s == 100.0
+    with pytest.raises(TraceFormatError) as info:
+        parse(f"{HEADER},estimate_s\na,0,100,1,1000,0.5,P1,x,-5\n")
+    assert info.value.column == "estimate_s" and info.value.line == 2
+    (s,) = scale_trace([a], time_scale=10.0)
+    assert (s.duration_s, s.estimate_s) == (10.0, 3.0)
+
+
+def test_estimates_round_trip(tmp_path):
+    tasks = [TraceTask("a", 0.0, 100.0, 1, 1.0, 1.0, Priority.P0, "x", estimate_s=33.5),
+             TraceTask("b", 0.0, 100.0, 1, 1.0, 1.0, Priority.P0, "x")]
+    path = tmp_path / "trace.csv"
+    write_trace(tasks, path)
+    assert read_trace(path) == tasks
+    assert "estimate_s" not in trace_to_text(tasks[1:]).splitlines()[0]
+
+
+def test_misestimate_scales_and_scatters_estimates_deterministically():
+    tasks = [TraceTask(f"t{i}", 0.0, 1000.0, 1, 1.0, 1.0, Priority.P2, "x") for i in range(2000)]
+    tasks[0] = TraceTask("own", 0.0, 1000.0, 1, 1.0, 1.0, Priority.P2, "x", estimate_s=5.0)
+    short = misestimate(tasks, scale=0.5)
+    assert short[0].estimate_s == 5.0  # a client's own estimate stays
+    assert {t.estimate_s for t in short[1:]} == {500.0}
+    noisy = misestimate(tasks, noise=1.0, seed=7)
+    assert noisy == misestimate(tasks, noise=1.0, seed=7) != misestimate(tasks, noise=1.0, seed=8)
+    logs = [math.log(t.estimate_s / t.duration_s) for t in noisy[1:]]
+    mean = sum(logs) / len(logs)
+    std = (sum((x - mean) ** 2 for x in logs) / len(logs)) ** 0.5
+    assert abs(mean) < 0.1 and 0.9 < std < 1.1  # log-normal around the truth, sigma 1
+    assert all(t.duration_s == 1000.0 for t in noisy)  # what runs does not change
+    assert misestimate(tasks) == tasks
+    with pytest.raises(ValueError, match="scale"):
+        misestimate(tasks, scale=-1.0)
 
 
 # ---- openb pod lists ----------------------------------------------------------------------
