@@ -605,7 +605,7 @@ class AdvisorService(apb_grpc.AdvisorServicer):
         return apb.GetPredictionsResponse(
             models=[
                 apb.SpeedFactor(model=f.model, kind=f.kind, slowdown=f.factor, prior=f.prior, samples=f.samples,
-                                mape_ratio=f.mape)
+                                mape_ratio=f.mape, overrun_ratio=f.overrun)
                 for f in models
                 if (not request.model or f.model == request.model) and (not request.kind or f.kind in ("", request.kind))
             ],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Callable
@@ -490,8 +491,11 @@ def cmd_advisor(args: argparse.Namespace) -> int:
                 print(json.dumps(MessageToDict(got, preserving_proto_field_name=True), indent=2))
                 return 0
             print(f"learned from {got.samples} completions; MAPE {_ratio_pct(got.mape_ratio)} over the last {got.error_window}")
-            print(render_table(["MODEL", "KIND", "SLOWDOWN", "PRIOR", "SAMPLES", "MAPE"],
-                               [[f.model, f.kind or "(all)", f"{f.slowdown:.3f}", f"{f.prior:.3f}", f.samples, _ratio_pct(f.mape_ratio)]
+            # OVERRUN P90: how many times its prediction a run of the kind may take,
+            # the backfill's margin once above backfill_estimate_factor
+            print(render_table(["MODEL", "KIND", "SLOWDOWN", "PRIOR", "SAMPLES", "MAPE", "OVERRUN P90"],
+                               [[f.model, f.kind or "(all)", f"{f.slowdown:.3f}", f"{f.prior:.3f}", f.samples, _ratio_pct(f.mape_ratio),
+                                 "-" if math.isnan(f.overrun_ratio) else f"{f.overrun_ratio:.2f}x"]
                                 for f in got.models]))
             if got.nodes:
                 print(render_table(["NODE", "RESIDUAL", "SAMPLES", "MAPE"],

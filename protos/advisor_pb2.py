@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/advisor.proto\x12\x08gpulb.v1\"E\n\x15GetPredictionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"p\n\x0bSpeedFactor\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08slowdown\x18\x03 \x01(\x01\x12\r\n\x05prior\x18\x04 \x01(\x01\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\x12\n\nmape_ratio\x18\x06 \x01(\x01\"T\n\nNodeFactor\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08residual\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x12\n\nmape_ratio\x18\x04 \x01(\x01\"\xce\x01\n\x16GetPredictionsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.gpulb.v1.SpeedFactor\x12#\n\x05nodes\x18\x02 \x03(\x0b\x32\x14.gpulb.v1.NodeFactor\x12\x12\n\nmape_ratio\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x14\n\x0c\x65rror_window\x18\x05 \x01(\r\x12-\n\rmemory_growth\x18\x06 \x03(\x0b\x32\x16.gpulb.v1.MemoryGrowth\"t\n\x0cMemoryGrowth\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\x11\n\toom_kills\x18\x03 \x01(\x04\x12\x0b\n\x03p50\x18\x04 \x01(\x01\x12\x0b\n\x03p95\x18\x05 \x01(\x01\x12\x0b\n\x03p99\x18\x06 \x01(\x01\x12\x0b\n\x03max\x18\x07 \x01(\x01\"\xf6\x02\n\tMigration\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x14\n\x0c\x66rom_node_id\x18\x04 \x01(\t\x12\x16\n\x0e\x66rom_gpu_index\x18\x05 \x01(\r\x12\x15\n\rfrom_gpu_uuid\x18\x06 \x01(\t\x12\x12\n\nto_node_id\x18\x07 \x01(\t\x12\x14\n\x0cto_gpu_index\x18\x08 \x01(\r\x12\x13\n\x0bto_gpu_uuid\x18\t \x01(\t\x12\x10\n\x08load_pct\x18\n \x01(\x01\x12\x15\n\rfrom_util_pct\x18\x0b \x01(\x01\x12\x13\n\x0bto_util_pct\x18\x0c \x01(\x01\x12\x16\n\x0evariance_after\x18\r \x01(\x01\x12\x18\n\x10\x66rom_gpu_indexes\x18\x0e \x03(\r\x12\x16\n\x0e\x66rom_gpu_uuids\x18\x0f \x03(\t\x12\x16\n\x0eto_gpu_indexes\x18\x10 \x03(\r\x12\x14\n\x0cto_gpu_uuids\x18\x11 \x03(\t\"\xdb\x01\n\rRebalancePlan\x12\x0f\n\x07plan_id\x18\x01 \x01(\x04\x12\x15\n\rcreated_at_ns\x18\x02 \x01(\x03\x12\x0f\n\x07trigger\x18\x03 \x01(\t\x12\x17\n\x0fvariance_before\x18\x04 \x01(\x01\x12\x16\n\x0evariance_after\x18\x05 \x01(\x01\x12\x15\n\rspread_before\x18\x06 \x01(\x01\x12\x14\n\x0cspread_after\x18\x07 \x01(\x01\x12\"\n\x05moves\x18\x08 \x03(\x0b\x32\x13.gpulb.v1.Migration\x12\x0f\n\x07\x64ry_run\x18\t \x01(\x08\"&\n\x0eGetPlanRequest\x12\x14\n\x0c\x65valuate_now\x18\x01 \x01(\x08\"\xf8\x01\n\x0cTriggerState\x12\r\n\x05\x66ired\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08variance\x18\x03 \x01(\x01\x12\x13\n\x0bhottest_pct\x18\x04 \x01(\x01\x12\x0e\n\x06rising\x18\x05 \x01(\r\x12\x0c\n\x04gpus\x18\x06 \x01(\r\x12\x1a\n\x12variance_threshold\x18\x07 \x01(\x01\x12\x0f\n\x07hot_pct\x18\x08 \x01(\x01\x12\x1a\n\x12rising_pct_per_min\x18\t \x01(\x01\x12\x13\n\x0brising_gpus\x18\n \x01(\r\x12\x18\n\x10release_variance\x18\x0b \x01(\x01\x12\x0c\n\x04held\x18\x0c \x01(\x08\"\xe1\x01\n\x0fGetPlanResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.gpulb.v1.RebalancePlan\x12\'\n\x07trigger\x18\x02 \x01(\x0b\x32\x16.gpulb.v1.TriggerState\x12\x17\n\x0f\x65valuated_at_ns\x18\x03 \x01(\x03\x12\x36\n\x07no_move\x18\x04 \x03(\x0b\x32%.gpulb.v1.GetPlanResponse.NoMoveEntry\x1a-\n\x0bNoMoveEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"+\n\x11WatchPlansRequest\x12\x16\n\x0einclude_latest\x18\x01 \x01(\x08\x32\xe4\x01\n\x07\x41\x64visor\x12S\n\x0eGetPredictions\x12\x1f.gpulb.v1.GetPredictionsRequest\x1a .gpulb.v1.GetPredictionsResponse\x12>\n\x07GetPlan\x12\x18.gpulb.v1.GetPlanRequest\x1a\x19.gpulb.v1.GetPlanResponse\x12\x44\n\nWatchPlans\x12\x1b.gpulb.v1.WatchPlansRequest\x1a\x17.gpulb.v1.RebalancePlan0\x01\x42\x12Z\x10gpulb/v1;gpulbv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/advisor.proto\x12\x08gpulb.v1\"E\n\x15GetPredictionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"\x87\x01\n\x0bSpeedFactor\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08slowdown\x18\x03 \x01(\x01\x12\r\n\x05prior\x18\x04 \x01(\x01\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\x12\n\nmape_ratio\x18\x06 \x01(\x01\x12\x15\n\roverrun_ratio\x18\x07 \x01(\x01\"T\n\nNodeFactor\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08residual\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x12\n\nmape_ratio\x18\x04 \x01(\x01\"\xce\x01\n\x16GetPredictionsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.gpulb.v1.SpeedFactor\x12#\n\x05nodes\x18\x02 \x03(\x0b\x32\x14.gpulb.v1.NodeFactor\x12\x12\n\nmape_ratio\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x14\n\x0c\x65rror_window\x18\x05 \x01(\r\x12-\n\rmemory_growth\x18\x06 \x03(\x0b\x32\x16.gpulb.v1.MemoryGrowth\"t\n\x0cMemoryGrowth\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\x11\n\toom_kills\x18\x03 \x01(\x04\x12\x0b\n\x03p50\x18\x04 \x01(\x01\x12\x0b\n\x03p95\x18\x05 \x01(\x01\x12\x0b\n\x03p99\x18\x06 \x01(\x01\x12\x0b\n\x03max\x18\x07 \x01(\x01\"\xf6\x02\n\tMigration\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x14\n\x0c\x66rom_node_id\x18\x04 \x01(\t\x12\x16\n\x0e\x66rom_gpu_index\x18\x05 \x01(\r\x12\x15\n\rfrom_gpu_uuid\x18\x06 \x01(\t\x12\x12\n\nto_node_id\x18\x07 \x01(\t\x12\x14\n\x0cto_gpu_index\x18\x08 \x01(\r\x12\x13\n\x0bto_gpu_uuid\x18\t \x01(\t\x12\x10\n\x08load_pct\x18\n \x01(\x01\x12\x15\n\rfrom_util_pct\x18\x0b \x01(\x01\x12\x13\n\x0bto_util_pct\x18\x0c \x01(\x01\x12\x16\n\x0evariance_after\x18\r \x01(\x01\x12\x18\n\x10\x66rom_gpu_indexes\x18\x0e \x03(\r\x12\x16\n\x0e\x66rom_gpu_uuids\x18\x0f \x03(\t\x12\x16\n\x0eto_gpu_indexes\x18\x10 \x03(\r\x12\x14\n\x0cto_gpu_uuids\x18\x11 \x03(\t\"\xdb\x01\n\rRebalancePlan\x12\x0f\n\x07plan_id\x18\x01 \x01(\x04\x12\x15\n\rcreated_at_ns\x18\x02 \x01(\x03\x12\x0f\n\x07trigger\x18\x03 \x01(\t\x12\x17\n\x0fvariance_before\x18\x04 \x01(\x01\x12\x16\n\x0evariance_after\x18\x05 \x01(\x01\x12\x15\n\rspread_before\x18\x06 \x01(\x01\x12\x14\n\x0cspread_after\x18\x07 \x01(\x01\x12\"\n\x05moves\x18\x08 \x03(\x0b\x32\x13.gpulb.v1.Migration\x12\x0f\n\x07\x64ry_run\x18\t \x01(\x08\"&\n\x0eGetPlanRequest\x12\x14\n\x0c\x65valuate_now\x18\x01 \x01(\x08\"\xf8\x01\n\x0cTriggerState\x12\r\n\x05\x66ired\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08variance\x18\x03 \x01(\x01\x12\x13\n\x0bhottest_pct\x18\x04 \x01(\x01\x12\x0e\n\x06rising\x18\x05 \x01(\r\x12\x0c\n\x04gpus\x18\x06 \x01(\r\x12\x1a\n\x12variance_threshold\x18\x07 \x01(\x01\x12\x0f\n\x07hot_pct\x18\x08 \x01(\x01\x12\x1a\n\x12rising_pct_per_min\x18\t \x01(\x01\x12\x13\n\x0brising_gpus\x18\n \x01(\r\x12\x18\n\x10release_variance\x18\x0b \x01(\x01\x12\x0c\n\x04held\x18\x0c \x01(\x08\"\xe1\x01\n\x0fGetPlanResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.gpulb.v1.RebalancePlan\x12\'\n\x07trigger\x18\x02 \x01(\x0b\x32\x16.gpulb.v1.TriggerState\x12\x17\n\x0f\x65valuated_at_ns\x18\x03 \x01(\x03\x12\x36\n\x07no_move\x18\x04 \x03(\x0b\x32%.gpulb.v1.GetPlanResponse.NoMoveEntry\x1a-\n\x0bNoMoveEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"+\n\x11WatchPlansRequest\x12\x16\n\x0einclude_latest\x18\x01 \x01(\x08\x32\xe4\x01\n\x07\x41\x64visor\x12S\n\x0eGetPredictions\x12\x1f.gpulb.v1.GetPredictionsRequest\x1a .gpulb.v1.GetPredictionsResponse\x12>\n\x07GetPlan\x12\x18.gpulb.v1.GetPlanRequest\x1a\x19.gpulb.v1.GetPlanResponse\x12\x44\n\nWatchPlans\x12\x1b.gpulb.v1.WatchPlansRequest\x1a\x17.gpulb.v1.RebalancePlan0\x01\x42\x12Z\x10gpulb/v1;gpulbv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,28 +36,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPLANRESPONSE_NOMOVEENTRY']._serialized_options = b'8\001'
   _globals['_GETPREDICTIONSREQUEST']._serialized_start=34
   _globals['_GETPREDICTIONSREQUEST']._serialized_end=103
-  _globals['_SPEEDFACTOR']._serialized_start=105
-  _globals['_SPEEDFACTOR']._serialized_end=217
-  _globals['_NODEFACTOR']._serialized_start=219
-  _globals['_NODEFACTOR']._serialized_end=303
-  _globals['_GETPREDICTIONSRESPONSE']._serialized_start=306
-  _globals['_GETPREDICTIONSRESPONSE']._serialized_end=512
-  _globals['_MEMORYGROWTH']._serialized_start=514
-  _globals['_MEMORYGROWTH']._serialized_end=630
-  _globals['_MIGRATION']._serialized_start=633
-  _globals['_MIGRATION']._serialized_end=1007
-  _globals['_REBALANCEPLAN']._serialized_start=1010
-  _globals['_REBALANCEPLAN']._serialized_end=1229
-  _globals['_GETPLANREQUEST']._serialized_start=1231
-  _globals['_GETPLANREQUEST']._serialized_end=1269
-  _globals['_TRIGGERSTATE']._serialized_start=1272
-  _globals['_TRIGGERSTATE']._serialized_end=1520
-  _globals['_GETPLANRESPONSE']._serialized_start=1523
-  _globals['_GETPLANRESPONSE']._serialized_end=1748
-  _globals['_GETPLANRESPONSE_NOMOVEENTRY']._serialized_start=1703
-  _globals['_GETPLANRESPONSE_NOMOVEENTRY']._serialized_end=1748
-  _globals['_WATCHPLANSREQUEST']._serialized_start=1750
-  _globals['_WATCHPLANSREQUEST']._serialized_end=1793
-  _globals['_ADVISOR']._serialized_start=1796
-  _globals['_ADVISOR']._serialized_end=2024
+  _globals['_SPEEDFACTOR']._serialized_start=106
+  _globals['_SPEEDFACTOR']._serialized_end=241
+  _globals['_NODEFACTOR']._serialized_start=243
+  _globals['_NODEFACTOR']._serialized_end=327
+  _globals['_GETPREDICTIONSRESPONSE']._serialized_start=330
+  _globals['_GETPREDICTIONSRESPONSE']._serialized_end=536
+  _globals['_MEMORYGROWTH']._serialized_start=538
+  _globals['_MEMORYGROWTH']._serialized_end=654
+  _globals['_MIGRATION']._serialized_start=657
+  _globals['_MIGRATION']._serialized_end=1031
+  _globals['_REBALANCEPLAN']._serialized_start=1034
+  _globals['_REBALANCEPLAN']._serialized_end=1253
+  _globals['_GETPLANREQUEST']._serialized_start=1255
+  _globals['_GETPLANREQUEST']._serialized_end=1293
+  _globals['_TRIGGERSTATE']._serialized_start=1296
+  _globals['_TRIGGERSTATE']._serialized_end=1544
+  _globals['_GETPLANRESPONSE']._serialized_start=1547
+  _globals['_GETPLANRESPONSE']._serialized_end=1772
+  _globals['_GETPLANRESPONSE_NOMOVEENTRY']._serialized_start=1727
+  _globals['_GETPLANRESPONSE_NOMOVEENTRY']._serialized_end=1772
+  _globals['_WATCHPLANSREQUEST']._serialized_start=1774
+  _globals['_WATCHPLANSREQUEST']._serialized_end=1817
+  _globals['_ADVISOR']._serialized_start=1820
+  _globals['_ADVISOR']._serialized_end=2048
 # @@protoc_insertion_point(module_scope)

@@ -17,20 +17,22 @@ class GetPredictionsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class SpeedFactor(_message.Message):
-    __slots__ = ("model", "kind", "slowdown", "prior", "samples", "mape_ratio")
+    __slots__ = ("model", "kind", "slowdown", "prior", "samples", "mape_ratio", "overrun_ratio")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     PRIOR_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MAPE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    OVERRUN_RATIO_FIELD_NUMBER: _ClassVar[int]
     model: str
     kind: str
     slowdown: float
     prior: float
     samples: int
     mape_ratio: float
-    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., slowdown: _Optional[float] = ..., prior: _Optional[float] = ..., samples: _Optional[int] = ..., mape_ratio: _Optional[float] = ...) -> None: ...
+    overrun_ratio: float
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., slowdown: _Optional[float] = ..., prior: _Optional[float] = ..., samples: _Optional[int] = ..., mape_ratio: _Optional[float] = ..., overrun_ratio: _Optional[float] = ...) -> None: ...
 
 class NodeFactor(_message.Message):
     __slots__ = ("node_id", "residual", "samples", "mape_ratio")

@@ -66,6 +66,7 @@ from scheduler.filters import describe, explain, feasible, first_failure, never_
 from scheduler.fragmentation import WorkloadMix
 from scheduler.memgrowth import table_for
 from scheduler.policies import POLICIES, Placement, Policy, make_policy
+from scheduler.predictor import ANY_KIND
 from scheduler.queue import AgingQueue, Outcome
 from scheduler.reservations import LeaseBook, Reservations
 from scheduler.snapshot import ClusterSnapshot
@@ -400,7 +401,7 @@ class Scheduler:
         self._nominated_rows = self._nomination_rows(view) if self._nominations else None
         held: dict[str, int | None] = {}  # barrier -> held node index, once per dispatch
         fences: dict[frozenset, np.ndarray] = {}  # held node set -> GPUs fenced tasks may use
-        # held node index -> (when its leases end, its speed); "lease_ends" ->
+        # held node index -> when its leases are expected to end; "lease_ends" ->
         # per node, the earliest expected lease end (_finish_by_waiting)
         drains: dict = {}
 
@@ -452,7 +453,7 @@ class Scheduler:
         (``_reachable``) is held; among them, and away from nodes other tasks
         hold where it can, the one with the most GPUs that fit it now, then
         the one where it is expected to finish first (``_expected_start``
-        plus its estimate at the node's speed), then the one with the fewest
+        plus its estimate times the node's run factor, ``_run_factors``), then the one with the fewest
         leases. Kept while it stays reachable, and for ``_HOLD_GRACE_S``
         after it does not (a lease that ended still shows in the memory
         readings for a round or two; without the grace the hold hopped away
@@ -498,12 +499,11 @@ class Scheduler:
         rows = np.flatnonzero(usable & np.isin(view.node, nodes))
         rows = rows[np.argsort(view.node[rows], kind="stable")]
         rows_of = np.split(rows, np.flatnonzero(np.diff(view.node[rows])) + 1)  # in the order of nodes
-        speeds = _node_speeds(view)[nodes]
         start = np.array([
-            self._expected_start(spec, view, int(i), r, float(v), fits, now) for i, r, v in zip(nodes, rows_of, speeds)
+            self._expected_start(spec, view, int(i), r, fits, now) for i, r in zip(nodes, rows_of)
         ])
         if spec.duration_s > 0:
-            start = start + spec.duration_s / speeds  # when it would finish
+            start = start + spec.duration_s * _run_factors(view, spec.kind)[nodes]  # when it would finish
         # most GPUs fitting now, then the earliest expected finish (start,
         # then its run at the node's speed: a fast node that frees later can
         # finish it sooner), then the fewest leases. Start first was tried: it
@@ -553,14 +553,14 @@ class Scheduler:
             ids.pop(task_id, None)
 
     def _expected_start(
-        self, spec: TaskSpec, view: PlacementView, index: int, rows: np.ndarray, speed: float, fits: np.ndarray,
+        self, spec: TaskSpec, view: PlacementView, index: int, rows: np.ndarray, fits: np.ndarray,
         now: float,
     ) -> float:
         """When ``spec`` is expected to fit on node ``index`` if nothing new
         went there: the ``num_gpus``-th earliest time one of its ``rows`` (the
         GPUs that could be free of gpulb's leases) is free: now where it fits
         now, else when the last lease on it is expected to end at the node's
-        ``speed`` (a lease without an estimate, or past it, as long again as
+        run factor (a lease without an estimate, or past it, as long again as
         it has run); ``inf`` with too few rows."""
         free_at = {int(r): now for r in rows}
         for other_id in self._by_node.get(view.snapshot.node_ids[index], ()):
@@ -568,7 +568,7 @@ class Scheduler:
             if other is None or other.assignment is None:
                 continue
             started = other.assignment.run_start
-            end = _expected_end(other, speed)
+            end = _expected_end(other, view, index)
             if other.spec.duration_s <= 0 or end <= now:
                 # no estimate, or past it: expect it to run as long again as
                 # it has run (the age estimate of heavy-tailed runs), >= 1 s
@@ -608,22 +608,21 @@ class Scheduler:
         static &= view.total * (self.config.memory_reject_for(spec.tenant) / 100.0) >= spec.vram_mib
         return np.bincount(view.node, weights=static, minlength=view.node_count) >= spec.num_gpus
 
-    def _drain_time(self, index: int, view: PlacementView, now: float) -> tuple[float, float]:
-        """``(when, speed)``: when the leases on node ``index`` are expected to
+    def _drain_time(self, index: int, view: PlacementView, now: float) -> float:
+        """When the leases on node ``index`` are expected to
         have ended, the latest ``_expected_end`` among them
         (``now`` with none; -inf when one has no estimate, as nothing can be
-        known to end before it), and the node's speed (1.0 when unknown)."""
+        known to end before it)."""
         s = view.snapshot
-        speed = float(_node_speeds(view)[index])
         end = now
         for task_id in self._by_node.get(s.node_ids[index], ()):
             task = self._tasks.get(task_id)
             if task is None or task.assignment is None:
                 continue
             if task.spec.duration_s <= 0:
-                return -math.inf, speed
-            end = max(end, _expected_end(task, speed))
-        return end, speed
+                return -math.inf
+            end = max(end, _expected_end(task, view, index))
+        return end
 
     def _finish_by_waiting(
         self,
@@ -635,11 +634,11 @@ class Scheduler:
         cache: dict,
     ) -> float:
         """When ``spec`` would be expected to finish if it kept off the held
-        nodes: on a node where it fits now, ``now + duration / speed``; else
+        nodes: on a node where it fits now, ``now`` plus its estimate times the
+        node's run factor (``_run_factors``); else
         where a lease is expected to end first, that end plus its run there
         (``inf`` with no such node). Optimistic (the first lease to end may
         not free room enough), so it errs towards waiting for a fast GPU."""
-        speeds = _node_speeds(view)
         ends = cache.get("lease_ends")
         if ends is None:
             # per node, the earliest expected end of a lease with an estimate
@@ -650,7 +649,7 @@ class Scheduler:
                     task = self._tasks.get(task_id)
                     if task is None or task.assignment is None or task.spec.duration_s <= 0:
                         continue
-                    end = _expected_end(task, speeds[index])
+                    end = _expected_end(task, view, index)
                     ends[index] = min(ends[index], max(now, end))
             cache["lease_ends"] = ends
         could = self._could_host(spec, view)
@@ -659,7 +658,7 @@ class Scheduler:
         could[list(held)] = False
         if not could.any():
             return math.inf
-        return float(np.min((start + spec.duration_s / speeds)[could]))
+        return float(np.min((start + spec.duration_s * _run_factors(view, spec.kind))[could]))
 
     def _try_place(
         self,
@@ -696,8 +695,9 @@ class Scheduler:
         own = self._nominations.get(spec.task_id) if nominated is not None else None
         shape = of_spec + (
             held,
-            # with estimates, whether a held node is open to it depends on how long it runs
-            spec.duration_s if held and self.config.backfill_estimate_factor > 0 else 0.0,
+            # with estimates, whether a held node is open to it depends on how long
+            # it runs (its estimate, and its kind's learned run factor)
+            (spec.duration_s, spec.kind) if held and self.config.backfill_estimate_factor > 0 else 0.0,
             # GPUs evicted for a P0 task are open to it alone
             spec.task_id if own is not None else None,
         )
@@ -726,14 +726,15 @@ class Scheduler:
                         drain = drains.get(index)
                         if drain is None:
                             drain = drains[index] = self._drain_time(index, view, now)
-                        end, speed = drain
-                        if now + factor * spec.duration_s / speed > end:
+                        run = spec.duration_s * float(_run_factors(view, spec.kind)[index])
+                        margin = max(factor, float(_overruns(view, spec.kind)[index]))
+                        if now + margin * run > drain:
                             continue
                         if waiting is None:
                             waiting = self._finish_by_waiting(spec, view, now, held, mask, drains)
                         # ...and would not finish sooner by waiting for a faster node
                         # (a slow held node drains slowly, so it is open to much)
-                        if now + spec.duration_s / speed <= waiting:
+                        if now + run <= waiting:
                             allowed = allowed | (view.node == index)
                 mask = mask & allowed
             if mine is not None:
@@ -1658,15 +1659,59 @@ def _node_index(view: PlacementView) -> dict[str, int]:
     return index  # type: ignore[return-value]
 
 
-def _expected_end(task: Task, speed: float) -> float:
-    """When a leased task's run is expected to end on a node of ``speed``:
-    its reference duration from the run's first placement (a migrated run
-    resumes from its checkpoint; it does not start over)."""
-    return task.assignment.run_start + task.spec.duration_s / speed  # type: ignore[union-attr]
+def _expected_end(task: Task, view: PlacementView, index: int) -> float:
+    """When a leased task's run on node ``index`` is expected to end: its
+    estimate times the node's run factor for its kind (``_run_factors``),
+    from the run's first placement (a migrated run resumes from its
+    checkpoint; it does not start over)."""
+    factor = float(_run_factors(view, task.spec.kind)[index])
+    return task.assignment.run_start + task.spec.duration_s * factor  # type: ignore[union-attr]
 
 
-def _node_speeds(view: PlacementView) -> np.ndarray:
-    """Per node relative speed (1.0 where unknown), for the backfill's
-    estimates; the snapshot's column, so cheap to read per call."""
+def _overruns(view: PlacementView, kind: str) -> np.ndarray:
+    """Per node, how many times its predicted run a task of ``kind`` may
+    take there (the snapshot's learned ``gpu_overrun``, the node's largest;
+    0 where nothing is learned): where clients misjudge a kind's run times,
+    the backfill's margin widens from ``backfill_estimate_factor`` to it.
+    Cached per view and kind."""
+    key = ("backfill.overrun", kind)
+    cached = view.static_cache.get(key)
+    if cached is not None:
+        return cached
+    out = np.zeros(view.node_count)
+    column = view.snapshot.gpu_overrun.get(kind) if view.snapshot.gpu_overrun else None
+    if column is not None and column.size == view.gpu_count:
+        known = np.isfinite(column)
+        np.maximum.at(out, view.node[known], column[known])
+    view.static_cache[key] = out
+    return out
+
+
+def _run_factors(view: PlacementView, kind: str) -> np.ndarray:
+    """Per node, how many times its ``duration_s`` estimate a task of
+    ``kind`` is expected to run there, for the backfill's arithmetic: the
+    learned slowdown (actual over estimated run time, ``SpeedPredictor``)
+    of the node's slowest GPU for that kind where the snapshot carries it,
+    else ``1 / speed`` (1.0 where the speed is unknown). Learned, it also
+    corrects clients that estimate short, and runs stretched by GPU sharing:
+    the predictor learns from each completion against the estimate the
+    client gave. Cached per view and kind."""
+    key = ("backfill.run_factor", kind)
+    cached = view.static_cache.get(key)
+    if cached is not None:
+        return cached
     speeds = view.snapshot.node_speed
-    return np.where(np.isfinite(speeds) & (speeds > 0), speeds, 1.0)
+    factors = 1.0 / np.where(np.isfinite(speeds) & (speeds > 0), speeds, 1.0)
+    columns = view.snapshot.gpu_slowdown
+    if columns:
+        column = columns.get(kind)
+        if column is None:
+            column = columns.get(ANY_KIND)
+        if column is not None and column.size == view.gpu_count:
+            known = np.isfinite(column) & (column > 0)
+            if known.any():
+                learned = np.zeros(view.node_count)
+                np.maximum.at(learned, view.node[known], column[known])
+                factors = np.where(learned > 0, learned, factors)
+    view.static_cache[key] = factors
+    return factors

@@ -70,6 +70,9 @@ __all__ = [
 ANY_KIND = ""
 
 _RATIO_MIN = 1e-3
+#: ``overrun``: the quantile of actual / predicted, and the completions it needs
+OVERRUN_QUANTILE = 0.9
+OVERRUN_MIN_SAMPLES = 20
 _RATIO_MAX = 1e3
 
 
@@ -128,6 +131,7 @@ class FactorStats:
     prior: float  # the value before any completion
     samples: int  # completions learned from
     mape: float  # mean absolute percentage error (ratio) of its recent predictions; NaN if none
+    overrun: float = math.nan  # model-and-kind factors: ``SpeedPredictor.overrun``; NaN otherwise
 
 
 class _Ewma:
@@ -240,17 +244,21 @@ class SpeedPredictor:
         self._nodes: dict[str, _Ewma] = {}
         self._errors = _Errors(self.config.error_window)
         self._model_kind_errors: dict[tuple[str, str], _Errors] = {}
+        # per (model, kind), actual / predicted of the last completions: how far
+        # runs overrun what is predicted for them (``overrun``)
+        self._model_kind_overruns: dict[tuple[str, str], deque[float]] = {}
         self._node_errors: dict[str, _Errors] = {}
         self._kinds: set[str] = set()
         #: bumped on every change that can move a prediction
         self.version = 0
         self._columns_cache: tuple | None = None
+        self._overrun_cache: tuple | None = None
         # per GPU layout (the snapshot's gpu_model and node_ids objects): the
         # distinct models, each row's model code, node id -> node index and
         # the node residuals, patched for the nodes learned from since
         self._layout: tuple | None = None
         self._dirty_nodes: set[str] = set()
-        self._annotated: tuple | None = None  # (snapshot, columns, annotated snapshot)
+        self._annotated: tuple | None = None  # (snapshot, columns, overrun columns, annotated snapshot)
         if prior_speeds:
             self.set_priors(prior_speeds)
 
@@ -318,6 +326,10 @@ class SpeedPredictor:
         self._errors.add(ape)
         key = (model, kind)
         self._model_kind_errors.setdefault(key, _Errors(cfg.error_window)).add(ape)
+        overruns = self._model_kind_overruns.get(key)
+        if overruns is None:
+            overruns = self._model_kind_overruns[key] = deque(maxlen=cfg.error_window)
+        overruns.append(actual_s / predicted)
         self._node_errors.setdefault(node_id, _Errors(cfg.error_window)).add(ape)
 
         log_ratio = math.log(min(max(actual_s / expected_s, _RATIO_MIN), _RATIO_MAX))
@@ -381,7 +393,7 @@ class SpeedPredictor:
                 if m == model:
                     err = self._model_kind_errors.get((m, kind))
                     models.append(FactorStats(model, kind, "", mk.value, mk.prior, mk.n,
-                                              err.mape() if err else math.nan))
+                                              err.mape() if err else math.nan, self.overrun(model, kind)))
         nodes = [
             FactorStats("", "", node_id, stat.value, stat.prior, stat.n,
                         self._node_errors[node_id].mape() if node_id in self._node_errors else math.nan)
@@ -489,6 +501,39 @@ class SpeedPredictor:
         self._dirty_nodes.clear()
         return layout[2], layout[3], layout[5]
 
+    def overrun(self, model: str, kind: str) -> float:
+        """How many times its prediction a run of ``kind`` on ``model`` may
+        take: the ``OVERRUN_QUANTILE`` of actual / predicted over its last
+        completions (``error_window``), each predicted before it was learned
+        from. NaN with fewer than ``OVERRUN_MIN_SAMPLES``. Near 1 where
+        clients' estimates are good (what the learned slowdown corrects is a
+        bias; this is the scatter left around it); 3 or more where they
+        misjudge run times by factors. The backfill widens its margin to it."""
+        values = self._model_kind_overruns.get((model, kind))
+        if values is None or len(values) < OVERRUN_MIN_SAMPLES:
+            return math.nan
+        return float(np.quantile(np.fromiter(values, dtype=np.float64, count=len(values)), OVERRUN_QUANTILE))
+
+    def overrun_columns(self, snapshot: ClusterSnapshot) -> dict[str, np.ndarray]:
+        """Per task kind learned, ``overrun(model_g, kind)`` of every GPU row
+        of ``snapshot`` (NaN where too few completions). Cached per snapshot
+        layout and predictor version, as ``slowdown_columns``."""
+        key = (id(snapshot.gpu_model), id(snapshot.node_ids), self.version)
+        cached = self._overrun_cache
+        if cached is not None and cached[0] == key and cached[1] is snapshot.gpu_model and cached[2] is snapshot.node_ids:
+            return cached[3]
+        models, codes, _ = self._layout_for(snapshot)
+        out: dict[str, np.ndarray] = {}
+        for kind in sorted(self._kinds):
+            table = np.asarray([self.overrun(str(m), kind) for m in models], dtype=np.float64)
+            if np.isnan(table).all():
+                continue
+            column = table[codes] if snapshot.gpu_count else np.zeros(0)
+            column.flags.writeable = False
+            out[kind] = column
+        self._overrun_cache = (key, snapshot.gpu_model, snapshot.node_ids, out)
+        return out
+
     def completion_times(self, snapshot: ClusterSnapshot, kind: str, expected_s: float) -> np.ndarray:
         """Predicted seconds a task of ``expected_s`` would run on each GPU row, alone."""
         columns = self.slowdown_columns(snapshot, kinds=(kind,))
@@ -499,11 +544,12 @@ class SpeedPredictor:
         when they differ from what it carries, so views and caches keyed by
         the snapshot stay correct)."""
         columns = self.slowdown_columns(snapshot)
-        if snapshot.gpu_slowdown is columns:
+        overruns = self.overrun_columns(snapshot)
+        if snapshot.gpu_slowdown is columns and snapshot.gpu_overrun is overruns:
             return snapshot
         last = self._annotated
-        if last is not None and last[0] is snapshot and last[1] is columns:
-            return last[2]  # the same snapshot again: the same annotated object (the scheduler's view stays warm)
-        annotated = replace(snapshot, gpu_slowdown=columns)
-        self._annotated = (snapshot, columns, annotated)
+        if last is not None and last[0] is snapshot and last[1] is columns and last[2] is overruns:
+            return last[3]  # the same snapshot again: the same annotated object (the scheduler's view stays warm)
+        annotated = replace(snapshot, gpu_slowdown=columns, gpu_overrun=overruns)
+        self._annotated = (snapshot, columns, overruns, annotated)
         return annotated

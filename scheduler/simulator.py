@@ -47,8 +47,10 @@ Prediction and rebalancing. Both learners run by default, because the
 coordinator always runs them (its advisor runtime annotates every snapshot
 it places from). ``prediction``: a ``scheduler.predictor.SpeedPredictor``
 learns slowdowns from every completed run (starting from the cluster file's
-speeds, ``prediction_prior``), and snapshots carry its columns for the
-load-aware ``completion`` term. ``memory_learning``: every run that ends
+speeds, ``prediction_prior``), against the estimate the client gave (the
+trace's ``estimate_s``, else its duration), as the coordinator learns from
+the spec's ``duration_s``; snapshots carry its columns for the load-aware
+``completion`` term and the backfill's run-time arithmetic. ``memory_learning``: every run that ends
 reports its peak over its ask to a ``scheduler.memgrowth.MemoryGrowth`` (a
 completed run the largest phase use it went through, a killed one the use
 that killed it: what an agent reports in its task event), and snapshots carry
@@ -151,7 +153,7 @@ from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
 from scheduler.reservations import Reservations, ReservedColumns
 from scheduler.snapshot import ClusterSnapshot, NodeFacts
 from scheduler.task import TaskState
-from scheduler.traces import TraceTask, convert_openb, read_trace, scale_trace
+from scheduler.traces import TraceTask, convert_openb, misestimate, read_trace, scale_trace
 
 __all__ = [
     "REQUESTS_ONLY",
@@ -950,6 +952,7 @@ class Simulation:
         )
         if self.predictor is not None:
             snap.gpu_slowdown = self.predictor.slowdown_columns(snap)
+            snap.gpu_overrun = self.predictor.overrun_columns(snap)
         if self.growth is not None:
             snap.memory_growth = self.growth.tables()
         self._snap = snap
@@ -1224,9 +1227,12 @@ class Simulation:
         if self.predictor is not None and not run.migrated:
             row = run.rows[0]
             b = self._base
+            # against the estimate the client gave, as the coordinator learns
+            # (an exact estimate: the work, which an OOM-killed run redid in full)
+            t = self.tasks[run.idx]
             self.predictor.observe(
-                b.node_ids[int(b.gpu_node[row])], str(b.gpu_model[row]), self.tasks[run.idx].kind,
-                run.work, self.now - run.start,
+                b.node_ids[int(b.gpu_node[row])], str(b.gpu_model[row]), t.kind,
+                run.work if t.estimate_s is None else t.estimate_s, self.now - run.start,
             )
         rec = self.records[run.idx]
         rec.finish_s = self.now
@@ -1601,6 +1607,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--load-drift", type=_non_negative, default=0.0, metavar="SIGMA",
                    help="tasks' utilisation walks after placement, a log-normal step of SIGMA per phase of work "
                    "(default 0: constant); what the advisor is for")
+    p.add_argument("--estimate-scale", type=_non_negative, default=1.0, metavar="F",
+                   help="clients estimate each task's run time as F times its duration (default 1: exact; "
+                   "below 1: they estimate short); tasks with an estimate_s column keep theirs")
+    p.add_argument("--estimate-noise", type=_non_negative, default=0.0, metavar="SIGMA",
+                   help="and misjudge it by a log-normal factor exp(SIGMA * z), drawn per task from --seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (shown only on a terminal)")
@@ -1612,6 +1623,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         print(f"gpulb simulate: {exc}", file=sys.stderr)
         return 2
     tasks = scale_trace(tasks, args.time_scale, args.arrival_scale)
+    tasks = misestimate(tasks, args.estimate_scale, args.estimate_noise, args.seed)
     tasks.sort(key=lambda t: t.submit_s)
     if args.max_tasks > 0:
         tasks = tasks[: args.max_tasks]
@@ -1661,6 +1673,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     }
     if args.load_drift:
         meta["load_drift"] = args.load_drift
+    if args.estimate_scale != 1.0 or args.estimate_noise:
+        meta["estimate_scale"] = args.estimate_scale
+        meta["estimate_noise"] = args.estimate_noise
     meta.update({f"scheduler.{o.partition('=')[0].strip()}": o.partition("=")[2].strip() for o in args.scheduler_set})
     if advisor is not None:
         meta["migration_cost_s"] = args.migration_cost

@@ -78,6 +78,10 @@ class ClusterSnapshot:
     # task kind ("" = any kind), from ``scheduler.predictor``; empty when no
     # predictor runs. The load-aware ``completion`` term reads it.
     gpu_slowdown: Mapping[str, np.ndarray] = field(default_factory=dict)
+    # How many times its predicted run a task of a kind may take on every GPU
+    # row (the 90th percentile of actual / predicted, ``SpeedPredictor.overrun``;
+    # NaN where too few completions), per task kind; the backfill's margin.
+    gpu_overrun: Mapping[str, np.ndarray] = field(default_factory=dict)
     # Peak-over-ask memory ratios of ended tasks as lookup tables, per task
     # kind ("" = any kind), from ``scheduler.memgrowth``; empty when nothing
     # is learned. The load-aware ``oom_risk`` term reads it.

@@ -136,6 +136,14 @@ async def test_get_predictions_reports_learned_factors_and_their_error():
         only = await stub.GetPredictions(apb.GetPredictionsRequest(model=M40, kind="training", node_id="m40"))
         assert {(f.model, f.kind) for f in only.models} == {(M40, ""), (M40, "training")}
         assert [n.node_id for n in only.nodes] == ["m40"]
+        # the backfill's margin per kind: NaN below 20 completions, then the 90th
+        # percentile of actual / predicted (here every run took its prediction)
+        assert math.isnan(m40.overrun_ratio) and math.isnan(by[(M40, "")].overrun_ratio)
+        for _ in range(40):
+            rt.predictor.observe("m40", M40, "training", 10.0, 10.0 * rt.predictor.factor("m40", M40, "training"))
+        again = await stub.GetPredictions(apb.GetPredictionsRequest(model=M40, kind="training"))
+        (trained,) = [f for f in again.models if f.kind == "training"]
+        assert trained.overrun_ratio == pytest.approx(1.0, abs=0.01)
     finally:
         await channel.close()
         await server.stop(None)
@@ -417,7 +425,7 @@ async def test_through_a_real_coordinator_completions_teach_the_predictor(capsys
         assert listed["samples"] == "1" and any(m.get("kind") == "training" and m["samples"] == "1" for m in listed["models"])
         assert await asyncio.to_thread(gpulb, addr + ["advisor", "predictions", "--kind", "training"]) == 0
         table = capsys.readouterr().out
-        assert "learned from 1 completions" in table and "training" in table and "SLOWDOWN" in table
+        assert "learned from 1 completions" in table and "training" in table and "OVERRUN P90" in table
         assert await asyncio.to_thread(gpulb, addr + ["advisor", "plan", "--now"]) == 0
         text = capsys.readouterr().out
         assert "trigger quiet over 2 GPUs" in text and "fires above 400" in text and "no plan would be made now" in text

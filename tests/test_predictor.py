@@ -9,6 +9,7 @@ import pytest
 
 from scheduler.predictor import (
     ANY_KIND,
+    OVERRUN_MIN_SAMPLES,
     Completion,
     PredictorConfig,
     SpeedPredictor,
@@ -137,6 +138,33 @@ def test_slowdown_columns_per_kind_and_node():
     annotated = p.annotate(snap)
     assert annotated is not snap and annotated.gpu_slowdown is cols
     assert p.annotate(annotated) is annotated
+
+
+def test_overrun_is_the_scatter_left_after_the_learned_bias():
+    """Clients that estimate every training run at a third: the slowdown
+    learns the 3, and what is left to overrun is ~1; clients that misjudge
+    inference by a log-normal factor (sigma 1): its 90th percentile of
+    actual / predicted is near exp(1.28) = 3.6. NaN until enough completions."""
+    facts = [NodeFacts("a", 2, model=RTX), NodeFacts("b", 2, model=M40, speed=0.12)]
+    snap = ClusterSnapshot.build(facts)
+    p = SpeedPredictor(model_speeds(snap))
+    rng = np.random.default_rng(3)
+    for i in range(400):
+        p.observe("a", RTX, "training", 100.0, 300.0 * float(rng.lognormal(0.0, 0.05)))
+        p.observe("a", RTX, "inference", 10.0, 10.0 * float(rng.lognormal(0.0, 1.0)))
+        if i == OVERRUN_MIN_SAMPLES - 2:
+            assert math.isnan(p.overrun(RTX, "training"))
+    assert p.factor("a", RTX, "training") == pytest.approx(3.0, rel=0.2)
+    assert 1.0 < p.overrun(RTX, "training") < 1.3
+    assert 2.5 < p.overrun(RTX, "inference") < 5.0
+    assert math.isnan(p.overrun(M40, "training"))  # nothing learned on the M40s
+    cols = p.overrun_columns(snap)
+    assert set(cols) == {"training", "inference"}
+    assert cols["inference"][:2] == pytest.approx([p.overrun(RTX, "inference")] * 2)
+    assert np.isnan(cols["inference"][2:]).all()
+    assert p.overrun_columns(snap) is cols  # cached while nothing is learned
+    annotated = p.annotate(snap)
+    assert annotated.gpu_overrun is cols and annotated.gpu_slowdown is p.slowdown_columns(snap)
 
 
 def test_columns_kept_current_between_completions_equal_columns_built_afresh():

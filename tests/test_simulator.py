@@ -190,6 +190,21 @@ def test_speed_and_sharing_stretch_durations():
     assert rec(r, "A").finish_s == 100.0 and rec(r, "B").finish_s == 100.0
 
 
+def test_the_predictor_learns_against_the_clients_estimate_as_the_coordinator_does():
+    """Tasks estimated at a third of what they run: the learned slowdown of
+    their kind is ~3 (actual over estimate), what the backfill then trusts
+    their estimates by; exact estimates learn ~1. The run times themselves
+    do not depend on the estimate."""
+    short = [replace(task(f"t{i}", 200 * i, 150, 1_000, kind="training"), estimate_s=50.0) for i in range(30)]
+    sim = Simulation(short, ONE_4090, "load_aware", SimConfig(memory=AskedMemory()))
+    r = sim.run()
+    assert all(x.jct_s == pytest.approx(150.0) for x in r.records)
+    assert sim.predictor.factor("node-00", ONE_4090[0].model, "training") == pytest.approx(3.0, rel=0.05)
+    exact = Simulation([replace(t, estimate_s=None) for t in short], ONE_4090, "load_aware", SimConfig(memory=AskedMemory()))
+    exact.run()
+    assert exact.predictor.factor("node-00", ONE_4090[0].model, "training") == pytest.approx(1.0, rel=0.05)
+
+
 def test_oom_at_start_raises_the_ask_until_it_cannot_fit():
     # A really uses 1.25 x 20,000 = 25,000 MiB > 24,564: it dies the moment it
     # starts; resubmitted asking 25,000 MiB it can fit no GPU (REJECTED): dropped.
@@ -492,6 +507,12 @@ def test_command_line(tmp_path, capsys):
                           "--memory", "asked", "--json", "--no-progress", "--time-scale", "2"])
     doc = json.loads(capsys.readouterr().out)
     assert doc["policies"][0]["makespan_s"] == pytest.approx(50 + VISIBLE + 25)
+    # clients that estimate short: the scheduler is told less, the tasks run as long
+    code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "load_aware",
+                          "--memory", "asked", "--json", "--no-progress", "--estimate-scale", "0.5", "--estimate-noise", "0.3"])
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["meta"]["estimate_scale"], doc["meta"]["estimate_noise"]) == (0.5, 0.3)
+    assert doc["policies"][0]["makespan_s"] == pytest.approx(100 + VISIBLE + 50)
     code = simulate_main(["--trace", str(trace), "--cluster", str(cluster), "--policy", "load_aware",
                           "--memory", "asked", "--no-progress"])
     assert "  floor: no placement below" in capsys.readouterr().out
