@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", help="also write the JSON here")
     p.add_argument("--skip", default="", help="comma list of parts to skip: prediction,advisor")
     p.add_argument(
-        "--backfill-estimate-factor", type=float, default=0.0,
-        help="the scheduler's backfill_estimate_factor in every arm (default 0, the scheduler's default: off)",
+        "--backfill-estimate-factor", type=float, default=SchedulerConfig().backfill_estimate_factor,
+        help="the scheduler's backfill_estimate_factor in every arm (default: the scheduler's, 2; 0 turns it off)",
     )
     args = p.parse_args(argv)
     seeds = 1 if args.quick else max(1, args.seeds)

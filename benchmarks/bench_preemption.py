@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--nvlink", default="", metavar="all|pairs|0-1;2-3",
                    help="every host's NVLink, and every multi-GPU task needs it (default: none)")
-    p.add_argument("--backfill-estimate-factor", type=float, default=0.0, metavar="F",
-                   help="the scheduler's backfill_estimate_factor in both arms (default 0, the scheduler's default: off)")
+    p.add_argument("--backfill-estimate-factor", type=float, default=SchedulerConfig().backfill_estimate_factor,
+                   metavar="F", help="the scheduler's backfill_estimate_factor in both arms (default: the scheduler's, 2; "
+                   "0 turns it off)")
     args = p.parse_args(argv)
     logging.disable(logging.WARNING)  # one line per lapsed preemption would drown the table
     nodes = homogeneous(args.hosts, args.gpus, nvlink=args.nvlink)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{on_['preemptions']:,} / {on_['preempted_work_h']:.1f}",
                 ])
     topology = f", NVLink {args.nvlink}, multi-GPU tasks need it" if linked else ""
-    if args.backfill_estimate_factor:
+    if args.backfill_estimate_factor != SchedulerConfig().backfill_estimate_factor:
         topology += f", backfill_estimate_factor {args.backfill_estimate_factor:g}"
     print(f"\n{args.hosts} x {args.gpus} RTX 4090{topology}, {args.policy}, preemption off -> on "
           f"({time.perf_counter() - started:.0f} s)\n")

@@ -33,16 +33,20 @@ class SchedulerConfig:
     backfill_max_head_wait_s: float = 10.0
     backfill_max_skips: int = 100
     # EASY backfill with runtime estimates: a fenced task with a duration_s
-    # estimate may still take the held node when this many times its estimate
-    # (at the node's speed) ends before every lease already there is expected
-    # to; a lease there without an estimate closes the node to all of them.
-    # 2 allows for runs stretched by GPU sharing and for short estimates. A
-    # task never takes a slow held node when it would finish sooner by waiting
-    # for a faster one. 0 (the default): the held node takes no fenced task.
-    # Off by default: estimates are not enforced limits, so a lease that
-    # overruns its estimate delays the task the node is held for (README,
-    # "Scheduling quality").
-    backfill_estimate_factor: float = 0.0
+    # estimate may still take the held node when this many times its predicted
+    # run (the estimate times what its kind has been learned to take against
+    # its estimates on that node; at the node's speed before anything is
+    # learned) ends before every lease already there is expected to; a lease
+    # there without an estimate closes the node to all of them. 2 allows for
+    # runs stretched by GPU sharing; where a kind's runs overrun their
+    # predictions by more (the learned 90th percentile of actual / predicted),
+    # that is the margin. A task never takes a slow held node when it would
+    # finish sooner by waiting for a faster one. 0: the held node takes no
+    # fenced task (the default until round 19: estimates are not enforced
+    # limits, and a lease that overruns delays the task the node is held for;
+    # learning each kind's bias and scatter bounds that, README "Scheduling
+    # quality").
+    backfill_estimate_factor: float = 2.0
 
     # A task below P0 (by spec) goes to a GPU with room for the largest memory
     # growth its kind has shown (the learned peak-over-ask ratios of ended
