@@ -66,6 +66,7 @@ ADVISOR_METRIC_NAMES = (
     "gpulb_predictor_mape_ratio",
     "gpulb_predictor_completions_total",
     "gpulb_predictor_slowdown_ratio",
+    "gpulb_predictor_overrun_ratio",
     "gpulb_memory_growth_ratio",
     "gpulb_memory_growth_samples",
     "gpulb_gpu_utilization_variance",
@@ -474,10 +475,19 @@ class _AdvisorCollector:
             "Learned slowdown (actual / expected run time) per GPU model and task kind; kind empty = every kind",
             labels=["model", "kind"],
         )
+        overrun = GaugeMetricFamily(
+            "gpulb_predictor_overrun_ratio",
+            "90th percentile of actual / predicted run time over a GPU model and task kind's recent completions "
+            "(from 20 of them): the backfill's margin where above backfill_estimate_factor",
+            labels=["model", "kind"],
+        )
         models, _ = p.stats()
         for f in models:
             slowdown.add_metric([f.model, f.kind], f.factor)
+            if not math.isnan(f.overrun):
+                overrun.add_metric([f.model, f.kind], f.overrun)
         yield slowdown
+        yield overrun
         # a summary over the learner's window (its quantiles, _count and _sum):
         # a gauge may not carry a quantile label (promtool check metrics refuses it)
         growth = Metric(

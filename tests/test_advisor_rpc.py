@@ -359,6 +359,13 @@ async def test_metric_families():
     holding = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("gpulb_rebalance_holding ")))
     assert holding == (1.0 if rt.advisor.state.armed else 0.0) == 1.0  # the plan above armed the hold
     assert f'gpulb_predictor_slowdown_ratio{{kind="training",model="{M40}"}}' in text
+    assert "gpulb_predictor_overrun_ratio{" not in text  # one completion: too few to say
+    for _ in range(20):
+        rt.predictor.observe("m40-x", M40, "inference", 10.0, 30.0 * rt.predictor.factor("m40-x", M40, "inference"))
+    text = generate_latest(registry).decode()
+    overrun = float(next(line.split()[-1] for line in text.splitlines()
+                         if line.startswith(f'gpulb_predictor_overrun_ratio{{kind="inference",model="{M40}"}}')))
+    assert overrun == pytest.approx(rt.predictor.overrun(M40, "inference")) and overrun > 1.0
     last = float(next(line.split()[-1] for line in text.splitlines()
                       if line.startswith("gpulb_rebalance_last_evaluation_seconds ")))
     total = float(next(line.split()[-1] for line in text.splitlines()
