@@ -453,11 +453,11 @@ class Scheduler:
         (``_reachable``) is held; among them, and away from nodes other tasks
         hold where it can, the one with the most GPUs that fit it now, then
         the one where it is expected to finish first (``_expected_start``
-        plus its estimate times the node's run factor, ``_run_factors``), then the one with the fewest
-        leases. Kept while it stays reachable, and for ``_HOLD_GRACE_S``
-        after it does not (a lease that ended still shows in the memory
-        readings for a round or two; without the grace the hold hopped away
-        from a node just as it drained).
+        plus its estimate times the node's run factor, ``_run_factors``),
+        then the one with the fewest leases. Kept while it stays reachable,
+        and for ``_HOLD_GRACE_S`` after it does not (a lease that ended still
+        shows in the memory readings for a round or two; without the grace
+        the hold hopped away from a node just as it drained).
 
         None when no node is reachable: memory gpulb did not place (other
         tenants' jobs) blocks the task everywhere, and holding a node would
@@ -505,7 +505,7 @@ class Scheduler:
         if spec.duration_s > 0:
             start = start + spec.duration_s * _run_factors(view, spec.kind)[nodes]  # when it would finish
         # most GPUs fitting now, then the earliest expected finish (start,
-        # then its run at the node's speed: a fast node that frees later can
+        # then its predicted run there: a fast node that frees later can
         # finish it sooner), then the fewest leases. Start first was tried: it
         # trusts estimates that processor sharing stretches (openb gpushare40
         # on 8 x 4 RTX 4090, load_aware: mean response 8.6 -> 16.3 h, a 4-GPU
