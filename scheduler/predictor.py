@@ -70,10 +70,10 @@ __all__ = [
 ANY_KIND = ""
 
 _RATIO_MIN = 1e-3
+_RATIO_MAX = 1e3
 #: ``overrun``: the quantile of actual / predicted, and the completions it needs
 OVERRUN_QUANTILE = 0.9
 OVERRUN_MIN_SAMPLES = 20
-_RATIO_MAX = 1e3
 
 
 @dataclass(frozen=True)

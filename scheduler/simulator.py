@@ -50,11 +50,12 @@ learns slowdowns from every completed run (starting from the cluster file's
 speeds, ``prediction_prior``), against the estimate the client gave (the
 trace's ``estimate_s``, else its duration), as the coordinator learns from
 the spec's ``duration_s``; snapshots carry its columns for the load-aware
-``completion`` term and the backfill's run-time arithmetic. ``memory_learning``: every run that ends
-reports its peak over its ask to a ``scheduler.memgrowth.MemoryGrowth`` (a
-completed run the largest phase use it went through, a killed one the use
-that killed it: what an agent reports in its task event), and snapshots carry
-the learned ratios for the ``oom_risk`` term. The run's ask is what it
+``completion`` term and the backfill's run-time arithmetic.
+``memory_learning``: every run that ends reports its peak over its ask to
+a ``scheduler.memgrowth.MemoryGrowth`` (a completed run the largest phase
+use it went through, a killed one the use that killed it: what an agent
+reports in its task event), and snapshots carry the learned ratios for the
+``oom_risk`` term. The run's ask is what it
 reports against, so a re-run with a raised ask reports a smaller ratio, as it
 would on a real cluster. Turning either off (``--no-prediction``,
 ``--no-memory-learning``) shows what it is worth. The rebalance advisor

@@ -388,35 +388,45 @@ def test_a_migrated_task_is_expected_to_end_when_its_run_would_have_not_a_whole_
         sched.migrate("s0", moved.lease_id, ["GPU-n0-0"])
 
 
+def _learned(snapshot, field: str, **by_kind: float):
+    """``snapshot`` carrying a learned per-kind column (``gpu_slowdown`` or
+    ``gpu_overrun``), one value per kind on every GPU."""
+    return dataclasses.replace(snapshot, **{field: {k: np.full(snapshot.gpu_count, v) for k, v in by_kind.items()}})
+
+
+def _backfill_eval_and_batch(field: str, **by_kind: float):
+    """A 400 s "eval" and a 400 s "batch" task pinned to the held node (its
+    lease ends at 1,000 s) under learned ``field`` columns: what is placed,
+    and the scheduler."""
+    _, sched, snapshot, held = _held_node_setup()
+    learned = _learned(snapshot, field, **by_kind)
+    sched.submit(dataclasses.replace(short("eval-400", held, 400.0), kind="eval"), learned)
+    sched.submit(short("batch-400", held, 400.0), learned)
+    return [t.task_id for t in sched.dispatch(learned)], sched
+
+
 def test_the_backfill_trusts_an_estimate_as_far_as_its_kind_has_kept_to_estimates():
     """With learned slowdowns in the snapshot (actual over estimated run time
     per kind, what the coordinator's predictor annotates), a kind that runs
     three times its estimate is judged by that: 400 s of "eval" is 1,200 s,
     twice that ends after the held node's 1,000 s lease; 400 s of "batch",
     whose kind keeps to its estimates, still backfills."""
-    clock, sched, snapshot, held = _held_node_setup()
-    learned = dataclasses.replace(snapshot, gpu_slowdown={
-        "batch": np.full(snapshot.gpu_count, 1.0), "eval": np.full(snapshot.gpu_count, 3.0)})
-    sched.submit(dataclasses.replace(short("eval-400", held, 400.0), kind="eval"), learned)
-    sched.submit(short("batch-400", held, 400.0), learned)
-    assert [t.task_id for t in sched.dispatch(learned)] == ["batch-400"]
-    assert "waiting" in sched.get("eval-400").reason
+    placed, sched = _backfill_eval_and_batch("gpu_slowdown", batch=1.0, eval=3.0)
+    assert placed == ["batch-400"] and "waiting" in sched.get("eval-400").reason
     # without what was learned, the eval task's 400 s estimate is taken at its word
-    clock, sched, snapshot, held = _held_node_setup()
-    sched.submit(dataclasses.replace(short("eval-400", held, 400.0), kind="eval"), snapshot)
-    assert [t.task_id for t in sched.dispatch(snapshot)] == ["eval-400"]
+    placed, _ = _backfill_eval_and_batch("gpu_slowdown")
+    assert placed == ["eval-400", "batch-400"]
 
 
 def test_a_lease_whose_kind_overruns_its_estimates_drains_later_so_more_fits_before_it():
     """The held node's lease is "batch", 1,000 s estimated; learned: batch
     runs 2.5 times its estimates, so the node drains at ~2,500 s, and an
     "eval" task (kind at its word) of 1,000 s (x2 = 2,000 s) ends before."""
-    clock, sched, snapshot, held = _held_node_setup()
-    learned = dataclasses.replace(snapshot, gpu_slowdown={
-        "batch": np.full(snapshot.gpu_count, 2.5), "eval": np.full(snapshot.gpu_count, 1.0)})
+    _, sched, snapshot, held = _held_node_setup()
+    learned = _learned(snapshot, "gpu_slowdown", batch=2.5, eval=1.0)
     sched.submit(dataclasses.replace(short("eval-1000", held, 1_000.0), kind="eval"), learned)
     assert [t.task_id for t in sched.dispatch(learned)] == ["eval-1000"]
-    clock, sched, snapshot, held = _held_node_setup()
+    _, sched, snapshot, held = _held_node_setup()
     sched.submit(dataclasses.replace(short("eval-1000", held, 1_000.0), kind="eval"), snapshot)
     assert sched.dispatch(snapshot) == []
 
@@ -426,15 +436,8 @@ def test_a_kind_whose_runs_scatter_around_their_estimates_gets_a_wider_margin():
     (clients that misjudge it), so the margin for eval widens from the
     factor's 2 to 3: 400 s is 1,200 s, past the held node's 1,000 s lease;
     "batch" keeps to its estimates (overrun 1.1): its margin stays 2."""
-    clock, sched, snapshot, held = _held_node_setup()
-    learned = dataclasses.replace(snapshot, gpu_overrun={
-        "batch": np.full(snapshot.gpu_count, 1.1), "eval": np.full(snapshot.gpu_count, 3.0)})
-    sched.submit(dataclasses.replace(short("eval-400", held, 400.0), kind="eval"), learned)
-    sched.submit(short("batch-400", held, 400.0), learned)
-    assert [t.task_id for t in sched.dispatch(learned)] == ["batch-400"]
-    assert "waiting" in sched.get("eval-400").reason
+    placed, sched = _backfill_eval_and_batch("gpu_overrun", batch=1.1, eval=3.0)
+    assert placed == ["batch-400"] and "waiting" in sched.get("eval-400").reason
     # a kind learned on other GPUs only (NaN here) keeps the factor's margin
-    clock, sched, snapshot, held = _held_node_setup()
-    unknown = dataclasses.replace(snapshot, gpu_overrun={"eval": np.full(snapshot.gpu_count, np.nan)})
-    sched.submit(dataclasses.replace(short("eval-400", held, 400.0), kind="eval"), unknown)
-    assert [t.task_id for t in sched.dispatch(unknown)] == ["eval-400"]
+    placed, _ = _backfill_eval_and_batch("gpu_overrun", eval=np.nan)
+    assert placed == ["eval-400", "batch-400"]
