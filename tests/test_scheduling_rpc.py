@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 
 import grpc
 import pytest
@@ -475,5 +476,58 @@ async def test_an_nvlink_p0_task_evicts_only_for_a_linked_pair_through_a_real_co
                 assert engine.get(victim).state.name == "QUEUED"
                 assert engine.get(next(t for t in bg if t != victim)).state.name == "LEASED"
                 assert engine.get("train-a").state.name == "LEASED"
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def test_a_held_node_takes_a_task_that_ends_before_it_drains_through_a_real_coordinator():
+    """The backfill as the coordinator runs it by default: two hosts of two
+    GPUs, one 1,000 s lease on each, a 2-GPU task blocked past the bound
+    holds one host. A 100 s task (twice that ends well before the host
+    drains) is placed on the held host; a task without an estimate is not:
+    nothing can be known to end before the lease there does."""
+    from scheduler.config import SchedulerConfig
+
+    assert SchedulerConfig().backfill_estimate_factor == 2.0  # on by default
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1),
+                        scheduler_config=SchedulerConfig(backfill_max_head_wait_s=0.5, backfill_max_skips=5))
+    port = await coord.start()
+    try:
+        labels = {"sim-01": {"host": "a"}, "sim-02": {"host": "b"}}
+        async with SimFleet(f"127.0.0.1:{port}", hosts=2, gpus=2, workload="idle", labels=labels):
+            await _until(lambda: int(coord.dispatcher.snapshots.snapshot().healthy.sum()) == 4, what="four healthy GPUs")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                for host in ("a", "b"):
+                    long = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(
+                        f"long-{host}", gpu_share=1.0, vram_mib=18 * GIB, duration_s=1_000.0,
+                        required_node_labels={"host": host})),
+                        timeout=10)).task
+                    assert long.state == tpb.TASK_STATE_LEASED
+                wide = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(
+                    "wide", kind="training", num_gpus=2, vram_mib=8 * GIB, gpu_share=1.0, duration_s=500.0), wait=False),
+                    timeout=10)).task
+                assert wide.state == tpb.TASK_STATE_QUEUED
+                held = ""
+                for _ in range(100):  # its waiting reason names the host it holds once past the bound
+                    reason = (await stub.GetTask(tpb.GetTaskRequest(task_id="wide"))).reason
+                    if found := re.search(r"node (\S+) is kept for it", reason):
+                        held = found.group(1)
+                        break
+                    await asyncio.sleep(0.1)
+                assert held in labels, reason
+                host = labels[held]["host"]
+                # pinned to the held host: only the backfill can place them
+                short = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(
+                    "short", kind="background", priority=tpb.PRIORITY_P3, gpu_share=0.5, duration_s=100.0,
+                    required_node_labels={"host": host})), timeout=10)).task
+                assert short.state == tpb.TASK_STATE_LEASED and short.assignment.node_id == held
+                unknown = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(
+                    "unknown", kind="background", priority=tpb.PRIORITY_P3, gpu_share=0.5,
+                    required_node_labels={"host": host}), wait=False), timeout=10)).task
+                assert unknown.state == tpb.TASK_STATE_QUEUED
+                await asyncio.sleep(0.5)  # several dispatches
+                got = await stub.GetTask(tpb.GetTaskRequest(task_id="unknown"))
+                assert got.state == tpb.TASK_STATE_QUEUED and "waiting" in got.reason
     finally:
         await coord.stop(grace_s=0.1)
