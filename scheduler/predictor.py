@@ -413,9 +413,11 @@ class SpeedPredictor:
         """What was learned, as plain JSON-able data (``load_state`` reads it
         back): every factor's log value, sample count and prior, and the
         recent errors behind the overall MAPE. Per-factor error windows are
-        left out (a large cluster's would be megabytes per save; they refill
-        with the next completions), and so are the cluster's priors (they come
-        from the cluster again after a restart)."""
+        left out, the overrun windows too (a large cluster's would be
+        megabytes per save; they refill with the next completions, and until
+        a kind has 20 again the backfill's margin is the factor alone), and
+        so are the cluster's priors (they come from the cluster again after a
+        restart)."""
         return {
             "version": self.STATE_VERSION,
             "models": [[m, e.log, e.n, e.prior] for m, e in sorted(self._models.items())],
