@@ -1668,23 +1668,34 @@ def _expected_end(task: Task, view: PlacementView, index: int) -> float:
     return task.assignment.run_start + task.spec.duration_s * factor  # type: ignore[union-attr]
 
 
-def _overruns(view: PlacementView, kind: str) -> np.ndarray:
-    """Per node, how many times its predicted run a task of ``kind`` may
-    take there (the snapshot's learned ``gpu_overrun``, the node's largest;
-    0 where nothing is learned): where clients misjudge a kind's run times,
-    the backfill's margin widens from ``backfill_estimate_factor`` to it.
-    Cached per view and kind."""
-    key = ("backfill.overrun", kind)
+def _learned_by_node(
+    view: PlacementView, columns: Mapping[str, np.ndarray], kind: str, name: str, every_kind: bool = False
+) -> np.ndarray:
+    """Per node, the largest finite positive value over its GPUs of a learned
+    per-kind column of the snapshot (``columns[kind]``; with ``every_kind``,
+    else the every-kind column), 0 where nothing is learned; cached per view
+    as ``(name, kind)``."""
+    key = (name, kind)
     cached = view.static_cache.get(key)
     if cached is not None:
         return cached
     out = np.zeros(view.node_count)
-    column = view.snapshot.gpu_overrun.get(kind) if view.snapshot.gpu_overrun else None
+    column = columns.get(kind) if columns else None
+    if column is None and every_kind and columns:
+        column = columns.get(ANY_KIND)
     if column is not None and column.size == view.gpu_count:
-        known = np.isfinite(column)
+        known = np.isfinite(column) & (column > 0)
         np.maximum.at(out, view.node[known], column[known])
     view.static_cache[key] = out
     return out
+
+
+def _overruns(view: PlacementView, kind: str) -> np.ndarray:
+    """Per node, how many times its predicted run a task of ``kind`` may
+    take there (the snapshot's learned ``gpu_overrun``, the node's largest;
+    0 where nothing is learned): where clients misjudge a kind's run times,
+    the backfill's margin widens from ``backfill_estimate_factor`` to it."""
+    return _learned_by_node(view, view.snapshot.gpu_overrun, kind, "backfill.overrun")
 
 
 def _run_factors(view: PlacementView, kind: str) -> np.ndarray:
@@ -1701,17 +1712,7 @@ def _run_factors(view: PlacementView, kind: str) -> np.ndarray:
     if cached is not None:
         return cached
     speeds = view.snapshot.node_speed
-    factors = 1.0 / np.where(np.isfinite(speeds) & (speeds > 0), speeds, 1.0)
-    columns = view.snapshot.gpu_slowdown
-    if columns:
-        column = columns.get(kind)
-        if column is None:
-            column = columns.get(ANY_KIND)
-        if column is not None and column.size == view.gpu_count:
-            known = np.isfinite(column) & (column > 0)
-            if known.any():
-                learned = np.zeros(view.node_count)
-                np.maximum.at(learned, view.node[known], column[known])
-                factors = np.where(learned > 0, learned, factors)
+    learned = _learned_by_node(view, view.snapshot.gpu_slowdown, kind, "backfill.slowdown", every_kind=True)
+    factors = np.where(learned > 0, learned, 1.0 / np.where(np.isfinite(speeds) & (speeds > 0), speeds, 1.0))
     view.static_cache[key] = factors
     return factors

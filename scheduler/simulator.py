@@ -1229,11 +1229,10 @@ class Simulation:
             row = run.rows[0]
             b = self._base
             # against the estimate the client gave, as the coordinator learns
-            # (an exact estimate: the work, which an OOM-killed run redid in full)
+            # (a run not migrated did all its work: an OOM-killed one started over)
             t = self.tasks[run.idx]
             self.predictor.observe(
-                b.node_ids[int(b.gpu_node[row])], str(b.gpu_model[row]), t.kind,
-                run.work if t.estimate_s is None else t.estimate_s, self.now - run.start,
+                b.node_ids[int(b.gpu_node[row])], str(b.gpu_model[row]), t.kind, t.estimate, self.now - run.start,
             )
         rec = self.records[run.idx]
         rec.finish_s = self.now
