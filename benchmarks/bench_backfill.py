@@ -23,7 +23,7 @@ Each mode is run with the backfill off and on; noise moves placements with it
 off too (the held node is chosen by expected finish), so each pair shares its
 estimates.
 
-    python benchmarks/bench_backfill.py                     # 3 traces x 3 seeds x 3 modes, ~15 min here
+    python benchmarks/bench_backfill.py                     # 3 traces x 3 seeds x 3 modes, 29 min here (sharing the 2 cores)
     python benchmarks/bench_backfill.py --traces default --seeds 0 --modes exact
     python benchmarks/bench_backfill.py --hosts 4 --gpus 8 --traces gpushare40,default
 """
