@@ -1,0 +1,191 @@
+"""The agent unit's seccomp filter without systemd (coordinator/sandbox.py):
+the unit's lines resolved as systemd resolves them, the BPF program's
+answers worked out instruction by instruction, and the filter in force on a
+real child process, which real_gpu.py --agent-seccomp puts the NVML agent
+under on a GPU host."""
+
+from __future__ import annotations
+
+import errno
+import json
+import platform
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from coordinator.sandbox import UNISTD_64, SandboxError, UnitSeccomp, from_unit, syscall_numbers
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT_UNIT = ROOT / "systemd" / "gpulb-agent.service"
+HAVE_SYSTEMD = shutil.which("systemd-analyze") is not None and UNISTD_64.exists()
+needs_systemd = pytest.mark.skipif(not HAVE_SYSTEMD, reason="systemd-analyze and the kernel headers resolve the unit")
+
+AUDIT_ARCH_X86_64, AUDIT_ARCH_I386 = 0xC000003E, 0x40000003
+
+
+def run_bpf(program: list[tuple[int, int, int, int]], nr: int, arch: int = AUDIT_ARCH_X86_64, args=(0,) * 6) -> int:
+    """Classic BPF as the kernel runs a seccomp filter, for the instructions
+    a filter uses (32-bit absolute loads, jumps on a constant, returns): the
+    action word it returns for one system call."""
+    data = struct.pack("=iIQ6Q", nr, arch, 0, *args)
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == 0x20:  # LD W ABS
+            acc = struct.unpack_from("=I", data, k)[0]
+            pc += 1
+        elif code == 0x15:  # JEQ K
+            pc += 1 + (jt if acc == k else jf)
+        elif code == 0x35:  # JGE K
+            pc += 1 + (jt if acc >= k else jf)
+        elif code == 0x06:  # RET K
+            return k
+        else:
+            raise AssertionError(f"instruction {code:#x} at {pc} not expected in a filter")
+
+
+ALLOW, ERRNO = 0x7FFF0000, 0x00050000
+
+
+def toy_spec() -> UnitSeccomp:
+    return UnitSeccomp(syscalls={"read": 0, "write": 1, "socket": 41, "ioctl": 16}, errno=errno.EPERM, families=[1, 2, 10])
+
+
+def test_the_program_allows_the_listed_calls_and_refuses_the_rest_with_the_units_errno() -> None:
+    prog = toy_spec().program()
+    assert [run_bpf(prog, nr) for nr in (0, 1, 16)] == [ALLOW] * 3
+    assert run_bpf(prog, 101) == ERRNO | errno.EPERM  # ptrace: not listed
+    assert run_bpf(prog, 0, arch=AUDIT_ARCH_I386) == ERRNO | errno.EPERM  # SystemCallArchitectures=native
+    assert run_bpf(prog, 0x40000000 | 0) == ERRNO | errno.EPERM  # x32 ABI, another ABI on the same arch
+    as_eio = UnitSeccomp(syscalls={"read": 0}, errno=errno.EIO).program()
+    assert run_bpf(as_eio, 1) == ERRNO | errno.EIO
+
+
+def test_the_program_allows_socket_only_for_the_units_address_families() -> None:
+    prog = toy_spec().program()
+    for family in (1, 2, 10):  # AF_UNIX, AF_INET, AF_INET6
+        assert run_bpf(prog, 41, args=(family, 1, 0, 0, 0, 0)) == ALLOW
+    for family in (16, 17, 0):  # AF_NETLINK, AF_PACKET, AF_UNSPEC
+        assert run_bpf(prog, 41, args=(family, 1, 0, 0, 0, 0)) == ERRNO | errno.EAFNOSUPPORT
+    # the calls after the socket block are still told apart by number
+    assert run_bpf(prog, 16) == ALLOW and run_bpf(prog, 17) == ERRNO | errno.EPERM
+    anyfamily = UnitSeccomp(syscalls={"socket": 41}, families=[]).program()
+    assert run_bpf(anyfamily, 41, args=(16, 0, 0, 0, 0, 0)) == ALLOW
+
+
+def test_log_only_lets_through_and_logs_what_the_filter_would_refuse() -> None:
+    """The diagnostic form: one run names every call a program would miss
+    under the unit (the kernel logs SECCOMP_RET_LOG), where EPERM stops it at
+    the first."""
+    prog = toy_spec().program(log_only=True)
+    log = 0x7FFC0000
+    assert run_bpf(prog, 101) == log and run_bpf(prog, 0, arch=AUDIT_ARCH_I386) == log
+    assert run_bpf(prog, 41, args=(16, 0, 0, 0, 0, 0)) == log
+    assert run_bpf(prog, 0) == ALLOW and run_bpf(prog, 41, args=(2, 0, 0, 0, 0, 0)) == ALLOW
+
+
+def test_the_spec_round_trips_through_json_and_refuses_another_arch() -> None:
+    spec = toy_spec()
+    back = UnitSeccomp.from_json(spec.to_json())
+    assert back.program() == spec.program() and back.families == [1, 2, 10]
+    raw = json.loads(spec.to_json())
+    raw["arch"] = "aarch64"
+    with pytest.raises(SandboxError, match="arch: only x86_64"):
+        UnitSeccomp.from_json(json.dumps(raw))
+
+
+@needs_systemd
+def test_the_agent_units_filter_resolves_as_systemd_expands_it() -> None:
+    spec = from_unit(AGENT_UNIT)
+    numbers = syscall_numbers()
+    # what the agent lives on: NVML's ioctls on /dev/nvidia*, files, sockets, threads, exec
+    for name in ("ioctl", "openat", "mmap", "mprotect", "read", "futex", "clone3", "execve", "socket", "connect",
+                 "epoll_wait", "getrandom", "prctl"):
+        assert spec.syscalls.get(name) == numbers[name], name
+    # what @system-service leaves out: debugging, modules, mounts, reboot, clock, raw I/O, swap
+    for name in ("ptrace", "init_module", "finit_module", "mount", "reboot", "kexec_load", "settimeofday",
+                 "iopl", "swapon", "bpf", "perf_event_open"):
+        assert name not in spec.syscalls, name
+    assert spec.errno == errno.EPERM and spec.families == [1, 2, 10]
+    assert "systemd" in spec.source and "gpulb-agent.service" in spec.source
+    assert 200 < len(spec.syscalls) < len(numbers)
+
+
+@needs_systemd
+def test_units_the_module_cannot_resolve_are_refused_naming_the_setting(tmp_path: Path) -> None:
+    deny = tmp_path / "deny.service"
+    deny.write_text("[Service]\nExecStart=/bin/true\nSystemCallFilter=~@mount\n")
+    with pytest.raises(SandboxError, match="deny-lists"):
+        from_unit(deny)
+    none = tmp_path / "none.service"
+    none.write_text("[Service]\nExecStart=/bin/true\n")
+    with pytest.raises(SandboxError, match="no SystemCallFilter="):
+        from_unit(none)
+    fam = tmp_path / "fam.service"
+    fam.write_text("[Service]\nSystemCallFilter=@system-service\nRestrictAddressFamilies=AF_BLUETOOTH\n")
+    with pytest.raises(SandboxError, match="RestrictAddressFamilies= AF_BLUETOOTH"):
+        from_unit(fam)
+    # two lines accumulate, as systemd merges them; a plain name joins the groups
+    two = tmp_path / "two.service"
+    two.write_text("[Service]\nSystemCallFilter=@basic-io\nSystemCallFilter=ioctl\nSystemCallErrorNumber=EACCES\n")
+    spec = from_unit(two)
+    assert {"read", "write", "ioctl", "execve"} <= set(spec.syscalls) and "socket" not in spec.syscalls
+    assert spec.errno == errno.EACCES
+
+
+_PROBE = textwrap.dedent(
+    """
+    import ctypes, errno, json, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    out = {"mode": open("/proc/self/status").read().split("Seccomp:")[1].split()[0]}
+    out["ptrace"] = errno.errorcode.get(ctypes.get_errno()) if libc.ptrace(0, 0, 0, 0) != 0 else "ok"  # PTRACE_TRACEME
+    try:
+        socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).close(); out["netlink"] = "ok"
+    except OSError as exc:
+        out["netlink"] = errno.errorcode[exc.errno]
+    socket.socket(socket.AF_INET, socket.SOCK_STREAM).close(); out["inet"] = "ok"
+    print(json.dumps(out))
+    """
+)
+
+
+@needs_systemd
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter is built for x86_64")
+def test_a_child_under_the_units_filter_is_refused_what_the_unit_refuses() -> None:
+    install = from_unit(AGENT_UNIT).installer()
+    plain = json.loads(subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True).stdout)
+    confined = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, preexec_fn=install)
+    assert confined.returncode == 0, confined.stderr
+    got = json.loads(confined.stdout)
+    assert plain == {"mode": "0", "ptrace": "ok", "netlink": "ok", "inet": "ok"}
+    assert got == {"mode": "2", "ptrace": "EPERM", "netlink": "EAFNOSUPPORT", "inet": "ok"}
+
+
+@needs_systemd
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter is built for x86_64")
+def test_the_agents_check_passes_under_the_units_filter_and_says_so() -> None:
+    argv = [sys.executable, "-m", "agent.main", "--check", "--backend", "sim", "--sim-gpus", "2", "--check-rounds", "2",
+            "--no-coordinator", "--json"]
+    confined = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                              preexec_fn=from_unit(AGENT_UNIT).installer())
+    assert confined.returncode == 0, confined.stdout[-2000:] + confined.stderr[-2000:]
+    report = json.loads(confined.stdout)
+    assert report["ok"] is True and report["seccomp_filter"] is True and len(report["gpus"]) == 2
+
+
+def test_the_module_writes_the_spec_for_a_gpu_host(tmp_path: Path) -> None:
+    out = tmp_path / "agent-seccomp.json"
+    run = subprocess.run([sys.executable, "-m", "coordinator.sandbox", "--out", str(out)], capture_output=True, text=True,
+                         cwd=ROOT)
+    if not HAVE_SYSTEMD:
+        assert run.returncode == 2 and "error:" in run.stderr
+        return
+    assert run.returncode == 0, run.stderr
+    spec = UnitSeccomp.from_json(out.read_text())
+    assert spec.syscalls == from_unit(AGENT_UNIT).syscalls
+    assert f"{len(spec.syscalls)} system calls allowed, the rest EPERM" in run.stdout
