@@ -33,6 +33,7 @@ from scheduler.cluster import lookup_model
 __all__ = [
     "CheckReport", "GpuCheck", "run_check", "render_check", "run_and_render", "check_coordinator", "SAMPLE_FIELDS",
     "write_xor_execute_in_force",
+    "seccomp_filter_in_force",
 ]
 
 #: GpuSample fields shown, in order, with their display unit
@@ -89,6 +90,7 @@ class CheckReport:
     # MemoryDenyWriteExecute=yes): a check as root can pass where the service fails
     process_user: str = ""
     write_xor_execute: bool | None = None  # None: not known on this platform
+    seccomp_filter: bool | None = None  # a seccomp filter confines it (SystemCallFilter=); None: not Linux
 
     @property
     def round_ms_max(self) -> float:
@@ -195,6 +197,7 @@ def run_check(
         driver_version=driver_version_of(backend),
         process_user=_process_user(),
         write_xor_execute=write_xor_execute_in_force(),
+        seccomp_filter=seccomp_filter_in_force(),
         topology=[
             {"gpu_a": link.gpu_a, "gpu_b": link.gpu_b, "kind": pb.LinkKind.Name(link.kind).removeprefix("LINK_KIND_").lower(), "nvlink_count": link.nvlink_count}
             for link in backend.topology()
@@ -206,6 +209,7 @@ def run_check(
 UNIT_USER = "gpulb"
 UNIT_CHECK_COMMAND = (
     "systemd-run --pipe --wait -p User=gpulb -p SupplementaryGroups=video -p MemoryDenyWriteExecute=yes "
+    "-p SystemCallFilter=@system-service -p SystemCallErrorNumber=EPERM "
     "/usr/local/bin/gpulb-agent --config /etc/gpulb/agent.toml --check"
 )
 
@@ -231,6 +235,20 @@ def write_xor_execute_in_force() -> bool | None:
         return True
     except (OSError, AttributeError, ValueError):
         return None  # no such protection flags here
+
+
+def seccomp_filter_in_force(status: str = "/proc/self/status") -> bool | None:
+    """Whether a seccomp filter confines this process (as the unit's
+    ``SystemCallFilter=`` does): the kernel's ``Seccomp:`` mode, 2 for a
+    filter. None where there is no such field (not Linux)."""
+    try:
+        with open(status) as fh:
+            for line in fh:
+                if line.startswith("Seccomp:"):
+                    return line.split()[1] == "2"
+    except OSError:
+        pass
+    return None
 
 
 def _value(value: int | None, unit: str, error: str | None) -> str:
@@ -320,9 +338,12 @@ def render_check(report: CheckReport) -> str:
     if report.process_user:
         wx = {True: "W^X enforced", False: "W^X not enforced", None: "W^X unknown"}[report.write_xor_execute]
         line = f"process: user {report.process_user}, {wx}"
-        if report.process_user != UNIT_USER or report.write_xor_execute is False:
+        if report.seccomp_filter is not None:
+            line += ", seccomp filter" if report.seccomp_filter else ", no seccomp filter"
+        if report.process_user != UNIT_USER or report.write_xor_execute is False or report.seccomp_filter is False:
             # informational: it does not fail the check, the device reads above are real
-            line += f" (the unit runs the agent as {UNIT_USER} under W^X; to check it that way: {UNIT_CHECK_COMMAND})"
+            line += (f" (the unit runs the agent as {UNIT_USER} under W^X and a seccomp filter; to check it that way: "
+                     f"{UNIT_CHECK_COMMAND})")
         out.append(line)
     out.append("check: " + ("PASS" if report.ok else "FAIL"))
     return "\n".join(out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pynvml
 import pytest
@@ -228,13 +229,25 @@ def test_check_says_how_it_ran_against_how_the_unit_runs_the_agent() -> None:
     report = run_check(NvmlBackend(nvml=_gpus()), rounds=1, sleep=lambda s: None)
     assert report.process_user == pwd.getpwuid(os.geteuid()).pw_name
     assert report.write_xor_execute in (True, False)
+    assert report.seccomp_filter is False  # pytest runs unconfined
     as_root = dataclasses.replace(report, process_user="root", write_xor_execute=False)
     line = next(l for l in render_check(as_root).splitlines() if l.startswith("process: "))
-    assert line.startswith("process: user root, W^X not enforced") and UNIT_CHECK_COMMAND in line
-    as_unit = dataclasses.replace(report, process_user="gpulb", write_xor_execute=True)
+    assert line.startswith("process: user root, W^X not enforced, no seccomp filter") and UNIT_CHECK_COMMAND in line
+    as_unit = dataclasses.replace(report, process_user="gpulb", write_xor_execute=True, seccomp_filter=True)
     line = next(l for l in render_check(as_unit).splitlines() if l.startswith("process: "))
-    assert line == "process: user gpulb, W^X enforced"
+    assert line == "process: user gpulb, W^X enforced, seccomp filter"
+    # the unit's user under W^X but without its system-call filter is not the unit's way either
+    unfiltered = dataclasses.replace(as_unit, seccomp_filter=False)
+    line = next(l for l in render_check(unfiltered).splitlines() if l.startswith("process: "))
+    assert line.startswith("process: user gpulb, W^X enforced, no seccomp filter (") and UNIT_CHECK_COMMAND in line
     assert render_check(as_root).endswith("check: PASS") and render_check(as_unit).endswith("check: PASS")
+
+
+def test_the_readme_gives_the_units_check_command_the_check_prints() -> None:
+    from agent.check import UNIT_CHECK_COMMAND
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"sudo {UNIT_CHECK_COMMAND}\n" in readme
 
 
 def test_the_check_sees_write_xor_execute_when_it_is_in_force() -> None:
