@@ -5,6 +5,7 @@ Run from the repository root on a host with an NVIDIA driver and PyTorch
 (or CuPy) for the load::
 
     python benchmarks/real_gpu.py [--out DIR] [--load-s 15] [--load-gib 64] [--xid] [--agent-user gpulb] [--agent-wx]
+                                  [--agent-seccomp SPEC.json]
 
 Steps, on loopback:
 
@@ -29,8 +30,17 @@ that user with its groups, as the systemd unit's ``User=gpulb`` does: whether
 NVML gives an unprivileged agent every field and the Xid events. With
 ``--agent-wx`` they run under W^X memory (``PR_SET_MDWE``, Linux >= 6.3), as
 the unit's ``MemoryDenyWriteExecute=yes``: whether this driver's
-libnvidia-ml loads and works without writable-executable memory. Both
-together run the agent as the unit does, less its seccomp filter.
+libnvidia-ml loads and works without writable-executable memory. With
+``--agent-seccomp SPEC.json`` (written where systemd is installed by
+``python -m coordinator.sandbox --out SPEC.json``) they run under the unit's
+system-call filter too: ``SystemCallFilter=@system-service`` as that systemd
+version expands it, refusals EPERM, socket families as
+``RestrictAddressFamilies=``. All three together run the agent as the unit
+does, less its mount namespace and device cgroup.
+
+During the load, ``gpulb processes --json`` is asked for the compute
+processes the agent lists, beside ``nvidia-smi --query-compute-apps`` and the
+load's own PID.
 
 Figures: the agent's sampling period per phase (ListNodes), how long after
 nvidia-smi the coordinator saw the load come and go, how far the
@@ -62,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from coordinator.demo import ProcessGroup, can_deny_write_execute, deny_write_execute, free_port, popen_as  # noqa: E402
+from coordinator.sandbox import UnitSeccomp  # noqa: E402
 from coordinator.ingestbench import process_cpu_s, scrape_metrics  # noqa: E402
 from coordinator.tables import render_table  # noqa: E402
 from protos import cluster_pb2 as cpb  # noqa: E402
@@ -287,15 +298,16 @@ except Exception as exc:
 
 _XID_WATCHER = r"""
 import json, sys, time
-from agent.check import write_xor_execute_in_force
+from agent.check import seccomp_filter_in_force, write_xor_execute_in_force
 from agent.nvml import NvmlBackend
 
 wx = write_xor_execute_in_force()  # under --agent-wx, as the unit's agent runs
+seccomp = seccomp_filter_in_force()  # under --agent-seccomp
 seconds = float(sys.argv[1])
 backend = NvmlBackend()
 try:
     before = [s.xid_last for s in backend.sample()]  # None: the GPU is not watched
-    print(json.dumps({"event": "ready", "xid": before, "write_xor_execute": wx}), flush=True)
+    print(json.dumps({"event": "ready", "xid": before, "write_xor_execute": wx, "seccomp_filter": seccomp}), flush=True)
     sys.stdin.readline()  # the faulting process has exited
     deadline, after = time.time() + seconds, before
     while time.time() < deadline:
@@ -323,7 +335,24 @@ def _next_event(stream) -> dict:
     return {}
 
 
-def _xid_check(user: str | None, wx: bool = False, seconds: float = 5.0) -> dict:
+def _confine(wx: bool, seccomp: UnitSeccomp | None):
+    """A ``preexec_fn`` putting a child under W^X and/or the unit's
+    system-call filter (the filter last: it would refuse nothing of the W^X
+    prctl, but a filter installed first must allow every later call)."""
+    install = seccomp.installer() if seccomp is not None else None
+    if not wx and install is None:
+        return None
+
+    def setup() -> None:
+        if wx:
+            deny_write_execute()
+        if install is not None:
+            install()
+
+    return setup
+
+
+def _xid_check(user: str | None, wx: bool = False, seconds: float = 5.0, seccomp: UnitSeccomp | None = None) -> dict:
     """A process that writes through a null pointer on GPU 0 (a page fault
     in that process only: the driver reports it as an Xid and cleans up its
     context), with the agent's NVML backend sampling in a process of its own,
@@ -331,7 +360,7 @@ def _xid_check(user: str | None, wx: bool = False, seconds: float = 5.0) -> dict
     without privileges): which Xid it saw, and when."""
     watcher = subprocess.Popen([sys.executable, "-c", _XID_WATCHER, str(seconds)], cwd=ROOT,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=deny_write_execute if wx else None, **popen_as(user))
+                               preexec_fn=_confine(wx, seccomp), **popen_as(user))
     try:
         ready = _next_event(watcher.stdout)
         if ready.get("event") != "ready":
@@ -345,6 +374,7 @@ def _xid_check(user: str | None, wx: bool = False, seconds: float = 5.0) -> dict
             return {"error": "the watcher gave no result", "stderr": watcher.stderr.read()[-500:]}
         seen = done.get("xid") != ready["xid"]
         return {"user": user or "(this one)", "write_xor_execute": ready.get("write_xor_execute"),
+                "seccomp_filter": ready.get("seccomp_filter"),
                 "xid_before": ready["xid"], "xid_after": done.get("xid"),
                 "seen_after_s": round(done["t"] - started, 2) if seen else None,
                 "faulter": (proc.stdout + proc.stderr).strip()[-300:], "health_after": done.get("health")}
@@ -452,6 +482,25 @@ def _first(rows, after: float, pred) -> float | None:
     return None
 
 
+def _processes(target: str, load_pid: int) -> dict:
+    """``gpulb processes --json`` (the CLI an operator runs) against
+    ``nvidia-smi --query-compute-apps``: which PIDs and memory each lists."""
+    cli = subprocess.run([sys.executable, "-m", "coordinator.cli", "--coordinator", target, "processes", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    try:
+        listed = [{"pid": p["pid"], "used_memory_mib": p["used_memory_mib"], "gpu": p["gpu_index"]}
+                  for p in json.loads(cli.stdout)]
+    except ValueError:
+        listed = {"exit_code": cli.returncode, "output": (cli.stdout + cli.stderr)[-500:]}
+    smi = []
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+        smi = [{"pid": int(a), "used_memory_mib": int(b)} for a, b in
+               (line.split(",") for line in q.stdout.splitlines() if line.count(",") == 1)]
+    return {"load_pid": load_pid, "gpulb": listed, "nvidia_smi": smi}
+
+
 def _submit(target: str, task_id: str, vram_mib: int, share: float, priority: int) -> None:
     with grpc.insecure_channel(target) as ch:
         tpb_grpc.SchedulerStub(ch).ScheduleTask(
@@ -477,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-wx", action="store_true",
                    help="run the agent, its own --check and the Xid watcher under W^X memory (PR_SET_MDWE, Linux >= 6.3), "
                         "as the unit's MemoryDenyWriteExecute=yes does")
+    p.add_argument("--agent-seccomp", metavar="SPEC.json", type=Path,
+                   help="run the agent, its own --check and the Xid watcher under the unit's system-call filter, "
+                        "resolved by `python -m coordinator.sandbox --out SPEC.json` where systemd is installed")
     p.add_argument("--rehearse", action="store_true", help="no GPU: the simulated backend and a load that only sleeps (tries the script)")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -485,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--agent-wx: this kernel cannot enforce W^X on a process (PR_SET_MDWE, Linux >= 6.3)", file=sys.stderr)
         return 2
 
+    seccomp = UnitSeccomp.from_json(args.agent_seccomp.read_text()) if args.agent_seccomp else None
     from agent.check import check_coordinator, render_check, run_check
     from agent.nvml import NvmlBackend
     from agent.backend import BackendUnavailable
@@ -524,35 +577,39 @@ def main(argv: list[str] | None = None) -> int:
     smi = None
     loader = None
     summary: dict = {"agent_user": args.agent_user, "agent_write_xor_execute": args.agent_wx,
+                     "agent_seccomp": seccomp.source if seccomp else None,
                      "check": check.to_dict(), "user_check": None, "pcie_overlap": overlap, "pcie_agreement": agreement}
     try:
         coordinator = group.start("coordinator", [sys.executable, "-m", "coordinator.main", "--listen", target,
                                     "--metrics-listen", f"127.0.0.1:{mport}", "--log-format", "json", "--insecure"])
-        if args.agent_user or args.agent_wx:
+        if args.agent_user or args.agent_wx or seccomp:
             deadline = time.time() + 30
             while not check_coordinator(target)[0]:  # serving before the agent's check asks it
                 if time.time() > deadline or coordinator.poll() is not None:
                     raise RuntimeError(f"the coordinator never served (logs in {logs})")
                 time.sleep(0.2)
-            how = " and ".join(filter(None, [f"as {args.agent_user}" if args.agent_user else "",
-                                             "under W^X" if args.agent_wx else ""]))
+            how = ", ".join(filter(None, [f"as {args.agent_user}" if args.agent_user else "",
+                                          "under W^X" if args.agent_wx else "",
+                                          "under the unit's seccomp filter" if seccomp else ""]))
             print(f"\n== 3a. gpulb-agent --check {how} (as the systemd unit runs it), against the coordinator", flush=True)
             try:
                 proc = subprocess.run([sys.executable, "-m", "agent.main", "--check", "--backend", "sim" if args.rehearse else "nvml",
                                        "--check-rounds", "5", "--sim-gpus", "1", "--coordinator", target],
                                       cwd=ROOT, capture_output=True, text=True, timeout=120,
-                                      preexec_fn=deny_write_execute if args.agent_wx else None, **popen_as(args.agent_user))
+                                      preexec_fn=_confine(args.agent_wx, seccomp), **popen_as(args.agent_user))
             except (OSError, KeyError) as exc:  # no such user, not root, or the user cannot run this Python
                 print(f"cannot run the agent as {args.agent_user}: {exc} (the interpreter and {ROOT} must be readable "
                       f"by that user)", file=sys.stderr)
                 raise SystemExit(2)
             summary["user_check"] = {"user": args.agent_user, "write_xor_execute": args.agent_wx,
+                                     "seccomp": bool(seccomp),
                                      "exit_code": proc.returncode, "output": (proc.stdout + proc.stderr)[-4000:]}
             print(proc.stdout + proc.stderr, f"exit {proc.returncode}", flush=True)
         agent = group.start("agent", [sys.executable, "-m", "agent.main", "--backend", "sim" if args.rehearse else "nvml",
                                       "--sim-gpus", "1", "--sim-workload", "idle",
                                       "--coordinator", target, "--node-id", "gpu-host", "--log-format", "json"],
-                            user=args.agent_user, write_xor_execute=args.agent_wx)
+                            user=args.agent_user, write_xor_execute=args.agent_wx,
+                            seccomp=seccomp.installer() if seccomp else None)
         poller = threading.Thread(target=_poll, args=(target, run, stop), daemon=True)
         poller.start()
         deadline = time.time() + 30
@@ -599,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                 _submit(target, "fits-beside-load", fits, 0.3, tpb.PRIORITY_P0)
                 _submit(target, "needs-the-load-gone", after, 1.0, tpb.PRIORITY_P1)
                 run.tasks = {"fits-beside-load": {"vram_mib": fits}, "needs-the-load-gone": {"vram_mib": after}}
+                summary["processes"] = _processes(target, loader.pid)
             if ev["event"] == "done":
                 summary["load_tflops"] = ev["tflops"]
                 nvml_stop.set()
@@ -700,6 +758,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(coordinator - nvidia-smi: {agree['memory_offset_mib_median']} MiB; driver reservation {agree['driver_reserved_mib']} MiB), "
           f"median |util| {agree['util_abs_diff_pct_median']} %")
     print(f"compute processes the coordinator saw on GPU 0 during the load: {summary['processes_seen_in_load']}")
+    procs = summary.get("processes") or {}
+    print(f"gpulb processes during the load (the load is PID {procs.get('load_pid')}): {json.dumps(procs.get('gpulb'))}; "
+          f"nvidia-smi: {json.dumps(procs.get('nvidia_smi'))}")
     if summary.get("frozen_key_runs"):
         fr = summary["frozen_key_runs"]
         print(f"NVML at 200 ms under load, {fr['busy_readings']} busy readings: longest run of identical (util, util.memory, memory) "
@@ -716,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.xid and not args.rehearse:
         print("\n== 4. an Xid: a process faults on GPU 0 while the NVML backend samples", flush=True)
         try:
-            summary["xid"] = _xid_check(args.agent_user, args.agent_wx)
+            summary["xid"] = _xid_check(args.agent_user, args.agent_wx, seccomp=seccomp)
         except Exception as exc:
             summary["xid"] = {"error": repr(exc)}
         print(json.dumps(summary["xid"], indent=1), flush=True)

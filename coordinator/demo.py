@@ -142,24 +142,29 @@ class ProcessGroup:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(
-        self, name: str, argv: list[str], user: str | None = None, write_xor_execute: bool = False
+        self, name: str, argv: list[str], user: str | None = None, write_xor_execute: bool = False,
+        seccomp: Callable[[], None] | None = None,
     ) -> subprocess.Popen:
         """Start ``argv`` logging to ``<name>.log``; as ``user`` (with that
         user's groups, as a systemd ``User=`` unit runs) when given: only root
         can do that; with ``write_xor_execute``, under W^X memory as
-        ``MemoryDenyWriteExecute=yes`` runs it (see ``deny_write_execute``)."""
+        ``MemoryDenyWriteExecute=yes`` runs it (see ``deny_write_execute``);
+        with ``seccomp`` (``UnitSeccomp.installer()``), under a unit's
+        system-call filter, installed last, just before exec."""
         linux = sys.platform.startswith("linux")
 
         def setup() -> None:
             if write_xor_execute:
                 deny_write_execute()
             _die_with_parent()
+            if seccomp is not None:
+                seccomp()
 
         log = open(self.log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=setup if linux or write_xor_execute else None,
+            preexec_fn=setup if linux or write_xor_execute or seccomp else None,
             **popen_as(user),
         )
         log.close()

@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(120)
 def test_real_gpu_script_runs_end_to_end_on_the_simulator(tmp_path: Path) -> None:
     out = tmp_path / "rg"
+    # and the unit's system-call filter, where systemd here can resolve it
+    spec = tmp_path / "agent-seccomp.json"
+    resolved = subprocess.run([sys.executable, "-m", "coordinator.sandbox", "--out", str(spec)], cwd=ROOT).returncode == 0
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "real_gpu.py"), "--rehearse", "--out", str(out),
          "--calm-s", "1", "--load-s", "2", "--load-gib", "16",
@@ -30,7 +33,8 @@ def test_real_gpu_script_runs_end_to_end_on_the_simulator(tmp_path: Path) -> Non
          # current one here, so the privilege drop itself is tested below
          "--agent-user", pwd.getpwuid(os.getuid()).pw_name,
          # and MemoryDenyWriteExecute=, where this kernel can enforce it
-         *(["--agent-wx"] if can_deny_write_execute() else [])],
+         *(["--agent-wx"] if can_deny_write_execute() else []),
+         *(["--agent-seccomp", str(spec)] if resolved else [])],
         capture_output=True, text=True, timeout=110, cwd=ROOT,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -38,6 +42,13 @@ def test_real_gpu_script_runs_end_to_end_on_the_simulator(tmp_path: Path) -> Non
     assert summary["check"]["ok"] is True and summary["check"]["backend"] == "sim"
     assert summary["user_check"]["exit_code"] == 0 and "check: PASS" in summary["user_check"]["output"]
     assert summary["agent_write_xor_execute"] is can_deny_write_execute()
+    if resolved:  # the agent's own check ran under the filter and saw it
+        assert "gpulb-agent.service" in summary["agent_seccomp"]
+        assert ", seccomp filter" in summary["user_check"]["output"]
+    # gpulb processes was asked during the load and answered (the sim lists the processes of the tasks it leased)
+    listed = summary["processes"]["gpulb"]
+    assert summary["processes"]["load_pid"] > 0 and isinstance(listed, list), listed
+    assert all(p["gpu"] == 0 and p["used_memory_mib"] > 0 for p in listed)
     assert [p["phase"] for p in summary["phases"]] == ["calm", "load", "calm after"]
     assert all(p["period_ms_last"] in range(200, 2001) for p in summary["phases"])
     assert all(p["reading_age_s_max"] is not None and p["reading_age_s_max"] < 10 for p in summary["phases"])
