@@ -189,3 +189,90 @@ def test_the_module_writes_the_spec_for_a_gpu_host(tmp_path: Path) -> None:
     spec = UnitSeccomp.from_json(out.read_text())
     assert spec.syscalls == from_unit(AGENT_UNIT).syscalls
     assert f"{len(spec.syscalls)} system calls allowed, the rest EPERM" in run.stdout
+
+
+COORDINATOR_UNIT = ROOT / "systemd" / "gpulb-coordinator.service"
+
+
+def _wait(pred, what: str, seconds: float = 30.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            got = pred()
+        except Exception:  # not serving yet
+            got = None
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@needs_systemd
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter is built for x86_64")
+def test_the_daemons_serve_under_their_units_filters(tmp_path: Path) -> None:
+    """Both services as real processes, each under its own unit's filter
+    (and W^X where the kernel enforces it): telemetry in, a task placed and
+    kept in SQLite across a restart, metrics, a reload, a clean stop.
+    What systemd would refuse them, they do not need."""
+    import os
+    import signal
+    import urllib.request
+
+    import grpc
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from coordinator.demo import ProcessGroup, can_deny_write_execute, free_port
+    from protos import cluster_pb2 as cpb
+    from protos import cluster_pb2_grpc as cpb_grpc
+    from protos import tasks_pb2 as tpb
+    from protos import tasks_pb2_grpc as tpb_grpc
+
+    wx = can_deny_write_execute()
+    coord_filter, agent_filter = from_unit(COORDINATOR_UNIT), from_unit(AGENT_UNIT)
+    port, mport = free_port(), free_port()
+    target = f"127.0.0.1:{port}"
+    coord_argv = [sys.executable, "-m", "coordinator.main", "--listen", target, "--metrics-listen", f"127.0.0.1:{mport}",
+                  "--state-dir", str(tmp_path / "state"), "--insecure", "--log-format", "json"]
+    group = ProcessGroup(tmp_path)
+    try:
+        coord = group.start("coordinator", coord_argv, write_xor_execute=wx, seccomp=coord_filter.installer())
+        agent = group.start("agent", [sys.executable, "-m", "agent.main", "--backend", "sim", "--sim-gpus", "2",
+                                      "--coordinator", target, "--node-id", "confined", "--log-format", "json"],
+                            write_xor_execute=wx, seccomp=agent_filter.installer())
+        for proc in (coord, agent):
+            status = _wait(lambda: open(f"/proc/{proc.pid}/status").read(), "the process")
+            assert "\nSeccomp:\t2\n" in status, status
+        with grpc.insecure_channel(target) as ch:
+            ops, sched = cpb_grpc.ClusterOperatorStub(ch), tpb_grpc.SchedulerStub(ch)
+            _wait(lambda: len(ops.ListGpus(cpb.ListGpusRequest(), timeout=2).gpus) == 2, "the agent's GPUs")
+            sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=tpb.TaskSpec(
+                task_id="confined-1", vram_mib=1024, gpu_share=0.2, priority=tpb.PRIORITY_P1, kind="inference",
+                duration_s=3600), wait=False), timeout=5)
+            leased = _wait(lambda: (t := sched.GetTask(tpb.GetTaskRequest(task_id="confined-1"), timeout=2)).state
+                           == tpb.TASK_STATE_LEASED and t, "the task's lease")
+            assert leased.assignment.node_id == "confined"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+        names = {f.name for f in text_string_to_metric_families(text)}
+        assert "gpulb_gpu_utilization_ratio" in names
+        os.kill(coord.pid, signal.SIGHUP)  # reload: re-reads its configuration, keeps serving
+        with grpc.insecure_channel(target) as ch:
+            _wait(lambda: len(cpb_grpc.ClusterOperatorStub(ch).ListGpus(cpb.ListGpusRequest(), timeout=2).gpus) == 2,
+                  "serving after the reload")
+        codes = dict(group.stop_all())
+        assert codes == {"coordinator": 0, "agent": 0}, (tmp_path / "coordinator.log").read_text()[-2000:]
+        # the lease was written to SQLite under the filter: a restarted coordinator has it
+        group = ProcessGroup(tmp_path / "again")
+        (tmp_path / "again").mkdir()
+        group.start("coordinator", coord_argv, write_xor_execute=wx, seccomp=coord_filter.installer())
+        with grpc.insecure_channel(target) as ch:
+            again = _wait(lambda: tpb_grpc.SchedulerStub(ch).GetTask(tpb.GetTaskRequest(task_id="confined-1"), timeout=2),
+                          "the restarted coordinator")
+        assert again.state == tpb.TASK_STATE_LEASED and again.assignment.node_id == "confined"
+    finally:
+        group.stop_all()
+    for log in tmp_path.glob("**/*.log"):
+        assert "Operation not permitted" not in log.read_text(), log
