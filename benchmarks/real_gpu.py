@@ -71,8 +71,8 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from coordinator.demo import ProcessGroup, can_deny_write_execute, deny_write_execute, free_port, popen_as  # noqa: E402
-from coordinator.sandbox import UnitSeccomp  # noqa: E402
+from coordinator.demo import ProcessGroup, can_deny_write_execute, free_port, popen_as  # noqa: E402
+from coordinator.sandbox import UnitSeccomp, launcher_argv  # noqa: E402
 from coordinator.ingestbench import process_cpu_s, scrape_metrics  # noqa: E402
 from coordinator.tables import render_table  # noqa: E402
 from protos import cluster_pb2 as cpb  # noqa: E402
@@ -335,32 +335,16 @@ def _next_event(stream) -> dict:
     return {}
 
 
-def _confine(wx: bool, seccomp: UnitSeccomp | None):
-    """A ``preexec_fn`` putting a child under W^X and/or the unit's
-    system-call filter (the filter last: it would refuse nothing of the W^X
-    prctl, but a filter installed first must allow every later call)."""
-    install = seccomp.installer() if seccomp is not None else None
-    if not wx and install is None:
-        return None
-
-    def setup() -> None:
-        if wx:
-            deny_write_execute()
-        if install is not None:
-            install()
-
-    return setup
-
-
 def _xid_check(user: str | None, wx: bool = False, seconds: float = 5.0, seccomp: UnitSeccomp | None = None) -> dict:
     """A process that writes through a null pointer on GPU 0 (a page fault
     in that process only: the driver reports it as an Xid and cleans up its
     context), with the agent's NVML backend sampling in a process of its own,
     as ``user`` when given (NVML may refuse event registration to a user
     without privileges): which Xid it saw, and when."""
-    watcher = subprocess.Popen([sys.executable, "-c", _XID_WATCHER, str(seconds)], cwd=ROOT,
+    watcher = subprocess.Popen(launcher_argv([sys.executable, "-c", _XID_WATCHER, str(seconds)], write_xor_execute=wx,
+                                             seccomp=seccomp), cwd=ROOT,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=_confine(wx, seccomp), **popen_as(user))
+                               **popen_as(user))
     try:
         ready = _next_event(watcher.stdout)
         if ready.get("event") != "ready":
@@ -593,10 +577,10 @@ def main(argv: list[str] | None = None) -> int:
                                           "under the unit's seccomp filter" if seccomp else ""]))
             print(f"\n== 3a. gpulb-agent --check {how} (as the systemd unit runs it), against the coordinator", flush=True)
             try:
-                proc = subprocess.run([sys.executable, "-m", "agent.main", "--check", "--backend", "sim" if args.rehearse else "nvml",
-                                       "--check-rounds", "5", "--sim-gpus", "1", "--coordinator", target],
-                                      cwd=ROOT, capture_output=True, text=True, timeout=120,
-                                      preexec_fn=_confine(args.agent_wx, seccomp), **popen_as(args.agent_user))
+                check_argv = [sys.executable, "-m", "agent.main", "--check", "--backend", "sim" if args.rehearse else "nvml",
+                              "--check-rounds", "5", "--sim-gpus", "1", "--coordinator", target]
+                proc = subprocess.run(launcher_argv(check_argv, write_xor_execute=args.agent_wx, seccomp=seccomp),
+                                      cwd=ROOT, capture_output=True, text=True, timeout=120, **popen_as(args.agent_user))
             except (OSError, KeyError) as exc:  # no such user, not root, or the user cannot run this Python
                 print(f"cannot run the agent as {args.agent_user}: {exc} (the interpreter and {ROOT} must be readable "
                       f"by that user)", file=sys.stderr)
@@ -609,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "--sim-gpus", "1", "--sim-workload", "idle",
                                       "--coordinator", target, "--node-id", "gpu-host", "--log-format", "json"],
                             user=args.agent_user, write_xor_execute=args.agent_wx,
-                            seccomp=seccomp.installer() if seccomp else None)
+                            seccomp=seccomp)
         poller = threading.Thread(target=_poll, args=(target, run, stop), daemon=True)
         poller.start()
         deadline = time.time() + 30

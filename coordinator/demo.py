@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Sequence, TextIO
 import grpc
 
 from coordinator.demo_workload import SCENARIOS, DemoTask, build_workload
+from coordinator.sandbox import UnitSeccomp, launcher_argv
 from coordinator.tables import fmt, render_table
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
@@ -42,7 +43,6 @@ __all__ = [
     "free_port",
     "ProcessGroup",
     "popen_as",
-    "deny_write_execute",
     "can_deny_write_execute",
     "add_demo_arguments",
     "GpuReading",
@@ -98,39 +98,15 @@ def popen_as(user: str | None) -> dict:
     return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": os.getgrouplist(user, entry.pw_gid)}
 
 
-def deny_write_execute() -> None:
-    """In a child before exec: no memory may be writable and executable, or
-    become executable, from here on, across exec (``prctl(PR_SET_MDWE,
-    PR_MDWE_REFUSE_EXEC_GAIN)``, Linux >= 6.3): what systemd's
-    ``MemoryDenyWriteExecute=yes`` enforces, so a unit's W^X can be tried
-    without systemd. Raises OSError where the kernel cannot."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(65, 1, 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"PR_SET_MDWE: {os.strerror(errno)} (needs Linux >= 6.3)")
-
-
 def can_deny_write_execute() -> bool:
     """Whether this kernel can put a child under W^X (``deny_write_execute``):
     a throw-away child tries."""
     try:
-        subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=deny_write_execute)
+        subprocess.run(launcher_argv([sys.executable, "-c", "pass"], write_xor_execute=True), check=True,
+                       stderr=subprocess.DEVNULL)
         return True
     except (subprocess.SubprocessError, OSError):
         return False
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the demo dies, even by SIGKILL,
-    so not even a killed demo leaves its cluster running (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 class ProcessGroup:
@@ -143,28 +119,23 @@ class ProcessGroup:
 
     def start(
         self, name: str, argv: list[str], user: str | None = None, write_xor_execute: bool = False,
-        seccomp: Callable[[], None] | None = None,
+        seccomp: UnitSeccomp | None = None,
     ) -> subprocess.Popen:
         """Start ``argv`` logging to ``<name>.log``; as ``user`` (with that
         user's groups, as a systemd ``User=`` unit runs) when given: only root
         can do that; with ``write_xor_execute``, under W^X memory as
-        ``MemoryDenyWriteExecute=yes`` runs it (see ``deny_write_execute``);
-        with ``seccomp`` (``UnitSeccomp.installer()``), under a unit's
-        system-call filter, installed last, just before exec."""
+        ``MemoryDenyWriteExecute=yes`` runs it; with ``seccomp``, under a
+        unit's system-call filter (``coordinator.sandbox``, whose launcher
+        sets these up in the child, so no Python runs between fork and exec).
+        On Linux the child gets SIGTERM if the demo dies, even by SIGKILL, so
+        not even a killed demo leaves its cluster running."""
         linux = sys.platform.startswith("linux")
-
-        def setup() -> None:
-            if write_xor_execute:
-                deny_write_execute()
-            _die_with_parent()
-            if seccomp is not None:
-                seccomp()
-
+        argv = launcher_argv(argv, die_with_parent_pid=os.getpid() if linux else None,
+                             write_xor_execute=write_xor_execute, seccomp=seccomp)
         log = open(self.log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=setup if linux or write_xor_execute or seccomp else None,
             **popen_as(user),
         )
         log.close()

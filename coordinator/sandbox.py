@@ -11,10 +11,20 @@ module resolves the unit's lines to system call numbers where systemd is
 installed (``systemd-analyze syscall-filter`` expands the groups as that
 systemd version does; the kernel's ``asm/unistd_64.h`` numbers them), saves
 that as JSON, and installs the same allow-list as a classic BPF seccomp
-filter in a child before it execs (``ProcessGroup.start(..., seccomp=...)``,
-``benchmarks/real_gpu.py --agent-seccomp``)::
+filter (``ProcessGroup.start(..., seccomp=...)``, ``benchmarks/real_gpu.py
+--agent-seccomp``)::
 
     python -m coordinator.sandbox --unit systemd/gpulb-agent.service --out agent-seccomp.json
+
+The confinement is applied by a launcher (``launcher_argv``): a small
+standard-library program run with ``python -c`` that sets it up on its own
+process and execs the command, which keeps it. Not a ``preexec_fn``:
+Python code in a child forked from a process whose gRPC threads are busy
+can die before it execs (gRPC's fork handler restarts its poller in the
+child, and the child's closing of inherited descriptors pulls the poller's
+epoll descriptor from under it: SIGABRT, 2 to 6 children in 150 in a
+`/tmp` stress test, once in a CI run of the suite). It costs one bare
+interpreter start.
 
 Left out, as not what decides whether the agent runs: the argument filters
 systemd adds for ``LockPersonality=``, ``RestrictNamespaces=`` and
@@ -25,9 +35,9 @@ mount, device-cgroup and capability settings, which are not seccomp.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import errno as errno_mod
 import json
+import os
 import platform
 import re
 import shutil
@@ -36,7 +46,6 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 UNISTD_64 = Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
 _FAMILIES = {"AF_UNIX": 1, "AF_LOCAL": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16, "AF_PACKET": 17}
@@ -49,7 +58,6 @@ _RET_ALLOW = 0x7FFF0000
 _RET_ERRNO = 0x00050000
 _RET_LOG = 0x7FFC0000  # allow, and the kernel logs the call (audit type 1326)
 _LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
-_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
 
 
 class SandboxError(RuntimeError):
@@ -112,36 +120,75 @@ class UnitSeccomp:
             raise SandboxError(f"the filter has {len(prog)} instructions, more than the kernel's 4096")
         return prog
 
-    def installer(self, log_only: bool = False) -> Callable[[], None]:
-        """A function for a child to call just before exec (``preexec_fn``):
-        sets no-new-privileges (as the unit's ``NoNewPrivileges=yes``; the
-        kernel asks it of an unprivileged filter) and installs the filter.
-        The program is built here, in the parent, so the child only calls
-        prctl twice."""
-        if platform.machine() != "x86_64":
-            raise SandboxError(f"the filter is for x86_64; this machine is {platform.machine()}")
-        rows = self.program(log_only)
-        buf = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *row) for row in rows))
+    def program_bytes(self, log_only: bool = False) -> bytes:
+        """The program as the kernel takes it (``struct sock_filter`` rows)."""
+        return b"".join(struct.pack("=HBBI", *row) for row in self.program(log_only))
 
-        class SockFprog(ctypes.Structure):
-            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-        fprog = SockFprog(len(rows), ctypes.addressof(buf))
-        libc = ctypes.CDLL(None, use_errno=True)
+# The launcher: confines the process it runs in, then execs the command, so
+# what it set up holds for the command (PR_SET_PDEATHSIG, PR_SET_MDWE and a
+# seccomp filter are all kept across exec). Standard library only, and run
+# with -c, so any interpreter the command's user may run can run it, without
+# this package on its path. argv: parent pid or "-", "wx" or "-", the filter
+# as hex or "-", then the command.
+_LAUNCHER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def fail(what):
+    err = ctypes.get_errno()
+    sys.exit(f"gpulb launcher: {what}: {os.strerror(err)}")
+parent, wx, program, command = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+if parent != "-":
+    libc.prctl(1, 15, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGTERM
+    if os.getppid() != int(parent):
+        sys.exit("gpulb launcher: the parent is gone")
+if wx != "-" and libc.prctl(65, 1, 0, 0, 0) != 0:  # PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN
+    fail("PR_SET_MDWE (needs Linux >= 6.3)")
+if program != "-":
+    rows = bytes.fromhex(program)
+    buf = ctypes.create_string_buffer(rows, len(rows))
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    fprog = SockFprog(len(rows) // 8, ctypes.addressof(buf))
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        fail("PR_SET_NO_NEW_PRIVS")
+    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        fail("PR_SET_SECCOMP")
+try:
+    os.execvp(command[0], command)
+except OSError as exc:
+    sys.exit(f"gpulb launcher: cannot run {command[0]}: {exc}")
+"""
 
-        def install() -> None:
-            if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
-            if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
 
-        install.program = buf  # type: ignore[attr-defined]  # fprog points into it: it must live as long
-        return install
+def _is_python(path: str) -> bool:
+    return re.fullmatch(r"python[0-9.]*", os.path.basename(path)) is not None
+
+
+def launcher_argv(argv: list[str], *, die_with_parent_pid: int | None = None, write_xor_execute: bool = False,
+                  seccomp: "UnitSeccomp | None" = None, log_only: bool = False) -> list[str]:
+    """``argv`` run through the launcher (module docstring), which confines
+    its own process and execs ``argv``: dies with ``die_with_parent_pid``
+    (the caller's pid), then W^X memory (``MemoryDenyWriteExecute=yes``,
+    Linux >= 6.3), then ``seccomp``'s filter (last, so it need allow nothing
+    of the set-up; ``log_only``: its diagnostic form). The launcher runs in
+    the interpreter ``argv`` names when that is a Python (so a user who may
+    run only that one can run it), else in this one. ``argv`` unchanged when
+    nothing is asked for."""
+    if die_with_parent_pid is None and not write_xor_execute and seccomp is None:
+        return list(argv)
+    if seccomp is not None and platform.machine() != "x86_64":
+        raise SandboxError(f"the filter is for x86_64; this machine is {platform.machine()}")
+    python = argv[0] if _is_python(argv[0]) else sys.executable
+    return [python, "-c", _LAUNCHER, str(die_with_parent_pid) if die_with_parent_pid is not None else "-",
+            "wx" if write_xor_execute else "-", seccomp.program_bytes(log_only).hex() if seccomp is not None else "-",
+            *argv]
 
 
 def _unit_settings(unit: Path) -> dict[str, list[str]]:
     """The [Service] lines of a unit, name -> values in order (a setting
-    given twice accumulates, as systemd merges list settings)."""
+    given twice accumulates, as systemd merges list settings; an empty
+    assignment resets it, as in systemd)."""
     settings: dict[str, list[str]] = {}
     section = ""
     for line in unit.read_text().splitlines():
@@ -153,7 +200,10 @@ def _unit_settings(unit: Path) -> dict[str, list[str]]:
             continue
         if section == "[Service]" and "=" in line:
             key, _, value = line.partition("=")
-            settings.setdefault(key.strip(), []).append(value.strip())
+            if value.strip():
+                settings.setdefault(key.strip(), []).append(value.strip())
+            else:
+                settings[key.strip()] = []
     return settings
 
 

@@ -254,12 +254,13 @@ def test_the_check_sees_write_xor_execute_when_it_is_in_force() -> None:
     import subprocess
     import sys
 
-    from coordinator.demo import can_deny_write_execute, deny_write_execute
+    from coordinator.demo import can_deny_write_execute
+    from coordinator.sandbox import launcher_argv
 
     if not can_deny_write_execute():
         pytest.skip("the kernel cannot enforce W^X on a process (PR_SET_MDWE, Linux < 6.3)")
     argv = [sys.executable, "-m", "agent.main", "--check", "--backend", "sim", "--check-rounds", "1", "--no-coordinator", "--json"]
-    under_wx = subprocess.run(argv, capture_output=True, text=True, timeout=60, preexec_fn=deny_write_execute)
+    under_wx = subprocess.run(launcher_argv(argv, write_xor_execute=True), capture_output=True, text=True, timeout=60)
     plain = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert json.loads(under_wx.stdout)["write_xor_execute"] is True, under_wx.stdout + under_wx.stderr
     assert json.loads(plain.stdout)["write_xor_execute"] is False

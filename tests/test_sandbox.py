@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import platform
 import shutil
 import struct
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.sandbox import UNISTD_64, SandboxError, UnitSeccomp, from_unit, syscall_numbers
+from coordinator.sandbox import UNISTD_64, SandboxError, UnitSeccomp, from_unit, launcher_argv, syscall_numbers
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_UNIT = ROOT / "systemd" / "gpulb-agent.service"
@@ -117,25 +118,34 @@ def test_the_agent_units_filter_resolves_as_systemd_expands_it() -> None:
 
 
 @needs_systemd
-def test_units_the_module_cannot_resolve_are_refused_naming_the_setting(tmp_path: Path) -> None:
-    deny = tmp_path / "deny.service"
-    deny.write_text("[Service]\nExecStart=/bin/true\nSystemCallFilter=~@mount\n")
-    with pytest.raises(SandboxError, match="deny-lists"):
-        from_unit(deny)
-    none = tmp_path / "none.service"
-    none.write_text("[Service]\nExecStart=/bin/true\n")
-    with pytest.raises(SandboxError, match="no SystemCallFilter="):
-        from_unit(none)
-    fam = tmp_path / "fam.service"
-    fam.write_text("[Service]\nSystemCallFilter=@system-service\nRestrictAddressFamilies=AF_BLUETOOTH\n")
-    with pytest.raises(SandboxError, match="RestrictAddressFamilies= AF_BLUETOOTH"):
-        from_unit(fam)
+@pytest.mark.parametrize(
+    "service, message",
+    [
+        ("ExecStart=/bin/true\nSystemCallFilter=~@mount\n", "deny-lists"),
+        ("ExecStart=/bin/true\n", "no SystemCallFilter="),
+        ("SystemCallFilter=@system-service\nRestrictAddressFamilies=AF_BLUETOOTH\n", "RestrictAddressFamilies= AF_BLUETOOTH"),
+        ("SystemCallFilter=@system-service\nSystemCallErrorNumber=ENOPE\n", "SystemCallErrorNumber=ENOPE"),
+    ],
+)
+def test_units_the_module_cannot_resolve_are_refused_naming_the_setting(tmp_path: Path, service: str, message: str) -> None:
+    unit = tmp_path / "x.service"
+    unit.write_text("[Service]\n" + service)
+    with pytest.raises(SandboxError, match=message):
+        from_unit(unit)
+
+
+@needs_systemd
+def test_filter_lines_accumulate_as_systemd_merges_them(tmp_path: Path) -> None:
     # two lines accumulate, as systemd merges them; a plain name joins the groups
     two = tmp_path / "two.service"
     two.write_text("[Service]\nSystemCallFilter=@basic-io\nSystemCallFilter=ioctl\nSystemCallErrorNumber=EACCES\n")
     spec = from_unit(two)
     assert {"read", "write", "ioctl", "execve"} <= set(spec.syscalls) and "socket" not in spec.syscalls
     assert spec.errno == errno.EACCES
+    # an empty assignment resets the list, as in systemd
+    reset = tmp_path / "reset.service"
+    reset.write_text("[Service]\nSystemCallFilter=@network-io\nSystemCallFilter=\nSystemCallFilter=@basic-io\n")
+    assert "socket" not in from_unit(reset).syscalls and "read" in from_unit(reset).syscalls
 
 
 _PROBE = textwrap.dedent(
@@ -157,9 +167,9 @@ _PROBE = textwrap.dedent(
 @needs_systemd
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter is built for x86_64")
 def test_a_child_under_the_units_filter_is_refused_what_the_unit_refuses() -> None:
-    install = from_unit(AGENT_UNIT).installer()
-    plain = json.loads(subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True).stdout)
-    confined = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, preexec_fn=install)
+    probe = [sys.executable, "-c", _PROBE]
+    plain = json.loads(subprocess.run(probe, capture_output=True, text=True, check=True).stdout)
+    confined = subprocess.run(launcher_argv(probe, seccomp=from_unit(AGENT_UNIT)), capture_output=True, text=True)
     assert confined.returncode == 0, confined.stderr
     got = json.loads(confined.stdout)
     assert plain == {"mode": "0", "ptrace": "ok", "netlink": "ok", "inet": "ok"}
@@ -171,8 +181,8 @@ def test_a_child_under_the_units_filter_is_refused_what_the_unit_refuses() -> No
 def test_the_agents_check_passes_under_the_units_filter_and_says_so() -> None:
     argv = [sys.executable, "-m", "agent.main", "--check", "--backend", "sim", "--sim-gpus", "2", "--check-rounds", "2",
             "--no-coordinator", "--json"]
-    confined = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT,
-                              preexec_fn=from_unit(AGENT_UNIT).installer())
+    confined = subprocess.run(launcher_argv(argv, seccomp=from_unit(AGENT_UNIT)), capture_output=True, text=True,
+                              timeout=60, cwd=ROOT)
     assert confined.returncode == 0, confined.stdout[-2000:] + confined.stderr[-2000:]
     report = json.loads(confined.stdout)
     assert report["ok"] is True and report["seccomp_filter"] is True and len(report["gpus"]) == 2
@@ -239,13 +249,12 @@ def test_the_daemons_serve_under_their_units_filters(tmp_path: Path) -> None:
                   "--state-dir", str(tmp_path / "state"), "--insecure", "--log-format", "json"]
     group = ProcessGroup(tmp_path)
     try:
-        coord = group.start("coordinator", coord_argv, write_xor_execute=wx, seccomp=coord_filter.installer())
+        coord = group.start("coordinator", coord_argv, write_xor_execute=wx, seccomp=coord_filter)
         agent = group.start("agent", [sys.executable, "-m", "agent.main", "--backend", "sim", "--sim-gpus", "2",
                                       "--coordinator", target, "--node-id", "confined", "--log-format", "json"],
-                            write_xor_execute=wx, seccomp=agent_filter.installer())
-        for proc in (coord, agent):
-            status = _wait(lambda: open(f"/proc/{proc.pid}/status").read(), "the process")
-            assert "\nSeccomp:\t2\n" in status, status
+                            write_xor_execute=wx, seccomp=agent_filter)
+        for proc in (coord, agent):  # the launcher confines itself, then execs the daemon
+            _wait(lambda: "\nSeccomp:\t2\n" in open(f"/proc/{proc.pid}/status").read(), "the filter in force")
         with grpc.insecure_channel(target) as ch:
             ops, sched = cpb_grpc.ClusterOperatorStub(ch), tpb_grpc.SchedulerStub(ch)
             _wait(lambda: len(ops.ListGpus(cpb.ListGpusRequest(), timeout=2).gpus) == 2, "the agent's GPUs")
@@ -267,7 +276,7 @@ def test_the_daemons_serve_under_their_units_filters(tmp_path: Path) -> None:
         # the lease was written to SQLite under the filter: a restarted coordinator has it
         group = ProcessGroup(tmp_path / "again")
         (tmp_path / "again").mkdir()
-        group.start("coordinator", coord_argv, write_xor_execute=wx, seccomp=coord_filter.installer())
+        group.start("coordinator", coord_argv, write_xor_execute=wx, seccomp=coord_filter)
         with grpc.insecure_channel(target) as ch:
             again = _wait(lambda: tpb_grpc.SchedulerStub(ch).GetTask(tpb.GetTaskRequest(task_id="confined-1"), timeout=2),
                           "the restarted coordinator")
@@ -276,3 +285,54 @@ def test_the_daemons_serve_under_their_units_filters(tmp_path: Path) -> None:
         group.stop_all()
     for log in tmp_path.glob("**/*.log"):
         assert "Operation not permitted" not in log.read_text(), log
+
+
+def test_the_launcher_is_left_out_when_nothing_is_asked_and_refuses_an_orphan() -> None:
+    argv = [sys.executable, "-c", "print('ran')"]
+    assert launcher_argv(argv) == argv
+    ran = subprocess.run(launcher_argv(argv, die_with_parent_pid=os.getpid()), capture_output=True, text=True)
+    assert (ran.returncode, ran.stdout) == (0, "ran\n")
+    # started by another parent than the one it is to die with: it would run on unwatched
+    orphan = subprocess.run(launcher_argv(argv, die_with_parent_pid=1), capture_output=True, text=True)
+    assert orphan.returncode != 0 and "the parent is gone" in orphan.stderr and orphan.stdout == ""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter is built for x86_64")
+@pytest.mark.timeout(120)
+def test_confined_children_start_while_this_process_is_busy_with_grpc() -> None:
+    """Confinement set up by a preexec_fn (Python in the forked child) died
+    now and then here: gRPC's fork handler restarts its poller in the child
+    and closing the inherited descriptors pulls its epoll descriptor away
+    (SIGABRT, 2 to 6 in 150). The launcher runs nothing between fork and
+    exec."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+
+    def hammer() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while not stop.is_set():
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+    threads = [threading.Thread(target=hammer, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    spec = from_unit(AGENT_UNIT) if HAVE_SYSTEMD else None  # the hazard was running Python before exec, any filter
+    try:
+        codes = [subprocess.run(launcher_argv([sys.executable, "-c", "pass"], die_with_parent_pid=os.getpid(),
+                                              seccomp=spec), capture_output=True).returncode for _ in range(100)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        server.stop(0)
+    assert codes == [0] * 100, sorted(set(codes))
