@@ -336,3 +336,45 @@ def test_confined_children_start_while_this_process_is_busy_with_grpc() -> None:
             t.join(timeout=10)
         server.stop(0)
     assert codes == [0] * 100, sorted(set(codes))
+
+
+def _gone_or_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in fh)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(60)
+def test_a_child_of_a_process_group_dies_with_its_parent_even_by_sigkill(tmp_path: Path) -> None:
+    """What the demo promises: not even a SIGKILLed demo leaves its cluster
+    running (the launcher's PR_SET_PDEATHSIG, kept across exec)."""
+    import signal
+    import time
+
+    up = tmp_path / "up"
+    parent_script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from coordinator.demo import ProcessGroup
+        child = ProcessGroup(Path({str(tmp_path)!r})).start(
+            "child", [sys.executable, "-c", "import sys, time; open(sys.argv[1], 'w').write('up'); time.sleep(60)", {str(up)!r}])
+        print(child.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child_pid = int(parent.stdout.readline())
+    deadline = time.monotonic() + 30
+    while not up.exists():  # the launcher has exec'd the child, which is running
+        assert time.monotonic() < deadline and parent.poll() is None, "the child never started"
+        time.sleep(0.05)
+    assert not _gone_or_zombie(child_pid)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=10)
+    while not _gone_or_zombie(child_pid):
+        assert time.monotonic() < deadline + 10, "the child outlived its SIGKILLed parent"
+        time.sleep(0.05)
