@@ -1,6 +1,7 @@
-"""The agent unit's seccomp filter, without systemd.
+"""The units' confinement without systemd: their seccomp filters, W^X
+memory, and a launcher that puts a command under them.
 
-``systemd/gpulb-agent.service`` allows the agent the system calls of
+``systemd/gpulb-agent.service`` (and the coordinator's likewise) allows the agent the system calls of
 ``SystemCallFilter=@system-service`` (refusing the rest with
 ``SystemCallErrorNumber=EPERM``), only the native ABI
 (``SystemCallArchitectures=native``) and only the socket families of
@@ -128,8 +129,9 @@ class UnitSeccomp:
 # The launcher: confines the process it runs in, then execs the command, so
 # what it set up holds for the command (PR_SET_PDEATHSIG, PR_SET_MDWE and a
 # seccomp filter are all kept across exec). Standard library only, and run
-# with -c, so any interpreter the command's user may run can run it, without
-# this package on its path. argv: parent pid or "-", "wx" or "-", the filter
+# with -c in isolated mode (-I: no current directory or PYTHON* variables on
+# its path; the command still gets the environment), so any interpreter the
+# command's user may run can run it, without this package on its path. argv: parent pid or "-", "wx" or "-", the filter
 # as hex or "-", then the command.
 _LAUNCHER = r"""
 import ctypes, os, sys
@@ -180,7 +182,7 @@ def launcher_argv(argv: list[str], *, die_with_parent_pid: int | None = None, wr
     if seccomp is not None and platform.machine() != "x86_64":
         raise SandboxError(f"the filter is for x86_64; this machine is {platform.machine()}")
     python = argv[0] if _is_python(argv[0]) else sys.executable
-    return [python, "-c", _LAUNCHER, str(die_with_parent_pid) if die_with_parent_pid is not None else "-",
+    return [python, "-I", "-c", _LAUNCHER, str(die_with_parent_pid) if die_with_parent_pid is not None else "-",
             "wx" if write_xor_execute else "-", seccomp.program_bytes(log_only).hex() if seccomp is not None else "-",
             *argv]
 
