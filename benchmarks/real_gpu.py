@@ -72,8 +72,8 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from coordinator.demo import ProcessGroup, can_deny_write_execute, free_port, popen_as  # noqa: E402
-from coordinator.sandbox import UnitSeccomp, launcher_argv  # noqa: E402
 from coordinator.ingestbench import process_cpu_s, scrape_metrics  # noqa: E402
+from coordinator.sandbox import UnitSeccomp, launcher_argv  # noqa: E402
 from coordinator.tables import render_table  # noqa: E402
 from protos import cluster_pb2 as cpb  # noqa: E402
 from protos import cluster_pb2_grpc as cpb_grpc  # noqa: E402
@@ -592,8 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         agent = group.start("agent", [sys.executable, "-m", "agent.main", "--backend", "sim" if args.rehearse else "nvml",
                                       "--sim-gpus", "1", "--sim-workload", "idle",
                                       "--coordinator", target, "--node-id", "gpu-host", "--log-format", "json"],
-                            user=args.agent_user, write_xor_execute=args.agent_wx,
-                            seccomp=seccomp)
+                            user=args.agent_user, write_xor_execute=args.agent_wx, seccomp=seccomp)
         poller = threading.Thread(target=_poll, args=(target, run, stop), daemon=True)
         poller.start()
         deadline = time.time() + 30

@@ -10,6 +10,7 @@ The workload itself is ``coordinator.demo_workload``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -98,9 +99,11 @@ def popen_as(user: str | None) -> dict:
     return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": os.getgrouplist(user, entry.pw_gid)}
 
 
+@functools.lru_cache(maxsize=None)
 def can_deny_write_execute() -> bool:
-    """Whether this kernel can put a child under W^X (``deny_write_execute``):
-    a throw-away child tries."""
+    """Whether this kernel can put a child under W^X (the launcher's
+    ``PR_SET_MDWE``, ``coordinator.sandbox``): a throw-away child tries, once
+    per process (a property of the kernel)."""
     try:
         subprocess.run(launcher_argv([sys.executable, "-c", "pass"], write_xor_execute=True), check=True,
                        stderr=subprocess.DEVNULL)

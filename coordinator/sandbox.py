@@ -271,7 +271,8 @@ def from_unit(unit: Path, analyze: str | None = None, header: Path = UNISTD_64) 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--unit", type=Path, default=Path(__file__).resolve().parents[1] / "systemd" / "gpulb-agent.service")
+    p.add_argument("--unit", type=Path, default=Path(__file__).resolve().parents[1] / "systemd" / "gpulb-agent.service",
+                   help="the unit whose filter to resolve (default: this repository's agent unit)")
     p.add_argument("--out", type=Path, required=True, help="the JSON to write (for real_gpu.py --agent-seccomp)")
     args = p.parse_args(argv)
     try:

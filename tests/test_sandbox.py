@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from waiting import wait_until
+
 from coordinator.sandbox import UNISTD_64, SandboxError, UnitSeccomp, from_unit, launcher_argv, syscall_numbers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,21 +206,6 @@ def test_the_module_writes_the_spec_for_a_gpu_host(tmp_path: Path) -> None:
 COORDINATOR_UNIT = ROOT / "systemd" / "gpulb-coordinator.service"
 
 
-def _wait(pred, what: str, seconds: float = 30.0):
-    import time
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            got = pred()
-        except Exception:  # not serving yet
-            got = None
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @needs_systemd
 @pytest.mark.slow
 @pytest.mark.timeout(150)
@@ -254,14 +241,14 @@ def test_the_daemons_serve_under_their_units_filters(tmp_path: Path) -> None:
                                       "--coordinator", target, "--node-id", "confined", "--log-format", "json"],
                             write_xor_execute=wx, seccomp=agent_filter)
         for proc in (coord, agent):  # the launcher confines itself, then execs the daemon
-            _wait(lambda: "\nSeccomp:\t2\n" in open(f"/proc/{proc.pid}/status").read(), "the filter in force")
+            wait_until(lambda: "\nSeccomp:\t2\n" in open(f"/proc/{proc.pid}/status").read(), "the filter in force")
         with grpc.insecure_channel(target) as ch:
             ops, sched = cpb_grpc.ClusterOperatorStub(ch), tpb_grpc.SchedulerStub(ch)
-            _wait(lambda: len(ops.ListGpus(cpb.ListGpusRequest(), timeout=2).gpus) == 2, "the agent's GPUs")
+            wait_until(lambda: len(ops.ListGpus(cpb.ListGpusRequest(), timeout=2).gpus) == 2, "the agent's GPUs")
             sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=tpb.TaskSpec(
                 task_id="confined-1", vram_mib=1024, gpu_share=0.2, priority=tpb.PRIORITY_P1, kind="inference",
                 duration_s=3600), wait=False), timeout=5)
-            leased = _wait(lambda: (t := sched.GetTask(tpb.GetTaskRequest(task_id="confined-1"), timeout=2)).state
+            leased = wait_until(lambda: (t := sched.GetTask(tpb.GetTaskRequest(task_id="confined-1"), timeout=2)).state
                            == tpb.TASK_STATE_LEASED and t, "the task's lease")
             assert leased.assignment.node_id == "confined"
         text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
@@ -269,7 +256,7 @@ def test_the_daemons_serve_under_their_units_filters(tmp_path: Path) -> None:
         assert "gpulb_gpu_utilization_ratio" in names
         os.kill(coord.pid, signal.SIGHUP)  # reload: re-reads its configuration, keeps serving
         with grpc.insecure_channel(target) as ch:
-            _wait(lambda: len(cpb_grpc.ClusterOperatorStub(ch).ListGpus(cpb.ListGpusRequest(), timeout=2).gpus) == 2,
+            wait_until(lambda: len(cpb_grpc.ClusterOperatorStub(ch).ListGpus(cpb.ListGpusRequest(), timeout=2).gpus) == 2,
                   "serving after the reload")
         codes = dict(group.stop_all())
         assert codes == {"coordinator": 0, "agent": 0}, (tmp_path / "coordinator.log").read_text()[-2000:]
@@ -278,7 +265,7 @@ def test_the_daemons_serve_under_their_units_filters(tmp_path: Path) -> None:
         (tmp_path / "again").mkdir()
         group.start("coordinator", coord_argv, write_xor_execute=wx, seccomp=coord_filter)
         with grpc.insecure_channel(target) as ch:
-            again = _wait(lambda: tpb_grpc.SchedulerStub(ch).GetTask(tpb.GetTaskRequest(task_id="confined-1"), timeout=2),
+            again = wait_until(lambda: tpb_grpc.SchedulerStub(ch).GetTask(tpb.GetTaskRequest(task_id="confined-1"), timeout=2),
                           "the restarted coordinator")
         assert again.state == tpb.TASK_STATE_LEASED and again.assignment.node_id == "confined"
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -24,3 +25,19 @@ async def until(predicate, timeout: float = 15.0, what: str = "condition", every
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(every)
+
+
+def wait_until(predicate, what: str, seconds: float = 30.0, every: float = 0.1):
+    """``until`` for plain code: poll ``predicate`` until it returns something
+    truthy and return that; an exception from it counts as "not yet" (a
+    server not serving yet, a process not started)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            got = predicate()
+        except Exception:
+            got = None
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
