@@ -115,6 +115,12 @@ class SchedulerConfig:
     response_time_ref_s: float = 5.0
     # Predicted load reads the one-step EWMA forecast (True) or the smoothed util.
     use_forecast: bool = True
+    # Share of the GPUs (0..1) that the largest-memory cards may make up and still
+    # count as "big": the load-aware big_cards term keeps them for work whose
+    # memory (its ask times its kind's largest learned growth) the other cards
+    # cannot hold. Counted from the largest card down; where the largest cards
+    # alone are more than this share (every card one size, say), none is big.
+    big_card_share: float = 0.1
 
     # ---- policy -----------------------------------------------------------------
     policy: str = "load_aware"
@@ -174,6 +180,8 @@ class SchedulerConfig:
             raise InvalidArgument("preempt_min_run_s", f"must be a finite number >= 0, got {self.preempt_min_run_s!r}")
         if not (math.isfinite(self.backfill_estimate_factor) and self.backfill_estimate_factor >= 0):
             raise InvalidArgument("backfill_estimate_factor", "must be a finite number >= 0")
+        if not (math.isfinite(self.big_card_share) and 0 <= self.big_card_share < 1):
+            raise InvalidArgument("big_card_share", f"must be in [0, 1), got {self.big_card_share!r}")
         for name in ("memory_reject_pct", "memory_warn_pct"):
             value = getattr(self, name)
             if not (math.isfinite(value) and 0 < value <= 100):

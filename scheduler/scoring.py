@@ -13,6 +13,7 @@ with like. The load-aware score of GPU g on a fresh node::
          + w_completion       * C(g)             (only with predicted slowdowns)
          + w_spread           * R(g)             (the policy's placement history)
          + w_oom_risk         * O(g)             (only with learned memory growth)
+         + w_big_cards        * B(g)             (only where some cards are big)
 
     P(x)  = clip((x - warn) / (reject - warn), 0, 1)   warn 70 %, reject 85 %
     T(t)  = clip((t - 60 °C) / (85 °C - 60 °C), 0, 1)  (NaN -> 1)
@@ -52,6 +53,16 @@ takes util std from 1.13-1.27x to 1.03-1.20x round-robin's at about the same
 response. A choice between wear and thermal balance over time and room for
 big tasks, so it is a weight, off by default.
 
+``B(g)`` keeps the few big-memory cards for the work that needs them. The
+*big* cards are the largest-memory ones that together make up at most
+``big_card_share`` of the GPUs (``SchedulerConfig``, 10 %), counted from the
+largest size down; ``small`` is the largest memory of the other cards. A
+task whose need, its ask times the largest growth learned for its kind (its
+ask alone before anything is learned), fits in ``small`` scores ``B = 1`` on a
+big card and 0 elsewhere; a task that needs more, or has no ask, scores 0.
+Where the largest cards are more than that share (every card one size, say)
+no card is big and there is no such term. BIG_CARDS_MEASURED
+
 ``util`` is the EWMA forecast (or smoothed util, see config; NaN -> 100 %),
 ``reserved_*`` the effective reservations, ``active`` the tasks on the GPU
 (max of the snapshot's count and our live leases: the jitter term spreads
@@ -80,6 +91,8 @@ if TYPE_CHECKING:  # the view imports the term functions below
 
 __all__ = [
     "LOAD_AWARE_WEIGHTS",
+    "big_card_column",
+    "big_card_need",
     "speed_loss_scores",
     "memory_pressure",
     "temperature_penalty",
@@ -104,6 +117,7 @@ LOAD_AWARE_WEIGHTS: Mapping[str, float] = {
     "nvlink": 0.5,  # bonus for a fully NVLink-connected multi-GPU set (see policies)
     "spread": 0.0,  # > 0: recently chosen GPUs yield to equally good others (R above; off by default)
     "oom_risk": 2.0,  # learned chance of outgrowing the GPU's free memory (O above); needs learned growth
+    "big_cards": 1.0,  # a task the other cards can hold keeps off the few big-memory ones (B above)
 }
 
 
@@ -244,6 +258,9 @@ def load_aware_scores(
     if table is not None:
         table.add_risk(score, take(view.headroom), spec.vram_mib, w["oom_risk"])
     score += take(_static(view, w))
+    big = _big_card_penalty(view, spec, w["big_cards"])
+    if big is not None:
+        score += take(big)
     if w_jitter:
         jitter = view.derived(("load_aware.jitter", w_jitter), lambda v, r: _weighted_active(v, r, w_jitter))
         score += take(jitter)
@@ -262,6 +279,57 @@ def load_aware_scores(
         stale = w["stale"] * (1.0 + view.stale_busy)
         score = np.where(take(view.stale), stale[take(view.node)], score)
     return score
+
+
+def big_card_column(view: PlacementView) -> tuple[np.ndarray, float] | None:
+    """``(B, small)``: 1.0 on the big cards and 0.0 elsewhere, and the largest
+    memory (MiB) of the other cards; None when no card is big (module
+    docstring). Cached per view: capacities do not change within one."""
+    share = view.config.big_card_share
+    key = ("big_cards", share)
+    if key in view.static_cache:
+        return view.static_cache[key]  # type: ignore[return-value]
+    result = None
+    known = np.sort(view.total[view.total > 0])
+    if share > 0 and known.size:
+        sizes = np.unique(known)[::-1]  # largest first
+        # share of the known GPUs with at least each size
+        at_least = (known.size - np.searchsorted(known, sizes, side="left")) / known.size
+        big = int(np.count_nonzero(at_least <= share))  # a prefix: at_least only grows
+        if 0 < big < sizes.size:
+            threshold = float(sizes[big - 1])
+            result = (np.where(view.total >= threshold, 1.0, 0.0), float(sizes[big]))
+    view.static_cache[key] = result  # type: ignore[assignment]
+    return result
+
+
+def big_card_need(view: PlacementView, spec: TaskSpec) -> float:
+    """The memory (MiB per GPU) the big_cards term judges ``spec`` by: its
+    ask times the largest growth learned for its kind, its ask alone before
+    anything is learned; 0 without an ask."""
+    if spec.vram_mib <= 0:
+        return 0.0
+    table = table_for(view.snapshot.memory_growth, spec.kind) if view.snapshot.memory_growth else None
+    return spec.vram_mib * (max(table.hi, 1.0) if table is not None else 1.0)
+
+
+def _big_card_penalty(view: PlacementView, spec: TaskSpec, weight: float) -> np.ndarray | None:
+    """``w_big_cards * B`` for every row when the term applies to ``spec``, else None."""
+    if not weight:
+        return None
+    big = big_card_column(view)
+    if big is None:
+        return None
+    column, small = big
+    need = big_card_need(view, spec)
+    if not 0 < need <= small:
+        return None
+    key = ("load_aware.big_cards", view.config.big_card_share, weight)
+    weighted = view.static_cache.get(key)
+    if weighted is None:
+        weighted = column * weight
+        view.static_cache[key] = weighted
+    return weighted
 
 
 def growth_table(view: PlacementView, spec: TaskSpec, weight: float) -> GrowthTable | None:
@@ -298,7 +366,8 @@ def load_aware_bounds(
     jitter, the completion term with no stretch), kept current by
     ``PlacementView.derived``, minus the preferred-label bonus; ``shift`` is
     ``w_load * share``. What is left out is never negative: memory pressure
-    (clipped at 0) and the completion term's stretch (at least 1). Policies use
+    (clipped at 0), the completion term's stretch (at least 1), the learned
+    OOM risk and the big-cards term. Policies use
     it to score exactly only the GPUs that can win. None when some node is
     stale (stale GPUs are scored otherwise).
     """
@@ -381,6 +450,9 @@ def load_aware_terms(
     table = growth_table(view, spec, w["oom_risk"])
     if table is not None:
         names.append("oom_risk")
+    big = _big_card_penalty(view, spec, w["big_cards"])
+    if big is not None:
+        names.append("big_cards")
     w_load, w_memory, w_temp, w_jitter, w_rt = (w[n] for n in names[:5])
     share_pct = 100.0 * spec.gpu_share
     totals: list[float] | None = None  # per name, summed over the fresh rows in order
@@ -408,6 +480,8 @@ def load_aware_terms(
             values.append(float(spread[r]))
         if table is not None:
             values.append(w["oom_risk"] * table.risk_at(float(view.headroom[r]), spec.vram_mib))
+        if big is not None:
+            values.append(float(big[r]))
         totals = values if totals is None else [t + v for t, v in zip(totals, values)]
     count = len(rows)
     out = {} if totals is None else {name: total / count for name, total in zip(names, totals)}

@@ -1,0 +1,146 @@
+"""The load-aware ``big_cards`` term: the few big-memory cards are kept for
+work the other cards cannot hold (``scheduler.scoring``, B(g))."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from scheduler.cluster import ClusterNode
+from scheduler.config import SchedulerConfig
+from scheduler.errors import InvalidArgument
+from scheduler.filters import feasible
+from scheduler.memgrowth import ANY_KIND, GrowthTable, MemoryGrowthConfig
+from scheduler.policies import LoadAware
+from scheduler.scoring import LOAD_AWARE_WEIGHTS, big_card_column, big_card_need, load_aware_scores
+from scheduler.simulator import RatioMemory, SimConfig, Simulation
+from scheduler.snapshot import ClusterSnapshot, NodeFacts
+from scheduler.task import Priority, TaskSpec
+from scheduler.traces import TraceTask
+from scheduler.view import PlacementView
+
+W = LOAD_AWARE_WEIGHTS
+G3, V100_32, G2 = 81_920.0, 32_768.0, 24_576.0
+
+
+def cluster(sizes: list[float], growth: dict[str, list[float]] | None = None) -> ClusterSnapshot:
+    """One idle single-GPU node per size, in that order (row i = sizes[i])."""
+    snap = ClusterSnapshot.build(
+        [NodeFacts(f"n{i}", 1, memory_total_mib=size) for i, size in enumerate(sizes)],
+        util_pct=[0.0] * len(sizes), memory_used_mib=[0.0] * len(sizes), temperature_c=[40.0] * len(sizes),
+    )
+    if growth:
+        snap.memory_growth = {kind: GrowthTable.from_ratios(r) for kind, r in growth.items()}
+    return snap
+
+
+# one 80 GiB card and one 32 GiB card among 18 of 24 GiB: 5 % and 10 % of the GPUs
+OPENB_LIKE = [G3, V100_32] + [G2] * 18
+
+
+@pytest.mark.parametrize(
+    "sizes, share, big_rows, small",
+    [
+        (OPENB_LIKE, 0.1, [0, 1], G2),  # 80 and 32 GiB together are 10 %: both big
+        (OPENB_LIKE, 0.05, [0], V100_32),  # only the 80 GiB card is within 5 %
+        (OPENB_LIKE, 0.0, None, None),  # off
+        ([G2] * 20, 0.1, None, None),  # one size: nothing is big
+        ([G3, G3, G3] + [G2] * 7, 0.1, None, None),  # the largest alone are 30 %
+        ([G3, 0.0] + [G2] * 18, 0.1, [0], G2),  # an unknown capacity counts for nothing
+    ],
+)
+def test_big_cards_are_the_largest_within_their_share(sizes, share, big_rows, small) -> None:
+    view = PlacementView(cluster(sizes), None, SchedulerConfig(big_card_share=share))
+    big = big_card_column(view)
+    if big_rows is None:
+        assert big is None
+        return
+    column, small_mib = big
+    assert np.flatnonzero(column).tolist() == big_rows
+    assert small_mib == small
+
+
+@pytest.mark.parametrize(
+    "vram, growth, need, penalised",
+    [
+        (4_000.0, None, 4_000.0, True),  # nothing learned: the ask
+        (13_107.0, {"inference": [1.0, 1.5]}, 19_660.5, True),  # grows to 1.5x: still fits 24 GiB
+        (13_107.0, {"inference": [1.0, 2.1]}, 27_524.7, False),  # grows to 2.1x: needs a big card
+        (13_107.0, {ANY_KIND: [2.1]}, 27_524.7, False),  # no table of its own: all kinds'
+        (13_107.0, {"inference": [0.5, 0.8]}, 13_107.0, True),  # shrinking never lowers the need below the ask
+        (30_000.0, None, 30_000.0, False),  # asks more than the small cards hold
+        (0.0, None, 0.0, False),  # no ask: nothing to judge it by
+    ],
+)
+def test_a_task_that_fits_the_other_cards_pays_the_term_on_big_ones(vram, growth, need, penalised) -> None:
+    snap = cluster(OPENB_LIKE, growth)
+    view = PlacementView(snap)
+    spec = TaskSpec("t", vram_mib=vram, gpu_share=0.5, kind="inference")
+    assert big_card_need(view, spec) == pytest.approx(need, abs=0.1)
+    with_term = load_aware_scores(view, spec, W)
+    without = load_aware_scores(view, spec, dict(W, big_cards=0.0))
+    extra = with_term - without
+    expected = W["big_cards"] if penalised else 0.0
+    assert extra[:2].tolist() == pytest.approx([expected, expected])  # the 80 and the 32 GiB card
+    assert not extra[2:].any()  # never on the 24 GiB ones
+
+
+def test_a_small_task_goes_to_a_small_card_and_would_not_without_the_term() -> None:
+    # every GPU idle: equal scores tie and the lowest row, the 80 GiB card, would win
+    view = PlacementView(cluster(OPENB_LIKE))
+    spec = TaskSpec("t", vram_mib=4_000.0, gpu_share=0.5)
+    with_term = LoadAware().choose(view, spec, feasible(view, spec))
+    without = LoadAware({"big_cards": 0.0}).choose(view, spec, feasible(view, spec))
+    assert without.node_id == "n0"
+    assert with_term.node_id == "n2"
+    assert with_term.score.terms["big_cards"] == 0.0  # the term applies to the task, paid only on big cards
+    # the breakdown names the term where it is paid, and still adds up
+    big = LoadAware().terms(view, spec, [0], load_aware_scores(view, spec, W))
+    assert big["big_cards"] == W["big_cards"]
+    assert sum(big.values()) == pytest.approx(load_aware_scores(view, spec, W)[0])
+
+
+def test_on_cards_of_one_size_the_weight_changes_nothing() -> None:
+    rng = np.random.default_rng(3)
+    snap = ClusterSnapshot.build(
+        [NodeFacts(f"n{i}", 4, memory_total_mib=G2) for i in range(8)],
+        util_pct=rng.uniform(0, 100, 32), memory_used_mib=rng.uniform(0, 20_000, 32),
+    )
+    view = PlacementView(snap)
+    for vram in (1_000.0, 8_000.0, 20_000.0):
+        spec = TaskSpec("t", vram_mib=vram, gpu_share=0.3)
+        assert np.array_equal(load_aware_scores(view, spec, W), load_aware_scores(view, spec, dict(W, big_cards=0.0)))
+
+
+@pytest.mark.parametrize("share", [1.0, -0.1, math.nan, math.inf])
+def test_big_card_share_out_of_range_is_refused_by_name(share) -> None:
+    with pytest.raises(InvalidArgument, match="big_card_share"):
+        SchedulerConfig(big_card_share=share).validate()
+
+
+def test_simulated_urgent_task_gets_the_big_card_to_itself() -> None:
+    """One 80 GiB card and nine of 24 GiB, all of speed 1. W (inference) grows
+    to 1.6x its ask and ends, teaching it; S, a batch task asking 4,000 MiB
+    at half a GPU, arrives at t = 20 for a long run; L, a P0 inference task
+    asking 20,000 MiB, arrives at t = 40 and grows to 1.6x (32,000 MiB): only
+    the big card holds it. Idle cards tie and the lowest row wins, so without
+    the term S takes the big card and L must share its compute (150 %: 100 s
+    of work take 150 s); with it S runs on a 24 GiB card and L alone."""
+    cards = [ClusterNode("big", 1, "G3", G3, 1.0)] + [ClusterNode(f"g2-{i}", 1, "G2", G2, 1.0) for i in range(9)]
+    tasks = [
+        TraceTask("W", 0.0, 10.0, 1, 10_000.0, 1.0, Priority.P3, "inference"),
+        TraceTask("S", 20.0, 10_000.0, 1, 4_000.0, 0.5, Priority.P2, "batch"),
+        TraceTask("L", 40.0, 100.0, 1, 20_000.0, 1.0, Priority.P0, "inference"),
+    ]
+    memory = RatioMemory({"W": (1.6,), "L": (1.6,)})
+    cfg = SimConfig(memory=memory, memory_growth=MemoryGrowthConfig(min_samples=1))
+    jct = {}
+    for policy in ("load_aware", "load_aware:big_cards=0"):
+        result = Simulation(tasks, cards, policy, cfg).run()
+        assert result.oom_kills == 0 and all(r.state == "completed" for r in result.records)
+        jct[policy] = {r.task_id: r.jct_s for r in result.records}
+    assert jct["load_aware"]["L"] == pytest.approx(100.0)
+    assert jct["load_aware:big_cards=0"]["L"] == pytest.approx(150.0)
+    assert jct["load_aware"]["S"] == pytest.approx(10_000.0)
