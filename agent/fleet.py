@@ -35,10 +35,12 @@ class SimFleet:
         heartbeat_interval_s: float = 10.0,
         outage_buffer_rounds: int = 300,
         agent_options: Mapping[str, object] | None = None,
+        backend_options: Mapping[str, Mapping[str, object]] | None = None,
     ) -> None:
         """``agent_options`` are extra ``AgentConfig`` fields for every member
         (TLS files, token); ``{node_id}`` in a string value is replaced by the
-        member's node id."""
+        member's node id. ``backend_options``: per node id, extra ``SimBackend``
+        arguments (``model``, ``memory_total_mib``: a cluster of mixed cards)."""
         self.agents: list[Agent] = []
         self._tasks: list[asyncio.Task] = []
         for h in range(hosts):
@@ -55,7 +57,8 @@ class SimFleet:
                 outage_buffer_rounds=outage_buffer_rounds,
                 **{k: (v.format(node_id=node_id) if isinstance(v, str) else v) for k, v in (agent_options or {}).items()},
             )
-            backend = SimBackend(gpus=gpus, seed=seed * 1000 + h, workload=workload)
+            backend = SimBackend(gpus=gpus, seed=seed * 1000 + h, workload=workload,
+                                 **dict((backend_options or {}).get(node_id, {})))
             self.agents.append(Agent(config, backend, seed=seed * 1000 + h))
 
     def agent(self, node_id: str) -> Agent:

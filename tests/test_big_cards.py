@@ -144,3 +144,51 @@ def test_simulated_urgent_task_gets_the_big_card_to_itself() -> None:
     assert jct["load_aware"]["L"] == pytest.approx(100.0)
     assert jct["load_aware:big_cards=0"]["L"] == pytest.approx(150.0)
     assert jct["load_aware"]["S"] == pytest.approx(10_000.0)
+
+
+# ---- through a real coordinator -------------------------------------------------------------------
+
+
+async def test_small_tasks_leave_the_big_card_to_a_task_that_needs_it_through_a_real_coordinator():
+    """Ten simulated hosts of one GPU: sim-01 has 80 GiB, the others 24 GiB
+    (10 %: sim-01 is big). Twelve small tasks (4 GiB, 30 % of a GPU) all go
+    to the 24 GiB cards, though the 80 GiB one is idle; with the weight set to
+    0 through SetPolicy the next goes to it (the idlest). A 40 GiB task, which
+    only the big card holds, is then placed at once and pays no such term."""
+    import grpc
+
+    from agent.fleet import SimFleet
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+    from protos import tasks_pb2 as tpb
+    from protos import tasks_pb2_grpc as tpb_grpc
+    from waiting import until
+
+    gib = 1024
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", insecure=True, dispatch_interval_s=0.1))
+    port = await coord.start()
+    big_card = {"sim-01": {"model": "NVIDIA H100 80GB HBM3", "memory_total_mib": 81_559}}
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=10, gpus=1, workload="idle", backend_options=big_card):
+            await until(lambda: int(coord.dispatcher.snapshots.snapshot().healthy.sum()) == 10, what="ten healthy GPUs")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+
+                async def place(task_id: str, vram_gib: float, share: float) -> tpb.Task:
+                    spec = tpb.TaskSpec(task_id=task_id, num_gpus=1, vram_mib=int(vram_gib * gib), gpu_share=share,
+                                        kind="batch", priority=tpb.PRIORITY_P2)
+                    task = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
+                    assert task.state == tpb.TASK_STATE_LEASED, task.reason
+                    return task
+
+                small = [await place(f"small-{i}", 4, 0.3) for i in range(12)]
+                assert all(t.assignment.node_id != "sim-01" for t in small)
+                assert small[0].assignment.score.terms["big_cards"] == 0.0  # the term applied, paid nowhere it went
+                await stub.SetPolicy(tpb.SetPolicyRequest(name="load_aware", weights={"big_cards": 0.0}))
+                assert (await place("small-unkept", 4, 0.3)).assignment.node_id == "sim-01"
+                await stub.SetPolicy(tpb.SetPolicyRequest(name="load_aware", weights={"big_cards": 1.0}))
+                large = await place("large", 40, 0.5)
+                assert large.assignment.node_id == "sim-01"
+                assert "big_cards" not in large.assignment.score.terms  # it needs the big card
+    finally:
+        await coord.stop(grace_s=0.1)
