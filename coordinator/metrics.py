@@ -303,5 +303,7 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_workload_mix_share",
     "gpulb_growth_room_waits_total",
     "gpulb_preemptions_total",
+    "gpulb_big_cards",
+    "gpulb_big_cards_need_limit_bytes",
     *ADVISOR_METRIC_NAMES,  # the rebalance advisor's and the speed predictor's
 )

@@ -40,6 +40,7 @@ from scheduler.errors import (
     TaskFinished,
     UnknownTask,
 )
+from scheduler.scoring import big_card_sizes
 from scheduler.snapshot import ClusterSnapshot
 from scheduler.task import Task, TaskState
 
@@ -98,6 +99,8 @@ class Dispatcher:
         self._sla_misses_seen = 0
         self._gpu_facts_key: tuple[int, int] | None = None  # gpu_facts' cache: (reservations, version)
         self._gpu_facts: dict[str, tuple[float, int]] = {}
+        self._big_cards_key: tuple[int, float] | None = None  # big_cards' cache: (membership version, share)
+        self._big_cards: tuple[int, float] = (0, 0.0)
         #: adds learned per-node/model slowdowns to the snapshot (the advisor runtime sets it)
         self.annotate: Callable[[ClusterSnapshot], ClusterSnapshot] = lambda snapshot: snapshot
 
@@ -385,6 +388,19 @@ class Dispatcher:
         self._gpu_facts_key, self._gpu_facts = key, out
         return out
 
+    def big_cards(self) -> tuple[int, float]:
+        """(GPUs the load-aware ``big_cards`` term keeps for work that needs
+        their memory, the largest memory in MiB of the other cards): ``(0,
+        0.0)`` when no card is big. Capacities change only as nodes join or
+        leave, so it is worked out again only then (or on a new share)."""
+        key = (self.c.view.membership_version, self.engine.config.big_card_share)
+        if self._big_cards_key != key:
+            total = self.snapshots.snapshot().memory_total_mib
+            sizes = big_card_sizes(total, key[1])
+            self._big_cards = (0, 0.0) if sizes is None else (int((total >= sizes[0]).sum()), sizes[1])
+            self._big_cards_key = key
+        return self._big_cards
+
     def metric_families(self):
         summary = self.engine.queue_summary()
         depth = GaugeMetricFamily("gpulb_queue_depth", "Queued tasks by priority class", labels=["priority"])
@@ -427,7 +443,21 @@ class Dispatcher:
         )
         for outcome in ("nominated", "for_growth", "evicted", "placed_there", "placed_elsewhere", "lapsed"):
             preempt.add_metric([outcome], self.engine.preemption_counts[outcome])
-        return [depth, oldest, tasks, mix, room, preempt]
+        # so an operator who sees an 80 GiB card idle beside loaded small ones can tell it is kept
+        big_count, small_mib = self.big_cards()
+        big = GaugeMetricFamily(
+            "gpulb_big_cards",
+            "GPUs the load-aware big_cards term keeps for work that needs their memory: the largest-memory "
+            "cards, at most [scheduler] big_card_share of the GPUs (0: no card is big, e.g. all one size)",
+        )
+        big.add_metric([], big_count)
+        limit = GaugeMetricFamily(
+            "gpulb_big_cards_need_limit_bytes",
+            "Largest memory of the other cards: a task whose ask times its kind's largest learned memory growth "
+            "is at most this pays the big_cards term on the big cards (0 when no card is big)",
+        )
+        limit.add_metric([], small_mib * 1024 * 1024)
+        return [depth, oldest, tasks, mix, room, preempt, big, limit]
 
 
 def _time_out(future: asyncio.Future) -> None:

@@ -101,6 +101,7 @@ if TYPE_CHECKING:  # the view imports the term functions below
 __all__ = [
     "LOAD_AWARE_WEIGHTS",
     "big_card_column",
+    "big_card_sizes",
     "big_card_need",
     "speed_loss_scores",
     "memory_pressure",
@@ -290,6 +291,23 @@ def load_aware_scores(
     return score
 
 
+def big_card_sizes(total_mib: np.ndarray, share: float) -> tuple[float, float] | None:
+    """``(threshold, small)`` MiB: cards with at least ``threshold`` are big,
+    ``small`` is the largest memory of the others; None when no card is big
+    (module docstring). Zero or unknown capacities count for nothing."""
+    total = np.asarray(total_mib, dtype=np.float64)
+    known = np.sort(total[np.isfinite(total) & (total > 0)])
+    if not share > 0 or not known.size:
+        return None
+    sizes = np.unique(known)[::-1]  # largest first
+    # share of the known GPUs with at least each size
+    at_least = (known.size - np.searchsorted(known, sizes, side="left")) / known.size
+    big = int(np.count_nonzero(at_least <= share))  # a prefix: at_least only grows
+    if not 0 < big < sizes.size:
+        return None
+    return float(sizes[big - 1]), float(sizes[big])
+
+
 def big_card_column(view: PlacementView) -> tuple[np.ndarray, float] | None:
     """``(B, small)``: 1.0 on the big cards and 0.0 elsewhere, and the largest
     memory (MiB) of the other cards; None when no card is big (module
@@ -298,16 +316,8 @@ def big_card_column(view: PlacementView) -> tuple[np.ndarray, float] | None:
     key = ("big_cards", share)
     if key in view.static_cache:
         return view.static_cache[key]  # type: ignore[return-value]
-    result = None
-    known = np.sort(view.total[view.total > 0])
-    if share > 0 and known.size:
-        sizes = np.unique(known)[::-1]  # largest first
-        # share of the known GPUs with at least each size
-        at_least = (known.size - np.searchsorted(known, sizes, side="left")) / known.size
-        big = int(np.count_nonzero(at_least <= share))  # a prefix: at_least only grows
-        if 0 < big < sizes.size:
-            threshold = float(sizes[big - 1])
-            result = (np.where(view.total >= threshold, 1.0, 0.0), float(sizes[big]))
+    sizes = big_card_sizes(view.total, share)
+    result = None if sizes is None else (np.where(view.total >= sizes[0], 1.0, 0.0), sizes[1])
     view.static_cache[key] = result  # type: ignore[assignment]
     return result
 

@@ -190,5 +190,12 @@ async def test_small_tasks_leave_the_big_card_to_a_task_that_needs_it_through_a_
                 large = await place("large", 40, 0.5)
                 assert large.assignment.node_id == "sim-01"
                 assert "big_cards" not in large.assignment.score.terms  # it needs the big card
+            # the operator can see that one card is kept, and for what
+            from prometheus_client.parser import text_string_to_metric_families
+
+            samples = {s.name: s.value for f in text_string_to_metric_families(coord.metrics.exposition().decode())
+                       for s in f.samples}
+            assert samples["gpulb_big_cards"] == 1
+            assert samples["gpulb_big_cards_need_limit_bytes"] == 24_564 * 2**20  # a simulated RTX 4090
     finally:
         await coord.stop(grace_s=0.1)
