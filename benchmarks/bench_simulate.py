@@ -24,7 +24,12 @@ What it does (all on a virtual clock, see ``scheduler/simulator.py``):
    trace order, never ending, until one does not fit;
 5. **speed**: the openb default trace at its own pace on the openb cluster,
    tasks per minute of wall time per policy;
-6. prints each table, then load_aware / round_robin ratios next to the seeds'
+6. **OOM kills over seeds** on the openb cluster: round_robin and load_aware
+   once per memory-draw seed (``--kill-seeds``, 3: seeds 0, 1, 2), because
+   a single replay's kill count is a handful that moves by +-2 with any
+   change in which task goes where, and the seeds' -86 % is a ratio of such
+   counts;
+7. prints each table, then load_aware / round_robin ratios next to the seeds'
    claims, and the unallocated-GPU shares next to the FGD paper's baselines.
 
 Besides the six policies, ``round_robin@requests`` runs round-robin with no
@@ -101,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", help="write every figure here as JSON")
     p.add_argument("--plot", help="write PNG plots per scenario under this folder")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip", default="", help="comma list of parts to skip: 4090,barrier,openb,saturation,speed")
+    p.add_argument("--skip", default="",
+                   help="comma list of parts to skip: 4090,barrier,openb,saturation,speed,kills")
+    p.add_argument("--kill-seeds", type=int, default=3,
+                   help="seeds (0..N-1) of the OOM-kill count on the openb cluster (the 'kills' part)")
     args = p.parse_args(argv)
     policies = [x for x in args.policies.split(",") if x]
     skip = set(filter(None, args.skip.split(",")))
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     traces = TRACES[:1] if args.quick else TRACES
     cfg = SimConfig(seed=args.seed)
     started = time.perf_counter()
-    doc: dict = {"scenarios": [], "saturation": [], "speed": {}}
+    doc: dict = {"scenarios": [], "saturation": [], "speed": {}, "kills": []}
     summary_rows: list[list[str]] = []
 
     with tempfile.TemporaryDirectory(prefix="gpulb-bench-") as tmp:
@@ -205,6 +213,34 @@ def main(argv: list[str] | None = None) -> int:
                                      "snapshots": r.snapshots, "dispatches": r.dispatches}
                 rows.append([pol, f"{len(tasks):,}", f"{r.wall_s:.1f}s", fmt(rate, 0), f"{r.snapshots:,}"])
             print(render_table(["policy", "tasks", "wall", "tasks/min", "snapshots"], rows, align="lrrrr"))
+            print()
+
+        if "kills" not in skip and args.kill_seeds > 0:
+            seeds = list(range(args.kill_seeds))
+            print(f"## OOM kills on the openb cluster, arrivals x{args.arrival_scale:g}, memory-draw seeds "
+                  f"{', '.join(map(str, seeds))}")
+            rows = []
+            for name in traces:
+                tasks = scale_trace(trace_tasks[name], 1.0, args.arrival_scale)
+                kills: dict[str, list[int]] = {"round_robin": [], "load_aware": []}
+                evictions: list[int] = []
+                for seed in seeds:
+                    rr, la = simulate(tasks, openb_nodes, ["round_robin", "load_aware"], replace(cfg, seed=seed))
+                    kills["round_robin"].append(rr.oom_kills)
+                    kills["load_aware"].append(la.oom_kills)
+                    evictions.append(la.preemptions)
+                    print(f"  {name} seed {seed}: OOM kills round_robin {rr.oom_kills}, load_aware {la.oom_kills}",
+                          file=sys.stderr, flush=True)
+                rr_sum, la_sum = sum(kills["round_robin"]), sum(kills["load_aware"])
+                ratio = la_sum / rr_sum if rr_sum else math.nan
+                doc["kills"].append({"trace": name, "seeds": seeds, "kills": kills, "load_aware_evictions": evictions,
+                                     "ratio": ratio})
+                rows.append([name, " / ".join(map(str, kills["round_robin"])) + f" ({rr_sum})",
+                             " / ".join(map(str, kills["load_aware"])) + f" ({la_sum})", fmt(ratio, 3),
+                             fmt(SEED_CLAIMS["oom_kills"][1] / SEED_CLAIMS["oom_kills"][0], 3),
+                             " / ".join(f"{e:,}" for e in evictions)])
+            print(render_table(["trace", "round_robin kills (sum)", "load_aware kills (sum)", "ratio of sums",
+                                "seeds' ratio", "load_aware evictions for P0"], rows, align="lrrrrr"))
             print()
 
     if summary_rows:
