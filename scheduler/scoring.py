@@ -57,9 +57,10 @@ big tasks, so it is a weight, off by default.
 *big* cards are the largest-memory ones that together make up at most
 ``big_card_share`` of the GPUs (``SchedulerConfig``, 10 %), counted from the
 largest size down; ``small`` is the largest memory of the other cards. A
-task whose need, its ask times the largest growth learned for its kind (all
-kinds' before its own; its ask alone before anything is learned), fits in ``small`` scores ``B = 1`` on a
-big card and 0 elsewhere; a task that needs more, or has no ask, scores 0.
+task whose need, its ask times the largest growth learned for its kind
+(all kinds' before its own; its ask alone before anything is learned),
+fits in ``small`` scores ``B = 1`` on a big card and 0 elsewhere; a task
+that needs more, or has no ask, scores 0.
 Where the largest cards are more than that share (every card one size, say)
 no card is big and there is no such term. On the openb cluster
 (312 G3s of 80 GiB and 204 V100s of 32 GiB among 6,212 GPUs, 8.3 %) the
@@ -308,6 +309,10 @@ def big_card_sizes(total_mib: np.ndarray, share: float) -> tuple[float, float] |
     return float(sizes[big - 1]), float(sizes[big])
 
 
+#: [share, capacities, big_card_sizes' answer] of the last view that asked
+_LAST_BIG_CARDS: list = []
+
+
 def big_card_column(view: PlacementView) -> tuple[np.ndarray, float] | None:
     """``(B, small)``: 1.0 on the big cards and 0.0 elsewhere, and the largest
     memory (MiB) of the other cards; None when no card is big (module
@@ -316,7 +321,12 @@ def big_card_column(view: PlacementView) -> tuple[np.ndarray, float] | None:
     key = ("big_cards", share)
     if key in view.static_cache:
         return view.static_cache[key]  # type: ignore[return-value]
-    sizes = big_card_sizes(view.total, share)
+    last = _LAST_BIG_CARDS
+    if last and last[0] == share and np.array_equal(last[1], view.total):
+        sizes = last[2]  # capacities seldom change between views: a compare, not a sort (8,000 GPUs: ~5 vs ~40 us)
+    else:
+        sizes = big_card_sizes(view.total, share)
+        _LAST_BIG_CARDS[:] = [share, view.total.copy(), sizes]
     result = None if sizes is None else (np.where(view.total >= sizes[0], 1.0, 0.0), sizes[1])
     view.static_cache[key] = result  # type: ignore[assignment]
     return result
@@ -324,8 +334,8 @@ def big_card_column(view: PlacementView) -> tuple[np.ndarray, float] | None:
 
 def big_card_need(view: PlacementView, spec: TaskSpec) -> float:
     """The memory (MiB per GPU) the big_cards term judges ``spec`` by: its
-    ask times the largest growth learned for its kind, its ask alone before
-    anything is learned; 0 without an ask."""
+    ask times the largest growth learned for its kind (all kinds' before its
+    own), its ask alone before anything is learned; 0 without an ask."""
     if spec.vram_mib <= 0:
         return 0.0
     table = table_for(view.snapshot.memory_growth, spec.kind) if view.snapshot.memory_growth else None

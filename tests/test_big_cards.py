@@ -62,6 +62,17 @@ def test_big_cards_are_the_largest_within_their_share(sizes, share, big_rows, sm
     assert small_mib == small
 
 
+def test_views_of_different_clusters_in_turn_each_get_their_own_big_cards() -> None:
+    # the answer is remembered for the last capacities asked about: a view of
+    # other capacities, or another share, must not get it
+    mixed, uniform = cluster(OPENB_LIKE), cluster([G2] * 20)
+    answers = []
+    for snap, share in [(mixed, 0.1), (uniform, 0.1), (mixed, 0.1), (mixed, 0.05), (mixed, 0.1)]:
+        big = big_card_column(PlacementView(snap, None, SchedulerConfig(big_card_share=share)))
+        answers.append(None if big is None else (np.flatnonzero(big[0]).tolist(), big[1]))
+    assert answers == [([0, 1], G2), None, ([0, 1], G2), ([0], V100_32), ([0, 1], G2)]
+
+
 @pytest.mark.parametrize(
     "vram, growth, need, penalised",
     [
