@@ -118,8 +118,9 @@ class SchedulerConfig:
     # Share of the GPUs (0..1) that the largest-memory cards may make up and still
     # count as "big": the load-aware big_cards term keeps them for work whose
     # memory (its ask times its kind's largest learned growth) the other cards
-    # cannot hold. Counted from the largest card down; where the largest cards
-    # alone are more than this share (every card one size, say), none is big.
+    # cannot hold. Counted from the largest card down, and only cards with 1.2x
+    # the memory of the largest other one count; where the largest cards alone
+    # are more than this share (every card one size, say), none is big.
     big_card_share: float = 0.1
 
     # ---- policy -----------------------------------------------------------------

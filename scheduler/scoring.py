@@ -56,7 +56,9 @@ big tasks, so it is a weight, off by default.
 ``B(g)`` keeps the few big-memory cards for the work that needs them. The
 *big* cards are the largest-memory ones that together make up at most
 ``big_card_share`` of the GPUs (``SchedulerConfig``, 10 %), counted from the
-largest size down; ``small`` is the largest memory of the other cards. A
+largest size down, and hold at least 1.2 times (``BIG_CARD_STEP``) the
+memory of the largest other card, ``small`` (a few MiB more is the same
+card as reported by another SKU or driver, not a bigger one). A
 task whose need, its ask times the largest growth learned for its kind
 (all kinds' before its own; its ask alone before anything is learned),
 fits in ``small`` scores ``B = 1`` on a big card and 0 elsewhere; a task
@@ -304,10 +306,16 @@ def big_card_sizes(total_mib: np.ndarray, share: float) -> tuple[float, float] |
     # share of the known GPUs with at least each size
     at_least = (known.size - np.searchsorted(known, sizes, side="left")) / known.size
     big = int(np.count_nonzero(at_least <= share))  # a prefix: at_least only grows
-    if not 0 < big < sizes.size:
-        return None
-    return float(sizes[big - 1]), float(sizes[big])
+    # the split must be a real step in size: the same card reports a few MiB
+    # more or less by SKU and driver (RTX 4090 24,564, M40 24,472, 24,576 MiB)
+    for k in range(min(big, sizes.size - 1), 0, -1):
+        if sizes[k - 1] >= BIG_CARD_STEP * sizes[k]:
+            return float(sizes[k - 1]), float(sizes[k])
+    return None
 
+
+#: big cards hold at least this many times the memory of the largest other card
+BIG_CARD_STEP = 1.2
 
 #: [share, capacities, big_card_sizes' answer] of the last view that asked
 _LAST_BIG_CARDS: list = []

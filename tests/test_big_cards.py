@@ -49,6 +49,9 @@ OPENB_LIKE = [G3, V100_32] + [G2] * 18
         ([G2] * 20, 0.1, None, None),  # one size: nothing is big
         ([G3, G3, G3] + [G2] * 7, 0.1, None, None),  # the largest alone are 30 %
         ([G3, 0.0] + [G2] * 18, 0.1, [0], G2),  # an unknown capacity counts for nothing
+        ([24_576.0] + [24_564.0] * 19, 0.1, None, None),  # 12 MiB more is the same card, not a big one
+        ([G3, 24_576.0] + [24_564.0] * 18, 0.1, [0], 24_576.0),  # the step is above the near-equal sizes
+        ([40_000.0, 36_000.0] + [G2] * 18, 0.1, [0, 1], G2),  # big ones may differ among themselves
     ],
 )
 def test_big_cards_are_the_largest_within_their_share(sizes, share, big_rows, small) -> None:
