@@ -107,7 +107,13 @@ per ``window_s``:
    task to start on: on bench_learning's 8 x 4 cluster (24 seeds, three
    restart costs) the advisor's mean slowdown cost was 1.6 points, 0.5
    without the few 2- and 4-GPU tasks in the trace, and 1.4 with open
-   nodes kept (that replay is chaotic: README, "Learning", round 12).
+   nodes kept (that replay is chaotic: README, "Learning", round 12);
+8. the big cards (``keep_big_cards``): where a few cards have much more
+   memory than the rest (``scheduler.scoring.big_card_column``, the
+   load-aware ``big_cards`` rule), a task whose need the other cards hold
+   is not moved onto one. They are often the coolest GPUs because placement
+   keeps small work off them; filling them by migration would undo that
+   (refused as ``reserve``).
 
 Each ``Move`` carries the variance expected once it and the moves before it
 are done; the ``Plan`` the variance before and after all of them.
@@ -125,6 +131,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.filters import feasible, nvlink_groups
 from scheduler.fragmentation import WorkloadMix
 from scheduler.reservations import Reservations
+from scheduler.scoring import big_card_column, big_card_need
 from scheduler.snapshot import ClusterSnapshot
 from scheduler.task import Task, TaskState
 from scheduler.view import PlacementView, coded_models
@@ -208,6 +215,8 @@ class AdvisorConfig:
     reserve_share: float = 0.25
     # MiB: what a large single-GPU task asks; 0: the 90th percentile of the asks of arriving single-GPU tasks (a large k-GPU task's always comes from the arrivals).
     reserve_mib: float = 0.0
+    # Rule 8: a move does not put a task on one of the few big-memory cards when the other cards hold its need (the load-aware big_cards rule, [scheduler] big_card_share), so the advisor does not fill what placement keeps free.
+    keep_big_cards: bool = True
 
     @property
     def release_level(self) -> float:
@@ -520,6 +529,7 @@ def plan_moves(
     s = snapshot
     large = reserve_ask_mib(cfg, workload_mix) if cfg.reserve_share > 0 else 0.0
     node_asks = node_reserve_asks(cfg, workload_mix)
+    big_cards = big_card_column(view) if cfg.keep_big_cards else None  # rule 8
     if large > 0 or node_asks:
         models, model_code = coded_models(s)
         memory_room = np.minimum(view.headroom, view.reject_headroom)  # before the moves planned
@@ -583,6 +593,11 @@ def plan_moves(
                 if not mask.any():
                     refuse("no_gpu_takes_it")
                     continue
+                if big_cards is not None and 0 < big_card_need(view, spec) <= big_cards[1]:
+                    mask &= big_cards[0] == 0  # rule 8: the other cards hold it
+                    if not mask.any():
+                        refuse("reserve")
+                        continue
                 if large > 0:
                     takes = hole & (room - spec.vram_mib < large) & scarce
                     for r in own:  # a source the move leaves with the room gives its model one back

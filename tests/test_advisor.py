@@ -265,6 +265,28 @@ def test_the_reserve_keeps_room_for_large_tasks_on_the_last_gpus_that_have_it():
     assert len(plan_moves(snap, tasks, replace(half, reserve_mib=0.0), now=NOW, workload_mix=small)[0]) == 1
 
 
+def test_a_move_does_not_fill_a_big_card_with_work_the_other_cards_hold():
+    """Rule 8: twenty GPUs, two of 80 GiB (10 %: big) and eighteen of 24 GiB.
+    Big card a is hot with a movable task beside pinned inference; big card b
+    is idle (placement keeps small work off it), the coolest 24 GiB GPU is at
+    30 %. A 4,000 MiB task, which a 24 GiB card holds, goes there, and to b
+    only with the rule off; a 26,000 MiB one, which no 24 GiB card holds,
+    goes to b."""
+    nodes = [NodeFacts("big-a", 1, memory_total_mib=81_920.0), NodeFacts("big-b", 1, memory_total_mib=81_920.0)] + [
+        NodeFacts(f"n{i}", 1, memory_total_mib=24_576.0) for i in range(2, 20)]
+    snap = snapshot([95.0, 0.0, 30.0] + [50.0] * 17, nodes=nodes, memory_used=[30_000.0, 0.0] + [2_000.0] * 18)
+    cfg = AdvisorConfig(reserve_share=0.0)  # rule 7 off: rule 8 alone
+
+    def destinations(vram: float, config: AdvisorConfig = cfg) -> list[str]:
+        tasks = [leased("train", snap, 0, share=0.5, vram=vram),
+                 leased("serve", snap, 0, kind="inference", share=0.5, vram=4_000.0)]
+        return [m.to_node_id for m in plan_moves(snap, tasks, config, now=NOW)[0]]
+
+    assert destinations(4_000.0) == ["n2"]
+    assert destinations(4_000.0, replace(cfg, keep_big_cards=False)) == ["big-b"]
+    assert destinations(26_000.0) == ["big-b"]
+
+
 def test_a_move_that_gives_its_source_the_room_keeps_the_reserve_whole():
     # less inference on GPU 0: once the task leaves, GPU 0 has room for a
     # 10,000 MiB task, so taking it from GPU 1 leaves as many such GPUs
