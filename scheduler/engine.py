@@ -64,7 +64,7 @@ from scheduler.errors import (
 )
 from scheduler.filters import describe, explain, feasible, first_failure, never_fits, nvlink_groups
 from scheduler.fragmentation import WorkloadMix
-from scheduler.memgrowth import table_for
+from scheduler.memgrowth import largest_growth
 from scheduler.policies import POLICIES, Placement, Policy, make_policy
 from scheduler.predictor import ANY_KIND
 from scheduler.queue import AgingQueue, Outcome
@@ -966,11 +966,10 @@ class Scheduler:
         hold that and some other could not (``_growth_room``); else None."""
         if spec.vram_mib <= 0 or not self._policy.weights.get("oom_risk"):
             return None  # a policy blind to memory growth (round_robin, binpack) or told to be
-        growth = view.snapshot.memory_growth
-        table = table_for(growth, spec.kind) if growth else None
-        if table is None or table.hi <= 1.0:
+        ratio = largest_growth(view.snapshot.memory_growth, spec.kind)
+        if ratio <= 1.0:
             return None
-        need = float(spec.vram_mib) * table.hi
+        need = float(spec.vram_mib) * ratio
         smallest = view.static_cache.get("growth_room.smallest")
         if smallest is None:  # per layout: the check below is all a cluster of one card size pays
             sized = view.total[view.total > 0]
@@ -987,7 +986,7 @@ class Scheduler:
                 return None
         elif not could.any():
             return None
-        return need, table.hi
+        return need, ratio
 
     # ---- preemption ---------------------------------------------------------------------
     def _forget_nominations(self, now: float) -> None:

@@ -59,7 +59,8 @@ import numpy as np
 
 from scheduler import setsearch
 
-__all__ = ["ANY_KIND", "BINS", "MemoryGrowthConfig", "GrowthStats", "GrowthTable", "MemoryGrowth", "table_for"]
+__all__ = ["ANY_KIND", "BINS", "MemoryGrowthConfig", "GrowthStats", "GrowthTable", "MemoryGrowth", "largest_growth",
+           "table_for"]
 
 #: the key of the all-kinds table (the same as ``scheduler.predictor.ANY_KIND``)
 ANY_KIND = ""
@@ -286,3 +287,11 @@ def table_for(tables: Mapping[str, GrowthTable], kind: str) -> GrowthTable | Non
     """The kind's table, else the all-kinds one, else None."""
     table = tables.get(kind)
     return table if table is not None else tables.get(ANY_KIND)
+
+
+def largest_growth(tables: Mapping[str, GrowthTable] | None, kind: str) -> float:
+    """The largest peak-over-ask ratio learned for ``kind`` (``table_for``),
+    at least 1.0: what an ask is grown by when judging where it may outgrow
+    a card (the engine's room to grow, the load-aware big_cards term)."""
+    table = table_for(tables, kind) if tables else None
+    return max(table.hi, 1.0) if table is not None else 1.0
