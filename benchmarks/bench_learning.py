@@ -50,7 +50,19 @@ What it does (all on a virtual clock, see ``scheduler/simulator.py``):
    at each sample (``BoundProbe``: the movable single-GPU tasks re-dealt by
    greedy LPT within each GPU's real memory), the reference for how much of the imbalance
    moving tasks can remove at all;
-4. prints each table, then our figures next to the seeds' claims.
+4. **the advisor beside big cards** (``bigcards``): the openb default trace
+   (``--big-card-traces`` for others) on the openb cluster itself (its 6,212 GPUs, 516 of them the G3 and
+   V100M32 cards with 32-80 GiB against 24 GiB or less elsewhere), arrivals
+   x1000 as ``bench_simulate`` replays it, load drifting as above. Arms:
+   advisor off; on (defaults, so rule 8 ``keep_big_cards`` on); on with
+   ``keep_big_cards`` off. Placement keeps work that the other cards hold
+   off the big ones (load_aware's ``big_cards`` term), so those are often
+   the coolest GPUs and a rebalancer without rule 8 fills them. Figures:
+   migrations, how many landed on a big card, how many of those moved work
+   whose need (its ask times its kind's largest learned growth, what the
+   rule judges by) the other cards hold, OOM kills, evictions for P0 work,
+   mean response;
+5. prints each table, then our figures next to the seeds' claims.
 
 Every figure is the mean over ``--seeds`` runs (seeds 0, 1, ...: the memory
 draws and the load drift); the per-seed values are in the JSON. Placement on a
@@ -77,8 +89,10 @@ import numpy as np  # noqa: E402
 
 from coordinator.tables import fmt, render_table  # noqa: E402
 from scheduler.advisor import AdvisorConfig, is_movable  # noqa: E402
-from scheduler.cluster import ClusterNode, homogeneous, lookup_model  # noqa: E402
+from scheduler.cluster import ClusterNode, convert_openb_nodes, homogeneous, lookup_model  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
+from scheduler.memgrowth import largest_growth  # noqa: E402
+from scheduler.scoring import big_card_sizes  # noqa: E402
 from scheduler.simreport import figures, json_safe  # noqa: E402
 from scheduler.simulator import SimConfig, Simulation  # noqa: E402
 from scheduler.task import Priority  # noqa: E402
@@ -86,6 +100,9 @@ from scheduler.traces import TraceTask, convert_openb, scale_trace  # noqa: E402
 
 # busy tasks of the gpushare40 trace the advisor scenarios replay
 ADVISOR_TASKS = 2_000
+
+# arrivals of the openb trace on the openb cluster, as bench_simulate replays it
+OPENB_ARRIVAL_SCALE = 1000.0
 
 # Placements that leave the load uneven, under which the training cluster is
 # replayed too: round_robin ignores load, binpack consolidates (the advisor
@@ -190,14 +207,38 @@ class BoundProbe(Simulation):
         self.bound_spread.append(float(util.max() - util.min()))
 
 
+class BigCardMoves(Simulation):
+    """The simulation, counting the advisor's migrations that land on a big
+    card (``scheduler.scoring.big_card_sizes`` over the real capacities,
+    the scheduler's ``big_card_share``) and, of those, the ones whose task
+    the other cards hold: its ask times its kind's largest learned growth
+    in the snapshot the plan came of, as rule 8 judges it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.onto_big = 0
+        self.onto_big_needless = 0
+        self._sizes = big_card_sizes(np.asarray(self._cap, dtype=np.float64), self.sched.config.big_card_share)
+
+    def _migrate(self, run, to_gpu_uuids, snap) -> bool:
+        moved = super()._migrate(run, to_gpu_uuids, snap)
+        if moved and self._sizes is not None and self._cap[self._row_of[to_gpu_uuids[0]]] >= self._sizes[0]:
+            self.onto_big += 1
+            task = self.tasks[run.idx]
+            if run.ask * largest_growth(snap.memory_growth, task.kind) <= self._sizes[1]:
+                self.onto_big_needless += 1
+        return moved
+
+
 def run_arm(tasks, nodes, cfg: SimConfig, seeds: int, variance_bound: float, *, bound: bool = False,
-            policy: str = "load_aware") -> dict:
+            policy: str = "load_aware", big_cards: bool = False) -> dict:
     """One arm over ``seeds`` seeds, placing with ``policy``: per-seed figures
     and their means (with ``bound``, also ``BoundProbe``'s free-rebalancer
-    figures)."""
+    figures; with ``big_cards``, ``BigCardMoves``' counts)."""
     per_seed = []
     for seed in range(seeds):
-        sim = (BoundProbe if bound else Simulation)(tasks, nodes, policy, replace(cfg, seed=seed))
+        probe = BoundProbe if bound else BigCardMoves if big_cards else Simulation
+        sim = probe(tasks, nodes, policy, replace(cfg, seed=seed))
         r = sim.run()
         f = figures(r)
         heat = np.asarray(r.heatmap, dtype=np.float64)
@@ -221,6 +262,8 @@ def run_arm(tasks, nodes, cfg: SimConfig, seeds: int, variance_bound: float, *, 
                 "migrations": f["migrations"],
                 "prediction_mape": f["prediction_mape"],
                 "oom_kills": f["oom_kills"],
+                "preemptions": f["preemptions"],
+                "sla_misses": f["sla_misses"],
                 "completed": f["completed"],
                 "wall_s": r.wall_s,
             }
@@ -228,6 +271,9 @@ def run_arm(tasks, nodes, cfg: SimConfig, seeds: int, variance_bound: float, *, 
         if bound:
             per_seed[-1]["bound_util_std"] = float(np.mean(sim.bound_std)) if sim.bound_std else math.nan
             per_seed[-1]["bound_util_spread"] = float(np.mean(sim.bound_spread)) if sim.bound_spread else math.nan
+        if big_cards:
+            per_seed[-1]["onto_big_cards"] = sim.onto_big
+            per_seed[-1]["onto_big_cards_needless"] = sim.onto_big_needless
     keys = [k for k in per_seed[0] if k != "seed"]
     mean = {k: float(np.nanmean([s[k] for s in per_seed])) if any(s[k] == s[k] for s in per_seed) else math.nan for k in keys}
     return {"mean": mean, "per_seed": per_seed}
@@ -245,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one seed, the first 2,000 busy tasks of each trace")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (tables go to stderr)")
     p.add_argument("--json-out", help="also write the JSON here")
-    p.add_argument("--skip", default="", help="comma list of parts to skip: prediction,advisor")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: prediction,advisor,bigcards")
+    p.add_argument("--big-card-traces", default="default",
+                   help="comma list of openb traces the bigcards part replays on the openb cluster "
+                        "(default: default; each costs 3 arms x seeds runs of ~25 s)")
     p.add_argument(
         "--backfill-estimate-factor", type=float, default=SchedulerConfig().backfill_estimate_factor,
         help="the scheduler's backfill_estimate_factor in every arm (default: the scheduler's, 2; 0 turns it off)",
@@ -259,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stderr if args.json else sys.stdout
     started = time.perf_counter()
     doc: dict = {"seeds": seeds, "quick": args.quick, "backfill_estimate_factor": args.backfill_estimate_factor,
-                 "prediction": [], "advisor": []}
+                 "prediction": [], "advisor": [], "big_cards": []}
     src = _openb_dir()
 
     def say(text: str = "") -> None:
@@ -372,6 +421,43 @@ def main(argv: list[str] | None = None) -> int:
                 on = results[default_arm]["mean"]
                 tight = results["on (variance > 100 %²)"]["mean"]
                 adv_rows.append((title, base, on, tight))
+
+        if "bigcards" not in skip:
+            openb_nodes = convert_openb_nodes(src / "openb_node_list_gpu_node.csv", Path(tmp) / "openb_cluster.csv")
+            gpus = sum(n.gpus for n in openb_nodes)
+            for trace in filter(None, args.big_card_traces.split(",")):
+                tasks, _ = convert_openb(src / f"openb_pod_list_{trace}.csv", Path(tmp) / f"{trace}-all.csv")
+                if limit:
+                    tasks = busy_part(tasks, limit)
+                tasks = scale_trace(tasks, 1.0, OPENB_ARRIVAL_SCALE)
+                title = f"openb {trace} on the openb cluster ({gpus:,} GPUs), arrivals x{OPENB_ARRIVAL_SCALE:g}, load drift 0.5"
+                say(f"## advisor beside big cards: {title}")
+                base_cfg = SimConfig(util_drift=0.5, scheduler=sched_cfg)
+                arms = [
+                    ("off", base_cfg),
+                    ("on (keep_big_cards, the default)", replace(base_cfg, advisor=AdvisorConfig())),
+                    ("on, keep_big_cards = false", replace(base_cfg, advisor=AdvisorConfig(keep_big_cards=False))),
+                ]
+                results = {arm: run_arm(tasks, openb_nodes, cfg, seeds, AdvisorConfig().variance_threshold,
+                                        big_cards=True)
+                           for arm, cfg in arms}
+                rows = []
+                for arm, res in results.items():
+                    m = res["mean"]
+                    rows.append([
+                        arm, fmt(m["migrations"], 1), fmt(m["onto_big_cards"], 1),
+                        fmt(m["onto_big_cards_needless"], 1), fmt(m["oom_kills"], 1), fmt(m["preemptions"], 0),
+                        fmt(sum(s["sla_misses"] for s in res["per_seed"])), fmt(m["jct_mean_s"] / 3600, 3, " h"),
+                        fmt(m["util_std"], 2, "%"), fmt(sum(s["wall_s"] for s in res["per_seed"]), 0, " s"),
+                    ])
+                say(render_table(
+                    ["advisor", "migrations", "onto a big card", "of which the other cards hold it", "OOM kills",
+                     "evicted for P0", "P0 SLA misses", "mean response", "std of GPU means", "wall"],
+                    rows, align="lrrrrrrrrr",
+                ))
+                say()
+                doc["big_cards"].append({"title": title, "trace": trace, "arrival_scale": OPENB_ARRIVAL_SCALE,
+                                         "arms": results})
 
     say("## side by side with the seeds (ours: mean over seeds)")
     rows = [["mean P0 response time", "seeds", fmt(SEED_P0_RESPONSE_MS[0], 0, " ms"), fmt(SEED_P0_RESPONSE_MS[1], 0, " ms"),
