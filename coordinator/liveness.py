@@ -27,6 +27,9 @@ Two independent attributes per node:
   running ones stay) or DRAINING (no new tasks, running ones finish). It
   survives every liveness change, re-registration included: a cordoned node
   that goes silent and comes back is still cordoned, until ``uncordon``.
+  With a state directory it survives a coordinator restart too
+  (``restore_admin``: the node is known as REMOVED, cordoned, until its
+  agent registers).
   The latest operator call wins (``cordon`` on a draining node cordons it).
 
 ``schedulable`` is ``liveness is HEALTHY and admin is ACTIVE``.
@@ -272,6 +275,27 @@ class NodeLiveness:
     def uncordon(self, node_id: str) -> NodeState:
         """Back to ACTIVE: schedulable again once HEALTHY."""
         return self._admin(node_id, Admin.ACTIVE)
+
+    def restore_admin(self, states: dict[str, str]) -> list[str]:
+        """Take up the cordons and drains of a previous run (node id ->
+        ``Admin`` value). A node not known yet is recorded as REMOVED with
+        that state, as a node that left would be: listed, uncordonable, and
+        still cordoned when its agent registers. Values that do not parse
+        are skipped and their node ids returned."""
+        bad = []
+        now = self._clock()
+        for node_id, value in states.items():
+            try:
+                admin = Admin(value)
+            except ValueError:
+                bad.append(node_id)
+                continue
+            node = self._nodes.get(node_id)
+            if node is not None:
+                node.admin = admin
+            else:
+                self._nodes[node_id] = _Node(Liveness.REMOVED, admin, False, False, now, now)
+        return bad
 
     # ------------------------------------------------------------ time
     def sweep(self) -> list[LivenessEvent]:

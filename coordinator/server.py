@@ -11,6 +11,7 @@ import asyncio
 import math
 import shlex
 import time
+from dataclasses import replace
 from typing import Callable
 
 import grpc
@@ -247,6 +248,12 @@ class Coordinator:
         self.state_writer = self.store.writer()
         self.dispatcher.engine.add_listener(self.state_writer.stage)
         self._restore_learned()
+        admin = self.store.load_node_admin()
+        if admin:
+            unreadable = self.liveness.restore_admin(admin)
+            log.info("node_admin_restored", nodes={k: v for k, v in sorted(admin.items()) if k not in unreadable})
+            if unreadable:
+                log.warning("node_admin_unreadable", nodes=unreadable, kept="ACTIVE")
         leased_nodes = sorted({t.assignment.node_id for t in restored.tasks if t.state.name == "LEASED" and t.assignment})
         log.info("state_restored", report=str(report), leased_on=leased_nodes)
         if leased_nodes:
@@ -341,7 +348,21 @@ class Coordinator:
         if advisor_changed:
             advisor_config.validate()
         if any(name.startswith("scheduler.") for name in changed):
-            self.dispatcher.engine.reconfigure(scheduler_config)
+            engine = self.dispatcher.engine
+            running = engine.get_policy()
+            from_file = "scheduler.policy" in changed or "scheduler.weights" in changed
+            if not from_file:
+                # Reloading other [scheduler] options keeps the running policy:
+                # an operator's SetPolicy (stored, and kept over restarts) must
+                # not be undone by a threshold edit in the file. A change of the
+                # file's own policy or weights is a newer operator decision.
+                scheduler_config = replace(scheduler_config, policy=running.name, weights=dict(running.weights))
+            info = engine.reconfigure(scheduler_config)
+            if from_file and (info.name, info.weights) != (running.name, running.weights):
+                log.info("policy_changed", source="configuration", old=running.name, policy=info.name,
+                         weights=info.weights)
+                if self.state_writer is not None:
+                    self.state_writer.stage_policy(info.name, info.weights)  # a restart keeps it
             # the advisor filters destinations with the scheduler's rules
             self.advisor.reconfigure(scheduler_config=self.dispatcher.engine.config)
         if advisor_changed:
@@ -471,7 +492,11 @@ class Coordinator:
     def node_admin(self, node_id: str, action: str, reason: str = "") -> None:
         """Operator levers: cordon (no new tasks), drain (no new tasks, running
         ones finish), uncordon."""
-        getattr(self.liveness, action)(node_id)
+        state = getattr(self.liveness, action)(node_id)
+        if self.store is not None:
+            # at once, not with the next group commit: the operator is told
+            # it is done, and a restart must find the node still cordoned
+            self.store.save_node_admin(node_id, state.admin.value)
         self.dispatcher.snapshots.liveness_changed()
         self.view.version += 1
         if action == "uncordon":

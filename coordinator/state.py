@@ -132,6 +132,11 @@ CREATE TABLE IF NOT EXISTS learned (
     state       TEXT NOT NULL,          -- JSON, the learner's own format (SpeedPredictor.to_state)
     updated_at  REAL NOT NULL           -- Unix s
 );
+CREATE TABLE IF NOT EXISTS node_admin (
+    node_id     TEXT PRIMARY KEY,       -- a node an operator cordoned or drained (absent: active)
+    admin       TEXT NOT NULL,          -- CORDONED or DRAINING (coordinator.liveness.Admin value)
+    updated_at  REAL NOT NULL           -- Unix s
+);
 """
 
 # Upsert: submit_seq is kept from the first write; entry_seq is kept unless the
@@ -367,6 +372,10 @@ class TaskStore:
         self.background_checkpoint_s = background_checkpoint_s
         self._db = None
         try:
+            # owner-only, like the lock file: the tasks' specs (tenants, labels,
+            # kinds) are the cluster's business, not every local user's. SQLite
+            # gives its -wal and -shm files the database file's mode.
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
             self._init_db()
         except BaseException as exc:
@@ -592,6 +601,26 @@ class TaskStore:
             return json.loads(row[0])
         except ValueError as exc:
             raise StateError(f"{self.path}: learned state {name!r} cannot be read: {exc}") from exc
+
+    def save_node_admin(self, node_id: str, admin: str) -> None:
+        """Store an operator's cordon or drain of ``node_id`` (``admin``, an
+        ``Admin`` value; ACTIVE forgets it), in a transaction of its own: a maintenance
+        cordon must outlive a coordinator restart, or new work lands on the
+        node being serviced the moment its agent reconnects."""
+        with self._mutex:
+            if admin == "ACTIVE":
+                self._db.execute("DELETE FROM node_admin WHERE node_id = ?", (node_id,))
+            else:
+                self._db.execute(
+                    "INSERT INTO node_admin (node_id, admin, updated_at) VALUES (?, ?, ?) "
+                    "ON CONFLICT(node_id) DO UPDATE SET admin = excluded.admin, updated_at = excluded.updated_at",
+                    (node_id, admin, time.time()),
+                )
+
+    def load_node_admin(self) -> dict[str, str]:
+        """node id -> CORDONED / DRAINING, as ``save_node_admin`` left them."""
+        with self._mutex:
+            return {str(n): str(a) for n, a in self._db.execute("SELECT node_id, admin FROM node_admin")}
 
     def count(self) -> int:
         with self._mutex:

@@ -623,3 +623,117 @@ def test_a_preempted_task_is_stored_queued_and_one_stored_preempted_restores_que
 def replace_assignment() -> Assignment:
     return Assignment(node_id="n0", gpu_indices=(0,), gpu_uuids=("GPU-n0-0",), lease_id="old", lease_expires_at=0.0,
                       score=ScoreBreakdown(policy="load_aware", total=0.0, terms={}, candidates=1), placed_at=0.0)
+
+
+async def test_a_cordon_survives_a_coordinator_restart(tmp_path: Path) -> None:
+    """A real coordinator with a state directory and two simulated hosts: an
+    operator cordons sim-01 and drains sim-02 through the operator RPCs, the
+    coordinator stops and starts again, and when the agents reconnect the
+    nodes are still cordoned / draining and a new task is refused a place on
+    them (it waits) until sim-01 is uncordoned, which is stored too: the next
+    restart finds sim-01 active and sim-02 still draining."""
+    import grpc
+
+    from agent.fleet import SimFleet
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+    from protos import cluster_pb2 as cpb
+    from protos import cluster_pb2_grpc as cpb_grpc
+    from protos import tasks_pb2 as tpb
+    from protos import tasks_pb2_grpc as tpb_grpc
+    from waiting import until
+
+    state_dir = tmp_path / "state"
+
+    async def session(work) -> None:
+        coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", insecure=True, dispatch_interval_s=0.05),
+                            store=open_state_dir(state_dir))
+        port = await coord.start()
+        try:
+            async with SimFleet(f"127.0.0.1:{port}", hosts=2, gpus=1, workload="idle"):
+                await until(lambda: int(coord.dispatcher.snapshots.snapshot().healthy.sum()) == 2, what="two healthy GPUs")
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                    await work(coord, cpb_grpc.ClusterOperatorStub(ch), tpb_grpc.SchedulerStub(ch))
+        finally:
+            await coord.stop(grace_s=0.1)
+
+    async def states(cluster) -> dict[str, str]:
+        nodes = (await cluster.ListNodes(cpb.ListNodesRequest(), timeout=5)).nodes
+        return {n.node_id: cpb.NodeState.Name(n.state) for n in nodes}
+
+    async def cordon_and_drain(coord, cluster, sched) -> None:
+        await cluster.CordonNode(cpb.NodeActionRequest(node_id="sim-01", reason="fan swap"), timeout=5)
+        await cluster.DrainNode(cpb.NodeActionRequest(node_id="sim-02"), timeout=5)
+        assert await states(cluster) == {"sim-01": "NODE_STATE_CORDONED", "sim-02": "NODE_STATE_DRAINING"}
+
+    async def still_kept(coord, cluster, sched) -> None:
+        assert await states(cluster) == {"sim-01": "NODE_STATE_CORDONED", "sim-02": "NODE_STATE_DRAINING"}
+        spec = tpb.TaskSpec(task_id="after-restart", num_gpus=1, vram_mib=1024, gpu_share=0.5, kind="batch",
+                            priority=tpb.PRIORITY_P2)
+        task = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec, wait=False), timeout=5)).task
+        assert task.state == tpb.TASK_STATE_QUEUED, task.reason
+        await until(lambda: "node_unschedulable" in coord.dispatcher.engine.get("after-restart").reason,
+                    what="the dispatcher's reason: both nodes refused")
+        waiting = coord.dispatcher.engine.get("after-restart")
+        assert waiting.state.name == "QUEUED"
+        assert "free memory" not in waiting.reason  # no node may take it: memory is not what it waits for
+        await cluster.UncordonNode(cpb.NodeActionRequest(node_id="sim-01"), timeout=5)
+        await until(lambda: coord.dispatcher.engine.get("after-restart").state.name == "LEASED", what="placed once uncordoned")
+        assert coord.dispatcher.engine.get("after-restart").assignment.node_id == "sim-01"
+
+    async def uncordon_kept(coord, cluster, sched) -> None:
+        assert await states(cluster) == {"sim-01": "NODE_STATE_HEALTHY", "sim-02": "NODE_STATE_DRAINING"}
+
+    await session(cordon_and_drain)
+    await session(still_kept)
+    await session(uncordon_kept)
+    mode = (state_dir / "gpulb.sqlite3").stat().st_mode & 0o777
+    assert mode == 0o600, oct(mode)  # owner-only, like the lock file
+
+
+async def test_a_reload_keeps_the_policy_an_operator_set_unless_the_file_changes_its_own(tmp_path: Path) -> None:
+    """SetPolicy (stored, and kept over restarts) is not undone by a SIGHUP
+    reload that changes another [scheduler] option; a reload that changes the
+    file's own policy applies it, and that is stored too, so the next start
+    runs it rather than the older SetPolicy."""
+    import grpc
+
+    from coordinator.server import Coordinator
+    from coordinator.settings import diff_settings, load_settings
+    from protos import tasks_pb2 as tpb
+    from protos import tasks_pb2_grpc as tpb_grpc
+
+    path = tmp_path / "coordinator.toml"
+    path.write_text('[coordinator]\nlisten = "127.0.0.1:0"\ninsecure = true\n[scheduler]\npolicy = "load_aware"\n')
+    state_dir = tmp_path / "state"
+
+    def start(settings) -> Coordinator:
+        return Coordinator(settings.coordinator, settings.scheduler, store=open_state_dir(state_dir))
+
+    def reload(coord: Coordinator, old, text: str):
+        path.write_text(text)
+        new = load_settings(path, {}, {})
+        coord.apply_settings(new.coordinator, new.scheduler, [n for n, _, _ in diff_settings(old, new)])
+        return new
+
+    settings = load_settings(path, {}, {})
+    coord = start(settings)
+    port = await coord.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = tpb_grpc.SchedulerStub(ch)
+            await stub.SetPolicy(tpb.SetPolicyRequest(name="fgd", weights={"pack": 2.0}), timeout=5)
+            settings = reload(coord, settings, path.read_text() + "memory_reject_pct = 84.0\n")
+            kept = await stub.GetPolicy(tpb.GetPolicyRequest(), timeout=5)
+            assert kept.name == "fgd" and kept.weights["pack"] == 2.0
+            assert coord.dispatcher.engine.config.memory_reject_pct == 84.0  # the threshold did change
+            settings = reload(coord, settings, path.read_text().replace('"load_aware"', '"binpack"'))
+            assert (await stub.GetPolicy(tpb.GetPolicyRequest(), timeout=5)).name == "binpack"
+    finally:
+        await coord.stop(0)
+    again = start(settings)
+    await again.start()
+    try:
+        assert again.dispatcher.engine.get_policy().name == "binpack"
+    finally:
+        await again.stop(0)
