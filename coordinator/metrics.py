@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from coordinator.advisor import ADVISOR_METRIC_NAMES
+from coordinator.liveness import Liveness
 from protos import cluster_pb2 as cpb
 from protos.fields import BY_NAME
 
@@ -153,10 +154,16 @@ class _ViewCollector:
     def _cluster_families(self) -> Iterator[GaugeMetricFamily]:
         c = self.c
         view = c.view
-        states = GaugeMetricFamily("gpulb_nodes", "Nodes in the view by state", labels=["state"])
+        states = GaugeMetricFamily(
+            "gpulb_nodes", "Nodes by state: those in the view, and as removed those that left the pool and have "
+            "not registered again since the coordinator started (or, cordoned, before a restart)", labels=["state"])
         counts = {name: 0 for name in cpb.NodeState.keys() if name != "NODE_STATE_UNSPECIFIED"}
         for node_id in list(view.nodes):
             counts[cpb.NodeState.Name(c.node_state(node_id))] += 1
+        # a removed node leaves the view, not the liveness records: without
+        # these a dead agent showed as nothing at all once removed (30 s)
+        counts["NODE_STATE_REMOVED"] += sum(
+            1 for n in c.liveness.nodes() if n.liveness is Liveness.REMOVED and n.node_id not in view.nodes)
         for name, count in counts.items():
             states.add_metric([name.removeprefix("NODE_STATE_").lower()], count)
         yield states

@@ -52,6 +52,7 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
 
     async def GetNode(self, request: cpb.GetNodeRequest, context) -> cpb.Node:
         self.c.authorize(context, admin=False)
+        await _node_id_given(request.node_id, context)
         node = self.c.view.nodes.get(request.node_id)
         if node is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node_id: no node {request.node_id!r}")
@@ -67,6 +68,9 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"values: unknown value view {request.values}")
         if request.node_state not in cpb.NodeState.values():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"node_state: unknown node state {request.node_state}")
+        if request.node_id and request.node_id not in self.c.view.nodes:
+            # a mistyped node is not an empty one (WatchView and GetNode say so too)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"node_id: no node {request.node_id!r}")
         response = cpb.ListGpusResponse()
         self.c.gpu_messages(
             node_id=request.node_id,
@@ -120,6 +124,7 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
 
     async def _node_action(self, request: cpb.NodeActionRequest, context, action: str) -> cpb.NodeActionResponse:
         self.c.authorize(context, admin=True)
+        await _node_id_given(request.node_id, context)
         if request.node_id not in self.c.view.nodes:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node_id: no node {request.node_id!r}")
         try:
@@ -136,3 +141,9 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
 
     async def UncordonNode(self, request, context):
         return await self._node_action(request, context, "uncordon")
+
+
+async def _node_id_given(node_id: str, context) -> None:
+    """An empty node_id is a malformed request, not a node that is not there."""
+    if not node_id:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id: required (a Node.node_id; ListNodes lists them)")

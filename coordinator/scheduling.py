@@ -65,6 +65,10 @@ _CODES: list[tuple[type, grpc.StatusCode]] = [
 
 def status_of(exc: SchedulerError) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for a scheduler error, its message naming the field."""
+    if isinstance(exc, UnknownTask):
+        if not exc.task_id:  # malformed, not a task that is not there
+            return grpc.StatusCode.INVALID_ARGUMENT, "task_id: required (the id the task was submitted with)"
+        return grpc.StatusCode.NOT_FOUND, f"task_id: {exc}"
     for cls, code in _CODES:
         if isinstance(exc, cls):
             message = str(exc)
@@ -529,11 +533,20 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         if not 1 <= count <= MAX_BATCH:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"specs: 1 to {MAX_BATCH} tasks per call, got {count}")
         specs = []
+        first: dict[str, int] = {}
         for index, proto in enumerate(request.specs):
             try:
                 specs.append(self.c.tenant_spec(identity, spec_from_proto(proto)))
             except SchedulerError as exc:
                 await self._fail_at(context, exc, index)
+            earlier = first.setdefault(specs[-1].task_id, index)
+            if earlier != index and specs[earlier] != specs[-1]:
+                # within one call: "already exists" would send the client looking
+                # for a task that was never queued (the call queues nothing)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"specs[{index}].task_id: {specs[-1].task_id!r} repeats specs[{earlier}] with "
+                                    "different values; ids must be distinct within a call (an identical repeat is "
+                                    "one task)")
         try:
             self.c.admit_submissions(identity, specs)
             snapshot = self.d.snapshots.snapshot()
@@ -603,11 +616,18 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
 
     async def CompleteTask(self, request: tpb.CompleteTaskRequest, context) -> tpb.CompleteTaskResponse:
         identity = self.c.authorize(context, admin=False)
-        await self._owned(identity, request.task_id, context)
+        owned = await self._owned(identity, request.task_id, context)
         for name in ("actual_duration_s", "peak_vram_mib"):
             value = getattr(request, name)
             if not (math.isfinite(value) and value >= 0):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must be a finite number >= 0 (0 = unknown), got {value!r}")
+        held = self._gpu_memory_mib(owned)
+        if request.peak_vram_mib and held and request.peak_vram_mib > held:
+            # one such report would teach the memory-growth learner a growth no
+            # card allows, and every placement of its kind would plan for it
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"peak_vram_mib: {request.peak_vram_mib:g} MiB is more than the task's GPU holds "
+                                f"({held:g} MiB); it is the most the task used on any one of its GPUs")
         if request.actual_duration_s:
             self.c.advisor.note_actual_duration(request.task_id, request.actual_duration_s)
         if request.peak_vram_mib:
@@ -620,6 +640,16 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             await self._fail(context, exc)
         await self._durable(context, self.c.task_changed_durably(task))
         return tpb.CompleteTaskResponse(task=self._proto(task))
+
+    def _gpu_memory_mib(self, task: Task) -> float:
+        """The largest memory of the GPUs ``task`` was placed on, as their
+        agent registered them; 0 when not known (never placed, node gone)."""
+        a = task.assignment
+        node = self.c.view.nodes.get(a.node_id) if a is not None else None
+        if node is None:
+            return 0.0
+        uuids = set(a.gpu_uuids)
+        return float(max((g.memory_total_mib for g in node.gpus if g.uuid in uuids), default=0))
 
     async def CancelTask(self, request: tpb.CancelTaskRequest, context) -> tpb.CancelTaskResponse:
         identity = self.c.authorize(context, admin=False)

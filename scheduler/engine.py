@@ -802,8 +802,9 @@ class Scheduler:
                     self._unblocked(task.task_id)
                 return Outcome.PLACED
             reason = self._why_not(view, spec)
-            if not self._reachable(spec, view)[1].any():
+            if not self._reachable(spec, view)[1].any() and self._could_host(spec, view).any():
                 # the operator's next question: would it fit once gpulb's own work ends?
+                # (not where no node may take it at all: cordoned, unhealthy, the wrong model)
                 reason += "; no node can take it until other processes there free memory (gpulb processes lists them)"
             failed[shape] = reason
         if spec.num_gpus > 1:

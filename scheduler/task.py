@@ -28,6 +28,15 @@ __all__ = [
 ]
 
 MAX_TASK_ID_LEN = 128
+# kind and tenant name metric labels (gpulb_memory_growth_*, gpulb_predictor_*,
+# per-tenant counters) and table columns: bounded so that one client cannot
+# grow a scrape or a table without end
+MAX_KIND_LEN = 64
+MAX_TENANT_LEN = 128
+# each label map: entries, key and value length
+MAX_LABELS = 64
+MAX_LABEL_KEY_LEN = 128
+MAX_LABEL_VALUE_LEN = 256
 MAX_GPUS = 64
 
 
@@ -112,6 +121,14 @@ class TaskSpec:
             raise InvalidTask("task_id", f"longer than {MAX_TASK_ID_LEN} characters")
         if not self.task_id.isprintable():
             raise InvalidTask("task_id", "contains control characters")
+        for name, limit in (("kind", MAX_KIND_LEN), ("tenant", MAX_TENANT_LEN)):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise InvalidTask(name, "must be a string")
+            if len(value) > limit:
+                raise InvalidTask(name, f"longer than {limit} characters ({len(value)})")
+            if not value.isprintable():
+                raise InvalidTask(name, "contains control characters")
         try:
             Priority(self.priority)
         except ValueError:
@@ -137,9 +154,16 @@ class TaskSpec:
         except ValueError as exc:
             raise InvalidTask("gpu_spec", str(exc)) from None
         for name in ("labels", "required_node_labels", "preferred_node_labels"):
-            for key, value in getattr(self, name).items():
+            entries = getattr(self, name)
+            if len(entries) > MAX_LABELS:
+                raise InvalidTask(name, f"more than {MAX_LABELS} entries ({len(entries)})")
+            for key, value in entries.items():
                 if not isinstance(key, str) or not isinstance(value, str) or not key:
                     raise InvalidTask(name, f"keys and values must be strings, got {key!r}")
+                if len(key) > MAX_LABEL_KEY_LEN:
+                    raise InvalidTask(name, f"key {key[:32]!r}... longer than {MAX_LABEL_KEY_LEN} characters")
+                if len(value) > MAX_LABEL_VALUE_LEN:
+                    raise InvalidTask(f"{name}[{key}]", f"longer than {MAX_LABEL_VALUE_LEN} characters ({len(value)})")
         return self
 
     def differing_fields(self, other: "TaskSpec") -> list[str]:

@@ -456,11 +456,13 @@ async def test_through_a_real_coordinator_peaks_teach_memory_growth(capsys, tmp_
                             priority=tpb.PRIORITY_P1, movable=True)
         placed = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
         lease = placed.assignment.lease_id
-        for bad in (-1.0, math.nan, math.inf):
+        for bad in (-1.0, math.nan, math.inf, 1e300, 24_565.0):  # the sim host's GPU: an RTX 4090, 24,564 MiB
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id=lease, peak_vram_mib=bad))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "peak_vram_mib" in err.value.details()
+        assert "more than the task's GPU holds (24564 MiB)" in err.value.details()
+        assert coord.advisor.growth.samples == 0  # nothing of a refused report was learned
         # a completion with a stale lease is refused and its report forgotten
         with pytest.raises(grpc.aio.AioRpcError):
             await sched.CompleteTask(tpb.CompleteTaskRequest(task_id="grows", lease_id="stale", peak_vram_mib=9000))

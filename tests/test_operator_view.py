@@ -73,6 +73,14 @@ async def test_list_filters_smoothing_cordon_and_watch():
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await op.CordonNode(cpb.NodeActionRequest(node_id="nope"))
                 assert info.value.code() == grpc.StatusCode.NOT_FOUND
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await op.ListGpus(cpb.ListGpusRequest(node_id="nope"))  # not an empty node
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND and info.value.details() == "node_id: no node 'nope'"
+                for call, request in [(op.CordonNode, cpb.NodeActionRequest()), (op.GetNode, cpb.GetNodeRequest())]:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call(request)
+                    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert info.value.details().startswith("node_id: required")
 
                 # Cordon: no new tasks on the node; uncordon: back in the pool.
                 cordoned = await op.CordonNode(cpb.NodeActionRequest(node_id="sim-01", reason="maintenance"))
@@ -595,3 +603,31 @@ async def test_per_gpu_values_are_written_as_the_text_format_reads_them():
     if shutil.which("promtool"):
         check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+async def test_a_removed_node_stays_counted_as_removed_so_a_dead_agent_can_alert():
+    """One of two agents stops: its node goes unreachable, then removed, and
+    leaves the view; gpulb_nodes{state="removed"} must keep counting it (the
+    GpulbNodeUnreachable alert sums unreachable and removed: unreachable
+    alone lasts less than its minute), until the agent registers again."""
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", insecure=True, heartbeat_interval_s=0.2,
+                                          remove_after_intervals=2))
+    port = await coord.start()
+
+    def nodes_gauge() -> dict[str, float]:
+        body = coord.metrics.exposition().decode()
+        family = next(f for f in text_string_to_metric_families(body) if f.name == "gpulb_nodes")
+        return {s.labels["state"]: s.value for s in family.samples}
+
+    try:
+        async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=1, workload="idle", prefix="stays"):
+            async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=1, workload="idle", prefix="dies"):
+                await _until(lambda: nodes_gauge()["healthy"] == 2, what="two healthy nodes")
+            await _until(lambda: "dies-01" not in coord.view.nodes, what="the stopped agent's node removed")
+            gauge = nodes_gauge()
+            assert (gauge["healthy"], gauge["removed"], gauge["unreachable"]) == (1, 1, 0)
+            async with SimFleet(f"127.0.0.1:{port}", hosts=1, gpus=1, workload="idle", prefix="dies"):
+                await _until(lambda: nodes_gauge()["healthy"] == 2, what="the node back")
+                assert nodes_gauge()["removed"] == 0
+    finally:
+        await coord.stop(grace_s=0.1)

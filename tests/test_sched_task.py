@@ -17,7 +17,16 @@ from scheduler.errors import (
     UnknownPolicy,
 )
 from scheduler.gpuspec import gpu_spec_mask, parse_gpu_spec
-from scheduler.task import MAX_TASK_ID_LEN, Priority, TaskSpec
+from scheduler.task import (
+    MAX_KIND_LEN,
+    MAX_LABEL_KEY_LEN,
+    MAX_LABEL_VALUE_LEN,
+    MAX_LABELS,
+    MAX_TASK_ID_LEN,
+    MAX_TENANT_LEN,
+    Priority,
+    TaskSpec,
+)
 
 
 def spec(**changes) -> TaskSpec:
@@ -54,6 +63,12 @@ def spec(**changes) -> TaskSpec:
         (dict(gpu_spec="V100M16 A100M80"), "gpu_spec"),
         (dict(required_node_labels={"": "x"}), "required_node_labels"),
         (dict(labels={"k": 1}), "labels"),
+        (dict(kind="k" * (MAX_KIND_LEN + 1)), "kind"),  # a metric label: bounded
+        (dict(kind="batch\n"), "kind"),
+        (dict(tenant="t" * (MAX_TENANT_LEN + 1)), "tenant"),
+        (dict(labels={f"k{i}": "v" for i in range(MAX_LABELS + 1)}), "labels"),
+        (dict(labels={"k" * (MAX_LABEL_KEY_LEN + 1): "v"}), "labels"),
+        (dict(preferred_node_labels={"zone": "z" * (MAX_LABEL_VALUE_LEN + 1)}), "preferred_node_labels[zone]"),
     ],
 )
 def test_validate_names_the_bad_field(changes: dict, field: str) -> None:
@@ -76,6 +91,8 @@ def test_validate_names_the_bad_field(changes: dict, field: str) -> None:
         dict(priority=3),
         dict(gpu_spec="V100M16|V100M32"),
         dict(gpu_spec="RTX 4090"),
+        dict(kind="k" * MAX_KIND_LEN, tenant="t" * MAX_TENANT_LEN),
+        dict(labels={f"k{i}": "v" * MAX_LABEL_VALUE_LEN for i in range(MAX_LABELS)}),
     ],
 )
 def test_valid_specs_pass(changes: dict) -> None:

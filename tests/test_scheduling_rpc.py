@@ -292,7 +292,8 @@ async def test_schedule_tasks_places_a_batch_and_checks_every_spec_before_queuei
                 bad_cases = [
                     ([_spec("ok-1"), _spec("ok-2", vram_mib=0)], grpc.StatusCode.INVALID_ARGUMENT, "specs[1].vram_mib"),
                     ([_spec("ok-1"), _spec("arr-0", vram_mib=3 * GIB)], grpc.StatusCode.ALREADY_EXISTS, "specs[1]: task 'arr-0'"),
-                    ([_spec("ok-1"), _spec("ok-1", vram_mib=3 * GIB)], grpc.StatusCode.ALREADY_EXISTS, "specs[1]: task 'ok-1'"),
+                    ([_spec("ok-1"), _spec("ok-1", vram_mib=3 * GIB)], grpc.StatusCode.INVALID_ARGUMENT,
+                     "specs[1].task_id: 'ok-1' repeats specs[0] with different values"),
                     ([_spec(f"q-{i}") for i in range(7)], grpc.StatusCode.RESOURCE_EXHAUSTED, "the most allowed is 6"),
                     ([], grpc.StatusCode.INVALID_ARGUMENT, "specs: 1 to 1000 tasks per call, got 0"),
                 ]
@@ -303,6 +304,18 @@ async def test_schedule_tasks_places_a_batch_and_checks_every_spec_before_queuei
                     assert needle in info.value.details()
                 after = {t.spec.task_id for t in (await stub.ListTasks(tpb.ListTasksRequest())).tasks}
                 assert after == before  # nothing of a refused call was queued
+                # an empty id is a malformed request, a wrong one a task that is not there
+                for call, request in [(stub.GetTask, tpb.GetTaskRequest()), (stub.CancelTask, tpb.CancelTaskRequest()),
+                                      (stub.CompleteTask, tpb.CompleteTaskRequest()),
+                                      (stub.RenewLease, tpb.RenewLeaseRequest(extend_s=10))]:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call(request, timeout=10)
+                    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert info.value.details().startswith("task_id: required")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.GetTask(tpb.GetTaskRequest(task_id="never"), timeout=10)
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND
+                assert info.value.details() == "task_id: unknown task 'never'"
 
                 # wait=false returns at once with the queued tasks; they place as leases complete
                 queued = (await stub.ScheduleTasks(tpb.ScheduleTasksRequest(
