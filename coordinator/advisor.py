@@ -35,6 +35,7 @@ import grpc
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from coordinator.shutdown import or_shutdown
 from protos import advisor_pb2 as apb
 from protos import advisor_pb2_grpc as apb_grpc
 from scheduler.advisor import Advisor, AdvisorConfig, Move, Plan, Trigger
@@ -604,9 +605,11 @@ class AdvisorService(apb_grpc.AdvisorServicer):
     predictions are open to every caller with a token, plans (which name
     every tenant's tasks) to admins."""
 
-    def __init__(self, runtime: AdvisorRuntime, authorize: Callable[..., object] | None = None) -> None:
+    def __init__(self, runtime: AdvisorRuntime, authorize: Callable[..., object] | None = None,
+                 stopping: asyncio.Event | None = None) -> None:
         self.r = runtime
         self._authorize = authorize or (lambda context, admin: None)
+        self.stopping = stopping if stopping is not None else asyncio.Event()  # set: watches end (coordinator.shutdown)
 
     async def GetPredictions(self, request: apb.GetPredictionsRequest, context) -> apb.GetPredictionsResponse:
         self._authorize(context, admin=False)
@@ -660,7 +663,7 @@ class AdvisorService(apb_grpc.AdvisorServicer):
             if request.include_latest and self.r.last_plan is not None:
                 yield plan_to_proto(self.r.last_plan, self.r.unix_ns)
             while True:
-                plan = await queue.get()
+                plan = await or_shutdown(queue.get(), self.stopping, context)
                 yield plan_to_proto(plan, self.r.unix_ns)
         finally:
             unsubscribe()

@@ -22,7 +22,7 @@ import structlog
 from coordinator.config import LIVE_RELOADABLE
 from coordinator.sdnotify import Notifier, WatchdogPinger
 from coordinator.security import RateLimiter, Security, SecurityConfigError, ServerCredentialsConfig, TenantQuota, TokenAuth
-from coordinator.server import Coordinator
+from coordinator.server import Coordinator, ListenError
 from coordinator.state import StateError, open_state_dir
 from coordinator.settings import (
     ConfigError,
@@ -130,7 +130,18 @@ class _Daemon:
         self.notifier.ready(status=f"reloaded: {len(applied)} settings changed" + (f", {len(needs_restart)} need a restart" if needs_restart else ""))
 
     async def run(self) -> int:
-        port = await self.coordinator.start()
+        try:
+            port = await self.coordinator.start()
+        except ListenError as exc:
+            # another coordinator on the port, an address not of this host: one
+            # line naming the option, and the start undone (Coordinator.start)
+            log.error("listen_failed", option=exc.option, address=exc.address, error=exc.reason)
+            self.notifier.status(f"not started: {exc}")
+            return 2
+        except SecurityConfigError as exc:  # TLS files are read when the ports are bound
+            log.error("tls_unavailable", error=str(exc))
+            self.notifier.status(f"not started: {exc}")
+            return 2
         pinger = WatchdogPinger(self.notifier)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, self.reload)

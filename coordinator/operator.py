@@ -12,6 +12,7 @@ import grpc
 
 from coordinator.convert import UnknownMetric, resolve_metrics
 from coordinator.liveness import UnknownNode
+from coordinator.shutdown import or_shutdown
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
 
@@ -97,7 +98,7 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
             if version != last_version:
                 last_version = version
                 yield update
-            await asyncio.sleep(interval_ms / 1000)
+            await or_shutdown(asyncio.sleep(interval_ms / 1000), self.c.stopping, context)
 
     def view_update(self, node_id: str, smoothed: bool) -> tuple[int, cpb.ViewUpdate]:
         """(view version, ViewUpdate) for a watcher, shared by all watchers of

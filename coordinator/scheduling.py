@@ -23,6 +23,7 @@ import grpc
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from coordinator.shutdown import or_shutdown
 from coordinator.snapshots import SnapshotBuilder
 from coordinator.state import StateError
 from coordinator.taskconvert import WallClock, priority_to_proto, spec_from_proto, task_to_proto
@@ -361,6 +362,14 @@ class Dispatcher:
                 if not waiters:
                     del self._waiters[task_id]
 
+    def release_waiters(self) -> None:
+        """The coordinator stops: every ScheduleTask waiting for a placement
+        returns the task as it is (coordinator.shutdown)."""
+        for futures in list(self._waiters.values()):
+            for future in futures:
+                if not future.done():
+                    future.set_result(None)
+
     def watch(self, task_id: str) -> tuple[asyncio.Queue, Callable[[], None]]:
         queue: asyncio.Queue = asyncio.Queue(maxsize=256)
         self._watchers.setdefault(task_id, set()).add(queue)
@@ -599,7 +608,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             if task.terminal:
                 return
             while True:
-                update = await queue.get()
+                update = await or_shutdown(queue.get(), self.c.stopping, context)
                 yield self._proto(update)
                 if update.terminal:
                     return

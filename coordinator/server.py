@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import re
 import shlex
+import socket
 import time
 from dataclasses import replace
 from typing import Callable
@@ -46,7 +49,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.memgrowth import MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig
 
-__all__ = ["Coordinator", "observe_many"]
+__all__ = ["Coordinator", "ListenError", "bind_problem", "observe_many"]
 
 log = structlog.get_logger("gpulb.coordinator")
 
@@ -74,6 +77,48 @@ SERVICE_NAMES = (
     cpb.DESCRIPTOR.services_by_name["ClusterOperator"].full_name,
     tpb.DESCRIPTOR.services_by_name["Scheduler"].full_name,
 )
+
+
+class ListenError(Exception):
+    """A listener of the coordinator could not bind its address: ``option``
+    (``listen``, ``agent_listen``, ``metrics_listen``), the ``address`` as
+    configured, and ``reason`` as the operating system gives it."""
+
+    def __init__(self, option: str, address: str, reason: str) -> None:
+        self.option = option
+        self.address = address
+        self.reason = reason
+        super().__init__(f"{option} {address}: cannot listen: {reason}")
+
+
+def bind_problem(address: str) -> str:
+    """Why ``address`` (HOST:PORT) cannot be bound, as the operating system
+    says it: gRPC's bind error names only the address. Probed with a plain
+    socket, with gRPC's SO_REUSEADDR and without SO_REUSEPORT."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError) as exc:
+        return os_problem(exc, host)
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(sockaddr)
+        except OSError as exc:
+            return os_problem(exc, host)
+    return "gRPC could not bind it (GRPC_VERBOSITY=debug says why)"
+
+
+def os_problem(exc: BaseException, host: str) -> str:
+    """A bind or lookup error in a few words: "address already in use",
+    "cannot resolve 'h': Name or service not known"."""
+    if isinstance(exc, socket.gaierror) or not isinstance(exc, OSError):
+        return f"cannot resolve {host!r}: {getattr(exc, 'strerror', None) or exc}"
+    if isinstance(exc.errno, int) and exc.errno > 0:
+        return os.strerror(exc.errno).lower()  # uvloop's strerror is a whole sentence
+    return exc.strerror or str(exc)
 
 
 class Coordinator:
@@ -127,7 +172,10 @@ class Coordinator:
         )
         engine.add_listener(self.advisor.on_task_change)
         self.dispatcher.annotate = self.advisor.annotate
-        self.advisor_service = AdvisorService(self.advisor, authorize=lambda context, admin: self.authorize(context, admin=admin))
+        # set when stop() begins: waiting and streaming calls end at once (coordinator.shutdown)
+        self.stopping = asyncio.Event()
+        self.advisor_service = AdvisorService(self.advisor, authorize=lambda context, admin: self.authorize(context, admin=admin),
+                                              stopping=self.stopping)
         self.security = security or Security(insecure=True)
         if self.security.quota is not None:
             self.dispatcher.engine.add_listener(self.security.quota.changed)
@@ -157,6 +205,10 @@ class Coordinator:
             # agents keep one stream open for days; let their keepalives through
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC sets SO_REUSEPORT by default: a second coordinator on the
+            # port then binds too and the kernel splits agents and clients
+            # between the two; one per port, so that bind fails instead
+            ("grpc.so_reuseport", 0),
         ]
         if self.store is not None:
             self._restore()
@@ -177,19 +229,34 @@ class Coordinator:
             server,
         )
         try:
-            ports = self.security.add_ports(server, cfg.listen, cfg.agent_listen or None)
-        except OSError as exc:
-            raise OSError(f"listen: {exc}") from None
-        port = ports["listen"]
-        self.agent_port = ports.get("agent_listen")
-        await server.start()
+            if cfg.metrics_listen:
+                # bound before the gRPC ports: a start that fails here bound nothing else
+                host, _, mport = cfg.metrics_listen.rpartition(":")
+                host = host.strip("[]") or "127.0.0.1"  # [::1]:9400: asyncio wants the bare address
+                metrics_server = MetricsServer(self.metrics, host, int(mport))
+                try:
+                    self.metrics_port = await metrics_server.start()
+                except OSError as exc:  # in use, not an address of this host, unresolvable (gaierror)
+                    raise ListenError("metrics_listen", cfg.metrics_listen, os_problem(exc, host)) from None
+                self._metrics_server = metrics_server
+                log.info("metrics_listening", address=f"[{host}]:{self.metrics_port}" if ":" in host else f"{host}:{self.metrics_port}")
+            try:
+                ports = self.security.add_ports(server, cfg.listen, cfg.agent_listen or None)
+            except (RuntimeError, OSError) as exc:
+                # grpc: RuntimeError "Failed to bind to address ...; set
+                # GRPC_VERBOSITY=..."; it says neither which option nor why
+                named = re.search(r"address (\S+?);?(\s|$)", str(exc))
+                option = "agent_listen" if cfg.agent_listen and named and named.group(1) == cfg.agent_listen else "listen"
+                address = getattr(cfg, option)
+                raise ListenError(option, address, bind_problem(address)) from None
+            port = ports["listen"]
+            self.agent_port = ports.get("agent_listen")
+            await server.start()
+        except BaseException:
+            await self._abort_start(server)
+            raise
         self._server = server
         self.port = port
-        if cfg.metrics_listen:
-            host, _, mport = cfg.metrics_listen.rpartition(":")
-            self._metrics_server = MetricsServer(self.metrics, host or "127.0.0.1", int(mport))
-            self.metrics_port = await self._metrics_server.start()
-            log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
         self._sweeper.start()
         self._smoother = asyncio.create_task(self._smoothing_loop(), name="gpulb-smoothing")
         self.dispatcher.start()
@@ -203,9 +270,41 @@ class Coordinator:
         log.info("coordinator_listening", address=f"{host}:{port}", port=port)
         return port
 
+    async def _abort_start(self, server: grpc.aio.Server) -> None:
+        """Undo a start that failed part-way (a listener that could not bind,
+        TLS files that could not be read): no port stays bound, no loop runs,
+        the state directory is closed and unlocked; the error is the caller's."""
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+            self._metrics_server = None
+        self.metrics_port = self.agent_port = None
+        # A grpc.aio server keeps the ports it bound until it has run (stop
+        # or garbage collection of one never started leaves them bound), and
+        # one left to the collector stops itself on a loop closed by then
+        # ("Event loop is closed"): run it, and stop it cancelling any call.
+        try:
+            await server.start()
+        except Exception:  # pragma: no cover - nothing to release then
+            pass
+        await server.stop(None)
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
+        if self.state_writer is not None:
+            try:
+                await self.state_writer.flush()  # whatever the restore staged, before the store closes
+            except StateError:
+                pass  # the start failed anyway; the store's close commits what it still can
+            self.state_writer = None
+        if self.store is not None:
+            self.store.close()
+
     async def stop(self, grace_s: float | None = None) -> None:
         if self._server is None:
             return
+        self.stopping.set()
+        self.dispatcher.release_waiters()
         for name in ("",) + self.service_names():
             await self._set_health(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for session in list(self.gateway.sessions.values()):

@@ -43,6 +43,7 @@ from scheduler.memgrowth import MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig
 
 __all__ = [
+    "Bounds",
     "ConfigError",
     "Option",
     "Section",
@@ -108,6 +109,51 @@ SECTIONS: tuple[Section, ...] = (
 )
 
 
+def _number(value: float) -> str:
+    """``value`` as an operator writes it: 1000000, not 1e+06 or 1000000.0."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The allowed range of a number: ``low``/``high`` (None: unbounded), each
+    included unless ``low_open``/``high_open``."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> "Bounds | None":
+        """From a field's ``ge``/``gt``/``le``/``lt`` metadata; None without any."""
+        low = meta.get("gt", meta.get("ge"))
+        high = meta.get("lt", meta.get("le"))
+        if low is None and high is None:
+            return None
+        return cls(low, high, "gt" in meta, "lt" in meta)
+
+    def __contains__(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+    def describe(self, unit: str = "", *, verb: bool = True) -> str:
+        """``in (0, 1]``, ``> 0 s``, ``>= 5 readings``: what a message says
+        (without ``verb``, ``(0, 1]``: the rendered configuration's range)."""
+        unit = f" {unit}" if unit else ""
+        if self.low is not None and self.high is not None:
+            return (f"{'in ' if verb else ''}{'(' if self.low_open else '['}{_number(self.low)}, "
+                    f"{_number(self.high)}{')' if self.high_open else ']'}{unit}")
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}{unit}"
+        return f"{'<' if self.high_open else '<='} {_number(self.high)}{unit}"
+
+
 @dataclass(frozen=True)
 class Option:
     """One configurable field, with everything needed to parse and document it."""
@@ -121,6 +167,10 @@ class Option:
     env: str
     flag: str | None
     choices: tuple[str, ...] | None
+    #: the allowed range of a number option (None: only the unit's >= 0, if it has one)
+    bounds: Bounds | None = None
+    #: ``choices`` match in any case and are stored as spelled there
+    ignore_case: bool = False
 
     @property
     def key(self) -> str:
@@ -142,6 +192,17 @@ _FALLBACK_CHOICES: Mapping[str, tuple[str, ...]] = {
 # Help for fields documented nowhere else.
 _FALLBACK_HELP: Mapping[str, str] = {
     "scheduler.policy": "placement policy, by its registered name",
+}
+# Ranges of the other tables' options that their validate() leaves open and a
+# value outside which breaks the coordinator at run time (the coordinator's
+# own are declared on its fields, coordinator/config.py); as metadata.
+_FALLBACK_BOUNDS: Mapping[str, Mapping[str, float]] = {
+    # a negative limit listed nothing, silently
+    "scheduler.queue_head_limit": {"ge": 0},
+    # a lease's expiry goes out as int64 Unix nanoseconds: ~10^10 s overflows
+    # it and every RPC that returns the task fails; 10^8 s is over 3 years
+    "scheduler.lease_s": {"gt": 0, "le": 1e8},
+    "scheduler.max_lease_extend_s": {"gt": 0, "le": 1e8},
 }
 
 
@@ -232,6 +293,8 @@ def options(section: Section) -> list[Option]:
                 env=f"{section.env_prefix}{f.name.upper()}",
                 flag="--" + f.name.replace("_", "-") if section.flags else None,
                 choices=tuple(choices) if choices else None,
+                bounds=Bounds.from_metadata(meta) or Bounds.from_metadata(_FALLBACK_BOUNDS.get(key, {})),
+                ignore_case=bool(meta.get("ignore_case")),
             )
         )
     return result
@@ -361,12 +424,25 @@ def _convert(value: Any, tp: Any, *, text: bool) -> Any:
     raise TypeError(f"settings cannot parse values of type {tp!r}")
 
 
+def _canonical(opt: Option, value: Any) -> Any:
+    """``value`` spelled as its choice when the option ignores case."""
+    if opt.ignore_case and opt.choices and isinstance(value, str):
+        for choice in opt.choices:
+            if choice.lower() == value.lower():
+                return choice
+    return value
+
+
 def _check_value(opt: Option, value: Any) -> str | None:
     """Checks every option gets from its type and metadata; the message, or None."""
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number, got {value!r}"
-    if opt.unit and isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-        return f"must be >= 0 {opt.unit}, got {value!r}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if opt.bounds is not None:
+            if value not in opt.bounds:
+                return f"must be {opt.bounds.describe(opt.unit)}, got {value!r}"
+        elif opt.unit and value < 0:
+            return f"must be >= 0 {opt.unit}, got {value!r}"
     if opt.choices is not None and value not in opt.choices:
         return f"must be one of {', '.join(opt.choices)}; got {value!r}"
     if opt.help.startswith("HOST:PORT") and isinstance(value, str):
@@ -397,6 +473,7 @@ def section_from_text(name: str, assignments: Sequence[str]) -> Any:
             value = _convert(text, opt.type, text=True)
         except _Invalid as exc:
             raise ValueError(f"{key}: {text!r}: {exc}") from None
+        value = _canonical(opt, value)
         problem = _check_value(opt, value)
         if problem:
             raise ValueError(f"{key}: {problem}")
@@ -527,6 +604,7 @@ def load_settings(
         kwargs = {}
         for opt in by_section[section.name].values():
             value, source = chosen.get(opt.key, (opt.default, "default"))
+            value = _canonical(opt, value)
             sources[opt.key] = source
             problem = _check_value(opt, value)
             if problem:
@@ -661,6 +739,8 @@ def render_settings(settings: Settings, *, commented_defaults: bool = False) -> 
             for line in textwrap.wrap(opt.help, 86) or ["(no description)"]:
                 out.append(f"# {line}")
             facts = [f"unit: {opt.unit}" if opt.unit else f"type: {_type_name(opt.type)}"]
+            if opt.bounds is not None:
+                facts.append(f"range: {opt.bounds.describe(verb=False)}")
             if opt.choices:
                 facts.append(f"one of: {', '.join(opt.choices)}")
             facts.append(f"default: {_toml_value(opt.default) if opt.default is not None else 'unset'}")
@@ -723,13 +803,16 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         for opt in options(section):
             unit = f" [{opt.unit}]" if opt.unit else ""
             default = _toml_value(opt.default) if opt.default is not None else "unset"
-            text = f"{opt.help}{unit} (default {default}; env {opt.env})".replace("%", "%%")
+            bounds = f"range {opt.bounds.describe(verb=False)}; " if opt.bounds is not None else ""
+            if opt.choices and opt.ignore_case:  # argparse does not list them (below)
+                bounds += f"one of {', '.join(opt.choices)}; "
+            text = f"{opt.help}{unit} ({bounds}default {default}; env {opt.env})".replace("%", "%%")
             kwargs: dict[str, Any] = {"dest": opt.name, "default": None, "help": text}
             if opt.type is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["metavar"] = _metavar(opt)
-                if opt.choices:
+                if opt.choices and not opt.ignore_case:  # those are checked (and named) by load_settings
                     kwargs["choices"] = opt.choices
             parser.add_argument(opt.flag, **kwargs)
 

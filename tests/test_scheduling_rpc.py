@@ -544,3 +544,37 @@ async def test_a_held_node_takes_a_task_that_ends_before_it_drains_through_a_rea
                 assert got.state == tpb.TASK_STATE_QUEUED and "waiting" in got.reason
     finally:
         await coord.stop(grace_s=0.1)
+
+
+async def test_stopping_ends_waiting_and_watching_calls_at_once_not_after_the_grace():
+    """A ScheduleTask waiting for a placement that cannot come, a WatchTask
+    and a WatchView are in flight when the coordinator stops with a long
+    grace: the stop does not wait that grace out (it had: every systemd
+    stop took grace_s), the ScheduleTask returns the task QUEUED (it is
+    kept), and the watches end UNAVAILABLE saying to call again."""
+    from protos import cluster_pb2 as cpb
+    from protos import cluster_pb2_grpc as cpb_grpc
+
+    coord, port = await _start()
+    stopped = False
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = tpb_grpc.SchedulerStub(ch)
+            waiting = asyncio.ensure_future(stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("no-gpus-yet")), timeout=120))
+            await _until(lambda: "no-gpus-yet" in coord.dispatcher._waiters, what="the call waiting for a placement")
+            task_watch = stub.WatchTask(tpb.WatchTaskRequest(task_id="no-gpus-yet"), timeout=120)
+            assert (await task_watch.read()).state == tpb.TASK_STATE_QUEUED
+            view_watch = cpb_grpc.ClusterOperatorStub(ch).WatchView(cpb.WatchViewRequest(min_interval_ms=200), timeout=120)
+            await view_watch.read()
+            await asyncio.wait_for(coord.stop(grace_s=120), timeout=30)  # far less than the grace
+            stopped = True
+            assert (await waiting).task.state == tpb.TASK_STATE_QUEUED
+            for watch in (task_watch, view_watch):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    while True:
+                        await watch.read()
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "shutting down; call again" in info.value.details()
+    finally:
+        if not stopped:
+            await coord.stop(grace_s=0.1)

@@ -342,7 +342,7 @@ def test_every_option_is_rendered_with_unit_help_env_and_flag() -> None:
     block = next(b for b in text.split("\n\n") if "heartbeat_interval_s = " in b)
     assert block.splitlines() == [
         "# a node silent this long is UNREACHABLE (no new tasks)",
-        "# unit: s; default: 10.0; env: GPULB_HEARTBEAT_INTERVAL_S; flag: --heartbeat-interval-s",
+        "# unit: s; range: [0.1, 1000000]; default: 10.0; env: GPULB_HEARTBEAT_INTERVAL_S; flag: --heartbeat-interval-s",
         "# source: default",
         "heartbeat_interval_s = 10.0",
     ]
@@ -451,3 +451,201 @@ def test_runtime_tuning_choices() -> None:
         gc.set_threshold(*before)
     with pytest.raises(ConfigError, match="must be one of auto, uvloop, asyncio"):
         load_settings(None, {"GPULB_EVENT_LOOP": "tokio"}, {})
+
+
+# ---- every option's range, checked at load (and so on SIGHUP) ----------------------------------------
+
+# (table.option, TOML value, what the message says): each is refused at load,
+# naming the file and the option. Each passed --print-config once and then
+# crashed the start (ewma_alpha, signal_window, persist, z_max, iqr_k,
+# state_synchronous, rpc_burst, max_message_bytes, gc_gen0_threshold, ...),
+# spun a core (smoothing_tick_s, dispatch_interval_s, heartbeat_interval_s = 0)
+# or failed every agent registration (a staleness_s whose ms overflow uint32).
+_REFUSED = [
+    ("coordinator.state_synchronous", '"bogus"', "must be one of NORMAL, FULL; got 'bogus'"),
+    ("coordinator.ewma_alpha", "1.5", "must be in (0, 1], got 1.5"),
+    ("coordinator.ewma_alpha", "0", "must be in (0, 1], got 0.0"),
+    ("coordinator.ewma_alpha", "nan", "must be a finite number"),
+    ("coordinator.signal_window", "0", "must be in [5, 1000] readings, got 0"),
+    ("coordinator.signal_window", "4", "must be in [5, 1000] readings"),
+    ("coordinator.signal_window", "1001", "must be in [5, 1000] readings"),
+    ("coordinator.z_max", "-1", "must be > 0, got -1.0"),
+    ("coordinator.z_max", "0", "must be > 0"),
+    ("coordinator.iqr_k", "-2", "must be > 0, got -2.0"),
+    ("coordinator.iqr_k", "0", "must be > 0"),
+    ("coordinator.persist", "0", "must be >= 2 readings, got 0"),
+    ("coordinator.persist", "1", "must be >= 2 readings"),
+    ("coordinator.persist", "31", "must be <= signal_window (30), got 31"),
+    ("coordinator.smoothing_tick_s", "0", "must be in [0.001, 1] s, got 0.0"),
+    ("coordinator.smoothing_tick_s", "0.0001", "must be in [0.001, 1] s"),
+    ("coordinator.smoothing_tick_s", "2", "must be in [0.001, 1] s"),
+    ("coordinator.dispatch_interval_s", "0", "must be in [0.001, 60] s, got 0.0"),
+    ("coordinator.dispatch_interval_s", "-1", "must be in [0.001, 60] s"),
+    ("coordinator.dispatch_interval_s", "inf", "must be a finite number"),
+    ("coordinator.dispatch_interval_s", "61", "must be in [0.001, 60] s"),
+    ("coordinator.heartbeat_interval_s", "0", "must be in [0.1, 1000000] s, got 0.0"),
+    ("coordinator.heartbeat_interval_s", "0.05", "must be in [0.1, 1000000] s"),
+    ("coordinator.heartbeat_interval_s", "1e7", "must be in [0.1, 1000000] s"),
+    ("coordinator.remove_after_intervals", "0", "must be >= 1 intervals, got 0"),
+    ("coordinator.keyframe_interval_s", "0", "must be in [0.1, 1000000] s"),
+    ("coordinator.keyframe_interval_s", "5e6", "must be in [0.1, 1000000] s"),
+    ("coordinator.staleness_s", "0", "must be in (0, 1000000] s, got 0.0"),
+    ("coordinator.staleness_s", "1e9", "must be in (0, 1000000] s"),
+    ("coordinator.max_message_bytes", "0", "must be in [65536, 2147483647] bytes, got 0"),
+    ("coordinator.max_message_bytes", "2147483648", "must be in [65536, 2147483647] bytes"),
+    ("coordinator.grace_s", "-1", "must be >= 0 s"),
+    ("coordinator.rpc_rate_per_s", "-1", "must be >= 0 requests/s"),
+    ("coordinator.rpc_burst", "0.5", "must be >= 1 requests, got 0.5"),
+    ("coordinator.stream_message_rate_per_s", "-1", "must be >= 0 messages/s"),
+    ("coordinator.stream_message_burst", "0", "must be >= 1 messages"),
+    ("coordinator.max_queued_per_tenant", "-1", "must be >= 0 tasks"),
+    ("coordinator.finished_retention_s", "-1", "must be >= 0 s"),
+    ("coordinator.advisor_interval_s", "0", "must be >= 0.1 s, got 0.0"),
+    ("coordinator.advisor_hook_timeout_s", "0", "must be > 0 s, got 0.0"),
+    ("coordinator.gc_gen0_threshold", "-1", "must be in [0, 2147483647] allocations"),
+    ("coordinator.gc_gen0_threshold", "2147483648", "must be in [0, 2147483647] allocations"),
+    ("coordinator.advisor_hook", '"   "', "no command in '   '"),
+    ("coordinator.advisor_hook", "'run \"x'", "not a command line (No closing quotation)"),
+    ("coordinator.agent_listen", '"127.0.0.1:50051"', "is listen's address; each listener needs its own port"),
+    ("coordinator.metrics_listen", '"127.0.0.1:50051"', "is listen's address"),
+    ("coordinator.tls_client_ca_file", '"/etc/ca.pem"', "needs tls_cert_file and tls_key_file"),
+    ("scheduler.queue_head_limit", "-1", "must be >= 0, got -1"),
+    ("scheduler.lease_s", "0", "must be in (0, 100000000] s"),
+    ("scheduler.lease_s", "1e10", "must be in (0, 100000000] s"),
+    ("scheduler.max_lease_extend_s", "1e10", "must be in (0, 100000000] s"),
+]
+
+
+@pytest.mark.parametrize("key, value, fragment", _REFUSED, ids=[f"{k}={v}" for k, v, _ in _REFUSED])
+def test_out_of_range_values_are_refused_at_load_naming_option_file_and_range(tmp_path: Path, key: str, value: str, fragment: str) -> None:
+    table, _, option = key.partition(".")
+    path = _write(tmp_path, f"[{table}]\n{option} = {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {}, {})
+    err = info.value
+    assert (err.option, err.source) == (key, f"file:{path}")
+    assert fragment in err.message
+    assert str(err).startswith(f"{path}: {key}: ")
+    # the environment and flags go through the same checks
+    env = next(o.env for s in SECTIONS for o in options(s) if o.key == key)
+    text = value.strip("'\"") if value[0] in "'\"" and value.count(value[0]) == 2 else value
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, {env: text}, {})
+    assert info.value.option == key and info.value.source == f"env:{env}"
+
+
+def test_a_cross_option_rule_blames_what_was_set(tmp_path: Path) -> None:
+    # persist fits the default window but not the smaller one set in the file
+    path = _write(tmp_path, "[coordinator]\nsignal_window = 5\n")
+    assert load_settings(path, {}, {}).coordinator.signal_window == 5
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {"GPULB_PERSIST": "6"}, {})
+    assert (info.value.option, info.value.source) == ("coordinator.persist", "env:GPULB_PERSIST")
+    assert "must be <= signal_window (5), got 6" in info.value.message
+    # a TLS key without its certificate: the option left out is named, and the file that set the other
+    path = _write(tmp_path, "[coordinator]\ntls_key_file = '/etc/gpulb/key.pem'\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {}, {})
+    assert (info.value.option, info.value.source) == ("coordinator.tls_cert_file", f"file:{path}")
+    assert "needed with tls_key_file" in info.value.message
+
+
+# (table.option, value): the ends of each range, and values just inside them.
+_ACCEPTED = [
+    ("coordinator.heartbeat_interval_s", 0.1), ("coordinator.heartbeat_interval_s", 1e6),
+    ("coordinator.remove_after_intervals", 1),
+    ("coordinator.keyframe_interval_s", 0.1), ("coordinator.keyframe_interval_s", 1e6),
+    ("coordinator.staleness_s", 0.001), ("coordinator.staleness_s", 1e6),
+    ("coordinator.max_message_bytes", 65536), ("coordinator.max_message_bytes", 2**31 - 1),
+    ("coordinator.grace_s", 0.0),
+    ("coordinator.signal_window", 5), ("coordinator.signal_window", 1000),
+    ("coordinator.ewma_alpha", 1e-6), ("coordinator.ewma_alpha", 1.0),
+    ("coordinator.iqr_k", 1e-6), ("coordinator.z_max", 1e-6),
+    ("coordinator.persist", 2), ("coordinator.persist", 30),
+    ("coordinator.smoothing_tick_s", 0.001), ("coordinator.smoothing_tick_s", 1.0),
+    ("coordinator.dispatch_interval_s", 0.001), ("coordinator.dispatch_interval_s", 60.0),
+    ("coordinator.rpc_rate_per_s", 0.0), ("coordinator.rpc_burst", 1.0),
+    ("coordinator.stream_message_rate_per_s", 0.0), ("coordinator.stream_message_burst", 1.0),
+    ("coordinator.max_queued_per_tenant", 0), ("coordinator.finished_retention_s", 0.0),
+    ("coordinator.advisor_interval_s", 0.1), ("coordinator.advisor_hook_timeout_s", 0.001),
+    ("coordinator.gc_gen0_threshold", 0), ("coordinator.gc_gen0_threshold", 2**31 - 1),
+    ("coordinator.state_synchronous", "FULL"),
+    ("scheduler.queue_head_limit", 0), ("scheduler.lease_s", 1e8), ("scheduler.max_lease_extend_s", 1e8),
+]
+
+
+@pytest.mark.parametrize("key, value", _ACCEPTED, ids=[f"{k}={v}" for k, v in _ACCEPTED])
+def test_range_ends_are_accepted_and_the_coordinator_takes_them(key: str, value: Any) -> None:
+    from coordinator.server import Coordinator
+
+    s = load_settings(None, {}, {key: value})
+    table, _, option = key.partition(".")
+    assert getattr(getattr(s, table), option) == value
+    # what the start builds from them accepts them too (SignalBank, NodeLiveness, the advisor, ...)
+    Coordinator(s.coordinator, s.scheduler, advisor_config=s.advisor, predictor_config=s.predictor,
+                growth_config=s.memory_growth)
+
+
+def test_state_synchronous_takes_any_case_and_stores_the_choice() -> None:
+    s = load_settings(None, {"GPULB_STATE_SYNCHRONOUS": "full"}, {})
+    assert s.coordinator.state_synchronous == "FULL"
+
+
+def test_every_number_option_of_the_coordinator_declares_its_range() -> None:
+    # a new numeric option must say what it accepts; and its default must be in it
+    coordinator = next(s for s in SECTIONS if s.name == "coordinator")
+    for opt in options(coordinator):
+        if opt.type in (int, float):
+            assert opt.bounds is not None, f"{opt.key} declares no range (ge/gt/le/lt in coordinator/config.py)"
+            assert opt.default in opt.bounds, opt.key
+    for section in SECTIONS:
+        for opt in options(section):
+            if opt.bounds is not None:
+                assert opt.default in opt.bounds, opt.key
+
+
+def test_range_ends_fit_what_they_are_sent_as() -> None:
+    # heartbeat, keyframe and refresh periods go to agents as uint32 ms
+    # (gateway.py); gRPC takes a C int message size; gc a C int threshold
+    import gc
+
+    from protos import telemetry_pb2 as pb
+
+    by_key = {o.key: o for s in SECTIONS for o in options(s)}
+
+    def high(key: str) -> float:
+        return by_key[key].bounds.high
+
+    pb.RegisterAck(
+        heartbeat_interval_ms=int(high("coordinator.heartbeat_interval_s") * 1000),
+        keyframe_interval_ms=int(high("coordinator.keyframe_interval_s") * 1000),
+        refresh_interval_ms=max(100, int(high("coordinator.staleness_s") * 500)),
+    )
+    for key in ("coordinator.heartbeat_interval_s", "coordinator.keyframe_interval_s"):
+        assert int(by_key[key].bounds.low * 1000) >= 1  # 0 ms would mean "keep your own" to the agent
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(int(high("coordinator.gc_gen0_threshold")), before[1], before[2])
+    finally:
+        gc.set_threshold(*before)
+    assert high("coordinator.max_message_bytes") == 2**31 - 1
+
+
+def test_sighup_reload_refuses_a_bad_value_and_keeps_the_running_one(tmp_path: Path) -> None:
+    # SIGHUP re-reads through load_settings: a zero dispatch interval (a
+    # spinning core on a running coordinator) is refused and nothing changes
+    from coordinator.main import _Daemon
+    from coordinator.security import Security
+
+    path = _write(tmp_path, "[coordinator]\nlisten = '127.0.0.1:0'\n")
+    settings = load_settings(path, {}, {})
+    daemon = _Daemon(settings, str(path), {}, Security(insecure=True))
+    dispatcher = daemon.coordinator.dispatcher
+    for bad in ("dispatch_interval_s = 0", "smoothing_tick_s = 0", "heartbeat_interval_s = 0", "ewma_alpha = 2"):
+        path.write_text(f"[coordinator]\nlisten = '127.0.0.1:0'\n{bad}\n")
+        daemon.reload()
+        assert daemon.settings is settings, bad
+        assert dispatcher.interval_s == 0.5 and daemon.coordinator.liveness.heartbeat_interval_s == 10.0
+    path.write_text("[coordinator]\nlisten = '127.0.0.1:0'\ndispatch_interval_s = 0.25\n")
+    daemon.reload()  # and a good one applies (the test can tell the difference)
+    assert dispatcher.interval_s == 0.25 and daemon.settings.coordinator.dispatch_interval_s == 0.25
