@@ -58,6 +58,7 @@ from typing import Mapping
 import numpy as np
 
 from scheduler import setsearch
+from scheduler.task import MAX_LEARNED_KINDS
 
 __all__ = ["ANY_KIND", "BINS", "MemoryGrowthConfig", "GrowthStats", "GrowthTable", "MemoryGrowth", "largest_growth",
            "table_for"]
@@ -202,7 +203,10 @@ class MemoryGrowth:
         if not (math.isfinite(asked_mib) and asked_mib > 0 and math.isfinite(peak_mib) and peak_mib > 0):
             return None
         ratio = min(max(peak_mib / asked_mib, _RATIO_MIN), _RATIO_MAX)
-        for key in {ANY_KIND, str(kind)}:
+        keys = {ANY_KIND, str(kind)}
+        if str(kind) not in self._ratios and len(self._ratios) > MAX_LEARNED_KINDS:  # ANY_KIND is one of them
+            keys = {ANY_KIND}  # a kind past the limit counts in the all-kinds table only
+        for key in keys:
             ratios = self._ratios.get(key)
             if ratios is None:
                 ratios = self._ratios[key] = deque(maxlen=self.config.window)

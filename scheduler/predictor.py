@@ -55,6 +55,7 @@ import numpy as np
 
 from scheduler.cluster import lookup_model
 from scheduler.snapshot import ClusterSnapshot
+from scheduler.task import MAX_LEARNED_KINDS
 
 __all__ = [
     "ANY_KIND",
@@ -324,12 +325,16 @@ class SpeedPredictor:
         predicted = self.predict(node_id, model, kind, expected_s)
         ape = abs(predicted - actual_s) / actual_s
         self._errors.add(ape)
+        # a kind past MAX_LEARNED_KINDS is learned into the model's all-kinds
+        # factor only (and predicted by it, as any kind not learned yet)
+        per_kind = kind in self._kinds or len(self._kinds) < MAX_LEARNED_KINDS
         key = (model, kind)
-        self._model_kind_errors.setdefault(key, _Errors(cfg.error_window)).add(ape)
-        overruns = self._model_kind_overruns.get(key)
-        if overruns is None:
-            overruns = self._model_kind_overruns[key] = deque(maxlen=cfg.error_window)
-        overruns.append(actual_s / predicted)
+        if per_kind:
+            self._model_kind_errors.setdefault(key, _Errors(cfg.error_window)).add(ape)
+            overruns = self._model_kind_overruns.get(key)
+            if overruns is None:
+                overruns = self._model_kind_overruns[key] = deque(maxlen=cfg.error_window)
+            overruns.append(actual_s / predicted)
         self._node_errors.setdefault(node_id, _Errors(cfg.error_window)).add(ape)
 
         log_ratio = math.log(min(max(actual_s / expected_s, _RATIO_MIN), _RATIO_MAX))
@@ -339,19 +344,23 @@ class SpeedPredictor:
         all_kinds = self._models.get(model)
         if all_kinds is None:
             all_kinds = self._models[model] = _Ewma(self.prior(model))
-        mk = self._model_kinds.get(key)
-        if mk is None:
-            # a new kind on a known model starts from the model's all-kinds factor
-            mk = self._model_kinds[key] = _Ewma(all_kinds.value)
-        # the model (kind) factor takes its share of the error, the node
-        # residual a share of what is left; the all-kinds factor follows too
-        error = log_ratio - (mk.log + node.log)
-        all_kinds.step(log_ratio - (all_kinds.log + node.log), cfg)
-        moved = mk.step(error, cfg)
+        if per_kind:
+            mk = self._model_kinds.get(key)
+            if mk is None:
+                # a new kind on a known model starts from the model's all-kinds factor
+                mk = self._model_kinds[key] = _Ewma(all_kinds.value)
+            # the model (kind) factor takes its share of the error, the node
+            # residual a share of what is left; the all-kinds factor follows too
+            error = log_ratio - (mk.log + node.log)
+            all_kinds.step(log_ratio - (all_kinds.log + node.log), cfg)
+            moved = mk.step(error, cfg)
+            self._kinds.add(kind)
+        else:
+            error = log_ratio - (all_kinds.log + node.log)
+            moved = all_kinds.step(error, cfg)
         node.step(error - moved, cfg)
         bound = math.log(cfg.max_node_residual)
         node.log = min(max(node.log, -bound), bound)
-        self._kinds.add(kind)
         self._dirty_nodes.add(node_id)
         self.version += 1
         return ape

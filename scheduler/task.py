@@ -32,6 +32,11 @@ MAX_TASK_ID_LEN = 128
 # per-tenant counters) and table columns: bounded so that one client cannot
 # grow a scrape or a table without end
 MAX_KIND_LEN = 64
+# distinct kinds the learners keep apart (scheduler.predictor, scheduler.memgrowth):
+# a kind past these is learned only into the all-kinds figures, so that a
+# client inventing kinds cannot grow the learners, their state or a scrape
+# without end
+MAX_LEARNED_KINDS = 64
 MAX_TENANT_LEN = 128
 # each label map: entries, key and value length
 MAX_LABELS = 64

@@ -614,3 +614,17 @@ def test_a_big_card_busy_with_work_gpulb_did_not_place_is_not_taken_for_room_to_
     clock[0] += 60.0
     sched.submit(URGENT, busy)
     assert [t.assignment.node_id for t in sched.dispatch(busy)] == ["g2"]
+
+
+def test_kinds_past_the_limit_count_in_the_all_kinds_table_only():
+    from scheduler.memgrowth import ANY_KIND, MemoryGrowth, MemoryGrowthConfig
+    from scheduler.task import MAX_LEARNED_KINDS
+
+    g = MemoryGrowth(MemoryGrowthConfig(min_samples=1))
+    for i in range(MAX_LEARNED_KINDS):
+        g.observe(f"kind-{i}", 1000.0, 1500.0)
+    g.observe("one-too-many", 1000.0, 3000.0)
+    kinds = {s.kind: s for s in g.stats()}
+    assert "one-too-many" not in kinds and len(kinds) == MAX_LEARNED_KINDS + 1  # with the all-kinds one
+    assert kinds[ANY_KIND].samples == MAX_LEARNED_KINDS + 1 and kinds[ANY_KIND].max == 3.0
+    assert "one-too-many" not in g.tables() and g.tables()[ANY_KIND].hi == 3.0

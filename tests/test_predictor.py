@@ -309,3 +309,22 @@ def test_unreadable_state_is_refused_and_changes_nothing(mangle):
     with pytest.raises(ValueError, match="predictor state cannot be read"):
         fresh.load_state(state)
     assert fresh.samples == 0 and fresh.factor("m40-0", M40, "training") == pytest.approx(fresh.prior(M40))
+
+
+def test_kinds_past_the_limit_are_learned_into_the_all_kinds_factor_only():
+    """A client inventing kinds cannot grow the predictor (its state, its
+    per-kind metrics) without end: past MAX_LEARNED_KINDS a new kind is
+    learned into the model's all-kinds factor and predicted by it."""
+    from scheduler.task import MAX_LEARNED_KINDS
+
+    p = SpeedPredictor()
+    for i in range(MAX_LEARNED_KINDS):
+        p.observe("n0", "M40", f"kind-{i}", 100.0, 200.0)
+    assert len(p.kinds) == MAX_LEARNED_KINDS
+    before = p.model_factor("M40")
+    p.observe("n0", "M40", "one-too-many", 100.0, 800.0)
+    assert "one-too-many" not in p.kinds and len(p.kinds) == MAX_LEARNED_KINDS
+    assert p.model_factor("M40") > before  # the all-kinds factor learned from it
+    assert p.model_factor("M40", "one-too-many") == p.model_factor("M40")
+    p.observe("n0", "M40", "kind-0", 100.0, 300.0)  # a kind already kept goes on learning
+    assert p.model_factor("M40", "kind-0") != p.model_factor("M40")
