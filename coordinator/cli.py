@@ -19,6 +19,7 @@ from google.protobuf.json_format import MessageToDict
 
 from coordinator.executor import PlanExecutor, move_gpus
 from coordinator.tables import fmt, render_table
+from coordinator.taskconvert import MAX_VRAM_MIB
 from protos import advisor_pb2 as apb
 from protos import advisor_pb2_grpc as apb_grpc
 from protos import cluster_pb2 as cpb
@@ -26,6 +27,7 @@ from protos import cluster_pb2_grpc as cpb_grpc
 from protos import tasks_pb2 as tpb
 from protos import tasks_pb2_grpc as tpb_grpc
 from protos import telemetry_pb2 as pb
+from scheduler.task import MAX_GPUS
 
 __all__ = ["main", "build_parser"]
 
@@ -38,6 +40,113 @@ def command(name: str):
         return fn
 
     return register
+
+
+#: ``gpulb submit``'s exit status when ``--timeout`` ran out with the task still
+#: queued (it stays queued; one whose ``--deadline`` passed exits 1: it expires)
+EXIT_STILL_QUEUED = 3
+#: the status a shell shows for a process that SIGPIPE ended (``gpulb ... | head``)
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+class UsageExit(SystemExit):
+    """argparse's exit for a bad invocation (status 2), whose ``str`` is the
+    message already written to stderr (argparse's own reads "2")."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(status)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        text = f"{self.prog}: error: {message}"
+        print(text, file=sys.stderr)
+        raise UsageExit(text)
+
+
+def _fail(message: str, status: int = 2):
+    """A bad setting found after parsing (a file named by a flag or an
+    environment variable): the message on stderr, no traceback."""
+    text = f"gpulb: error: {message}"
+    print(text, file=sys.stderr)
+    raise UsageExit(text, status)
+
+
+def _number(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False,
+            bounds: str | None = None):
+    """An argparse ``type`` for an integer (``kind`` int) or a finite float in
+    [low, high] (``above``: low excluded); the error names the range."""
+    noun = "an integer" if kind is int else "a finite number"
+
+    def show(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+    if bounds is None:
+        if low is not None and high is not None and not above:
+            bounds = f"from {show(low)} to {show(high)}"
+        else:
+            bounds = " and ".join(
+                ([f"{'>' if above else '>='} {show(low)}"] if low is not None else []) + ([f"<= {show(high)}"] if high is not None else [])
+            )
+    wanted = f"must be {noun} {bounds}".rstrip()
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{wanted}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{wanted}, got {text!r}")
+        if (low is not None and (value < low or (above and value == low))) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{wanted}, got {text!r}")
+        return value
+
+    parse.__name__ = "integer" if kind is int else "number"
+    return parse
+
+
+#: an RPC deadline or a command's time limit, s: grpc reads one over ~9e9 s as already passed
+_TIMEOUT = _number(float, 0, 604800, above=True, bounds="> 0 and <= 604800 (a week)")
+
+
+def _key_value(flag_value: str) -> tuple[str, str]:
+    """argparse ``type`` of --label and friends: KEY=VALUE, KEY not empty."""
+    key, sep, value = flag_value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"takes KEY=VALUE, got {flag_value!r}")
+    return key, value
+
+
+def _weights(text: str) -> dict[str, float]:
+    """argparse ``type`` of --weights: TERM=NUMBER,... (finite, >= 0)."""
+    weights = {}
+    for pair in text.split(","):
+        if not pair:
+            continue
+        key, sep, value = pair.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not sep or not key or number is None:
+            raise argparse.ArgumentTypeError(f"takes TERM=NUMBER pairs, e.g. load=1.0,memory=0.5; got {pair!r}")
+        if not math.isfinite(number) or number < 0:
+            raise argparse.ArgumentTypeError(f"weight {key!r} must be a finite number >= 0, got {value!r}")
+        weights[key] = number
+    return weights
+
+
+def _sizes(text: str) -> str:
+    """argparse ``type`` of ``bench --nodes``: comma-separated integers >= 1."""
+    sizes = [x for x in text.replace(" ", "").split(",") if x]
+    if not sizes or not all(x.isdigit() and int(x) >= 1 for x in sizes):
+        raise argparse.ArgumentTypeError(f"takes comma-separated node counts >= 1, e.g. 1000,5000; got {text!r}")
+    return text
 
 
 class _TokenCalls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -60,14 +169,28 @@ class _TokenCalls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 def _channel(args: argparse.Namespace) -> grpc.Channel:
     token = args.token or ""
     if args.token_file:
-        with open(args.token_file) as fh:
-            token = fh.read().strip()
+        try:
+            with open(args.token_file) as fh:
+                token = fh.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not text"
+            _fail(f"cannot read the token file {args.token_file!r} ({_source(args.token_file, '--token-file', 'GPULB_TOKEN_FILE')}): {why}")
     if args.ca_file:
-        from coordinator.security import channel_credentials
+        from coordinator.security import SecurityConfigError, channel_credentials
 
-        return grpc.secure_channel(args.coordinator, channel_credentials(args.ca_file, token=token or None))
+        try:
+            credentials = channel_credentials(args.ca_file, token=token or None)
+        except SecurityConfigError as exc:
+            _fail(f"the CA file ({_source(args.ca_file, '--ca-file', 'GPULB_CA_FILE')}): {exc}")
+        return grpc.secure_channel(args.coordinator, credentials)
     channel = grpc.insecure_channel(args.coordinator)
     return grpc.intercept_channel(channel, _TokenCalls(token)) if token else channel
+
+
+def _source(value: str, flag: str, variable: str) -> str:
+    """Which of a flag and its environment variable gave ``value`` (the
+    variable when both hold it)."""
+    return f"env {variable}" if os.environ.get(variable) == value else flag
 
 
 def _state_name(state: int) -> str:
@@ -119,6 +242,14 @@ def _gpu_rows(gpus, smoothed_pairs: dict | None = None) -> list[list]:
 _GPU_HEADERS = ["NODE", "GPU", "MODEL", "STATE", "HEALTH", "UTIL", "MEM GiB", "TEMP C", "POWER W", "TASKS", "AGE s", "FLAGS"]
 
 
+def _check_node(stub, node_id: str | None, gpus, timeout: float) -> None:
+    """A coordinator whose ListGpus filters by node without saying whether it
+    exists: an empty answer for a node asks GetNode, whose NOT_FOUND names
+    it (a newer ListGpus says NOT_FOUND itself)."""
+    if node_id and not gpus:
+        stub.GetNode(cpb.GetNodeRequest(node_id=node_id), timeout=timeout)
+
+
 @command("gpus")
 def cmd_gpus(args: argparse.Namespace) -> int:
     request = cpb.ListGpusRequest(
@@ -128,7 +259,9 @@ def cmd_gpus(args: argparse.Namespace) -> int:
         metrics=[m for m in (args.metrics or "").split(",") if m],
     )
     with _channel(args) as ch:
-        gpus = cpb_grpc.ClusterOperatorStub(ch).ListGpus(request, timeout=args.timeout).gpus
+        stub = cpb_grpc.ClusterOperatorStub(ch)
+        gpus = stub.ListGpus(request, timeout=args.timeout).gpus
+        _check_node(stub, args.node, gpus, args.timeout)
     if args.json:
         _print_json(gpus)
         return 0
@@ -144,7 +277,9 @@ def cmd_processes(args: argparse.Namespace) -> int:
     account for runs work gpulb did not place."""
     request = cpb.ListGpusRequest(node_id=args.node or "", metrics=["memory"])
     with _channel(args) as ch:
-        gpus = cpb_grpc.ClusterOperatorStub(ch).ListGpus(request, timeout=args.timeout).gpus
+        stub = cpb_grpc.ClusterOperatorStub(ch)
+        gpus = stub.ListGpus(request, timeout=args.timeout).gpus
+        _check_node(stub, args.node, gpus, args.timeout)
     listed = [(g, p) for g in gpus for p in g.processes]
     if args.json:
         print(json.dumps([{"node_id": g.node_id, "gpu_index": g.index, "gpu_uuid": g.uuid, "pid": p.pid,
@@ -179,6 +314,8 @@ def cmd_top(args: argparse.Namespace) -> int:
             while args.iterations <= 0 or shown < args.iterations:
                 raw = stub.ListGpus(cpb.ListGpusRequest(node_id=args.node or "", metrics=_TOP_METRICS),
                                     timeout=args.timeout).gpus
+                if not shown:
+                    _check_node(stub, args.node, raw, args.timeout)
                 # only the smoothed util (and its trend, which comes with it) is shown:
                 # the coordinator builds every GPU's message on its event loop
                 smooth = stub.ListGpus(
@@ -262,9 +399,10 @@ def _task_rows(tasks) -> list[list]:
     for t in tasks:
         a = t.assignment
         placed = a.node_id and a.placed_at_ns
-        # the wait ends when the run first started (a migration is no wait)
-        started = (a.run_started_at_ns or a.placed_at_ns) if placed else now
-        wait = (started - t.submitted_at_ns) / 1e9 if t.submitted_at_ns else None
+        # the wait ends when the run first started (a migration is no wait), or
+        # when the task ended without a placement (expired, rejected, cancelled)
+        ended = (a.run_started_at_ns or a.placed_at_ns) if placed else (t.finished_at_ns or now)
+        wait = (ended - t.submitted_at_ns) / 1e9 if t.submitted_at_ns else None
         rows.append([
             t.spec.task_id,
             t.spec.tenant or "-",
@@ -284,19 +422,43 @@ def _task_rows(tasks) -> list[list]:
 _TASK_HEADERS = ["TASK", "TENANT", "PRIO", "EFF", "KIND", "STATE", "GPUS", "GiB/GPU", "PLACED ON", "WAIT s", "REASON"]
 
 
-def _labels(pairs: list[str] | None, flag: str) -> dict[str, str]:
-    out = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"gpulb: {flag} takes KEY=VALUE, got {pair!r}")
-        out[key] = value
-    return out
+def _labels(pairs: list[tuple[str, str]] | None) -> dict[str, str]:
+    return dict(pairs or [])  # each checked by _key_value
+
+
+def _not_placed(tasks, args: argparse.Namespace, waited: float) -> int:
+    """The exit status of a waiting ``gpulb submit``: 0 when every task was
+    placed; else a line on stderr per task that was not, and 1 when one ended
+    without a placement (expired, cancelled...) or reached its deadline, or
+    EXIT_STILL_QUEUED when ``--timeout`` ran out with tasks still queued
+    (they stay queued)."""
+    status = 0
+    unplaced = [t for t in tasks if not t.assignment.node_id]
+    for shown, t in enumerate(unplaced):
+        task_id = t.spec.task_id
+        if t.state == tpb.TASK_STATE_QUEUED and t.spec.deadline_s and t.spec.deadline_s <= args.timeout:
+            status = 1  # the wait ended at its deadline: the coordinator expires it
+            line = f"was not placed by its --deadline {t.spec.deadline_s:g} s (it expires); why: {t.reason or 'no placement yet'}"
+        elif t.state == tpb.TASK_STATE_QUEUED:
+            status = status or EXIT_STILL_QUEUED
+            ended = (f"--timeout {args.timeout:g} s ran out" if waited >= args.timeout - 0.5
+                     else f"the coordinator ended the wait after {waited:.1f} s, before --timeout {args.timeout:g} s")
+            line = (f"is still queued: {ended}; it stays queued (gpulb watch {task_id}; gpulb cancel {task_id}); "
+                    f"why: {t.reason or 'no placement yet'}")
+        else:
+            status = 1
+            line = f"was not placed: {_task_state(t.state)}" + (f", {t.reason}" if t.reason else "")
+        if shown < 5:
+            print(f"gpulb: submit: {task_id} {line}", file=sys.stderr)
+    if len(unplaced) > 5:
+        print(f"gpulb: submit: {len(unplaced)} of {len(tasks)} tasks not placed (gpulb tasks lists them)", file=sys.stderr)
+    return status
 
 
 @command("submit")
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit a task; by default wait for its placement and print the assignment."""
+    import time
     import uuid
 
     spec = tpb.TaskSpec(
@@ -313,40 +475,42 @@ def cmd_submit(args: argparse.Namespace) -> int:
         io_heavy=args.io_heavy,
         movable=args.movable,
         deadline_s=args.deadline,
-        labels=_labels(args.label, "--label"),
-        required_node_labels=_labels(args.require_label, "--require-label"),
-        preferred_node_labels=_labels(args.prefer_label, "--prefer-label"),
+        labels=_labels(args.label),
+        required_node_labels=_labels(args.require_label),
+        preferred_node_labels=_labels(args.prefer_label),
     )
     if args.array is not None:
         if not 1 <= args.array <= 1000:
-            raise SystemExit("gpulb: --array takes 1 to 1000 tasks")
+            args.usage_error(f"--array takes 1 to 1000 tasks, got {args.array}")
         specs = []
         for i in range(args.array):
             one = tpb.TaskSpec()
             one.CopyFrom(spec)
             one.task_id = f"{spec.task_id}-{i}"
             specs.append(one)
+        started = time.monotonic()
         with _channel(args) as ch:
             tasks = tpb_grpc.SchedulerStub(ch).ScheduleTasks(
                 tpb.ScheduleTasksRequest(specs=specs, wait=not args.no_wait), timeout=args.timeout
             ).tasks
         _print_tasks(tasks, args.json)
-        return 0
+        return 0 if args.no_wait else _not_placed(tasks, args, time.monotonic() - started)
+    started = time.monotonic()
     with _channel(args) as ch:
         task = tpb_grpc.SchedulerStub(ch).ScheduleTask(
             tpb.ScheduleTaskRequest(spec=spec, wait=not args.no_wait), timeout=args.timeout
         ).task
     if args.json:
         _print_json([task])
-        return 0
-    print(render_table(_TASK_HEADERS, _task_rows([task])))
-    a = task.assignment
-    if a.node_id:
-        print(f"lease {a.lease_id}, expires in {(a.lease_expires_at_ns - a.placed_at_ns) / 1e9:.0f} s; "
-              f"GPU uuids {', '.join(a.gpu_uuid)}")
-        terms = ", ".join(f"{k}={v:.3f}" for k, v in sorted(a.score.terms.items()))
-        print(f"chosen by {a.score.policy}: score {a.score.total:.3f} ({terms}) among {a.score.candidates} candidates")
-    return 0
+    else:
+        print(render_table(_TASK_HEADERS, _task_rows([task])))
+        a = task.assignment
+        if a.node_id:
+            print(f"lease {a.lease_id}, expires in {(a.lease_expires_at_ns - a.placed_at_ns) / 1e9:.0f} s; "
+                  f"GPU uuids {', '.join(a.gpu_uuid)}")
+            terms = ", ".join(f"{k}={v:.3f}" for k, v in sorted(a.score.terms.items()))
+            print(f"chosen by {a.score.policy}: score {a.score.total:.3f} ({terms}) among {a.score.candidates} candidates")
+    return 0 if args.no_wait else _not_placed([task], args, time.monotonic() - started)
 
 
 @command("tasks")
@@ -384,18 +548,12 @@ def cmd_queue(args: argparse.Namespace) -> int:
 
 @command("policy")
 def cmd_policy(args: argparse.Namespace) -> int:
+    if args.action == "get" and (args.name or args.weights is not None):
+        args.usage_error("policy get takes no NAME or --weights (policy set NAME --weights ...)")
     with _channel(args) as ch:
         stub = tpb_grpc.SchedulerStub(ch)
         if args.action == "set":
-            weights = {}
-            for pair in (args.weights or "").split(","):
-                if not pair:
-                    continue
-                key, sep, value = pair.partition("=")
-                try:
-                    weights[key] = float(value)
-                except ValueError:
-                    raise SystemExit(f"gpulb: --weights takes TERM=NUMBER pairs, got {pair!r}") from None
+            weights = args.weights or {}  # checked by _weights
             policy = stub.SetPolicy(tpb.SetPolicyRequest(name=args.name or "", weights=weights), timeout=args.timeout)
         else:
             policy = stub.GetPolicy(tpb.GetPolicyRequest(), timeout=args.timeout)
@@ -429,9 +587,19 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             if gpu.startswith("GPU-") or not sep:
                 uuids.append(gpu)
                 continue
-            gpus = cpb_grpc.ClusterOperatorStub(ch).ListGpus(cpb.ListGpusRequest(node_id=node), timeout=args.timeout).gpus
-            for index in indexes.split(","):  # NODE:0,1 as a plan prints a multi-GPU move
-                found = [g.uuid for g in gpus if str(g.index) == index.strip()]
+            wanted = [index.strip() for index in indexes.split(",")]  # NODE:0,1 as a plan prints a multi-GPU move
+            if not node or not all(index.isdigit() for index in wanted):
+                args.usage_error(f"--to-gpu takes a GPU uuid or NODE:INDEX[,INDEX...], got {gpu!r}")
+            operator = cpb_grpc.ClusterOperatorStub(ch)
+            try:
+                gpus = operator.ListGpus(cpb.ListGpusRequest(node_id=node), timeout=args.timeout).gpus
+                _check_node(operator, node, gpus, args.timeout)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    raise SystemExit(f"gpulb: --to-gpu {gpu}: no node {node!r}") from None
+                raise
+            for index in wanted:
+                found = [g.uuid for g in gpus if g.index == int(index)]
                 if not found:
                     raise SystemExit(f"gpulb: --to-gpu {gpu}: node {node!r} has no GPU {index}")
                 uuids.append(found[0])
@@ -606,6 +774,9 @@ def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.Ad
 def cmd_demo(args: argparse.Namespace) -> int:
     from coordinator.demo import run_demo
 
+    if not math.isfinite(args.duration):
+        args.usage_error(f"argument --duration: must be a finite number >= 4, got {args.duration!r}")
+
     return run_demo(args)
 
 
@@ -625,7 +796,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="gpulb",
         description="Operate a gpulb GPU cluster.",
         epilog="Offline: gpulb simulate --trace T --cluster C [--policy ...] (replay a trace under each policy); "
@@ -637,7 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("GPULB_COORDINATOR", "127.0.0.1:50051"),
         help="HOST:PORT of the coordinator (env GPULB_COORDINATOR)",
     )
-    p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline, s")
+    p.add_argument("--timeout", type=_TIMEOUT, default=10.0, help="RPC deadline, s (submit waits this long for a placement)")
     p.add_argument("--ca-file", default=os.environ.get("GPULB_CA_FILE"), help="PEM CA of the coordinator's certificate: use TLS (env GPULB_CA_FILE)")
     p.add_argument("--token", default=os.environ.get("GPULB_TOKEN"), help="bearer token (env GPULB_TOKEN)")
     p.add_argument("--token-file", default=os.environ.get("GPULB_TOKEN_FILE"), help="file holding the bearer token (env GPULB_TOKEN_FILE)")
@@ -659,8 +830,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = sub.add_parser("top", help="a live, refreshing table of every GPU")
     top.add_argument("--node", help="only this node")
-    top.add_argument("--interval", type=float, default=1.0, help="s between refreshes")
-    top.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0 = until Ctrl-C)")
+    top.add_argument("--interval", type=_number(float, 0, 86400, above=True), default=1.0, help="s between refreshes")
+    top.add_argument("--iterations", type=_number(int, 0), default=0, help="stop after N refreshes (0 = until Ctrl-C)")
     top.add_argument("--no-clear", action="store_true", help="append tables instead of redrawing the screen")
 
     for name, text in (("cordon", "no new tasks on NODE"), ("drain", "no new tasks on NODE; running ones finish"), ("uncordon", "NODE takes tasks again")):
@@ -669,26 +840,36 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("--reason", help="free text, logged by the coordinator")
         action.add_argument("--json", action="store_true")
 
-    submit = sub.add_parser("submit", help="submit a task and wait for its placement")
+    submit = sub.add_parser(
+        "submit", help="submit a task and wait for its placement",
+        description="Submit a task and, unless --no-wait, wait up to --timeout s (default 10) for its placement. "
+        f"Exit status: 0 placed (with --no-wait: accepted); {EXIT_STILL_QUEUED} still queued when --timeout ran out "
+        "(the task stays queued: gpulb watch or gpulb cancel it); 1 not placed (rejected, expired at its --deadline, "
+        "cancelled) or an RPC error; 2 a bad flag.",
+    )
+    submit.add_argument("--timeout", type=_TIMEOUT, default=argparse.SUPPRESS,
+                        help="s to wait for the placement (the RPC deadline; same as gpulb --timeout; default 10)")
     submit.add_argument("--id", help="task id (default: a random one); resubmitting the same id and spec is idempotent")
     submit.add_argument("--tenant")
     submit.add_argument("--priority", default="P2", choices=("P0", "P1", "P2", "P3", "p0", "p1", "p2", "p3"))
     submit.add_argument("--kind", help="inference, training, batch, background or free text")
-    submit.add_argument("--gpus", type=int, default=1, help="GPUs on one node")
+    submit.add_argument("--gpus", type=_number(int, 1, MAX_GPUS), default=1, help=f"GPUs on one node, 1..{MAX_GPUS}")
     mem = submit.add_mutually_exclusive_group()
-    mem.add_argument("--vram-mib", type=int, default=1024, help="MiB per GPU")
-    mem.add_argument("--vram-gib", type=float, help="GiB per GPU")
-    submit.add_argument("--share", type=float, default=0.5, help="expected utilisation share per GPU, 0..1")
-    submit.add_argument("--duration", type=float, default=0.0, help="estimated run time, s (0 = unknown)")
+    mem.add_argument("--vram-mib", type=_number(int, 1, MAX_VRAM_MIB), default=1024, help="MiB per GPU")
+    mem.add_argument("--vram-gib", type=_number(float, 1 / 1024, MAX_VRAM_MIB / 1024, bounds=f"from 1/1024 (1 MiB) to {MAX_VRAM_MIB // 1024}"),
+                     help="GiB per GPU")
+    submit.add_argument("--share", type=_number(float, 0, 1), default=0.5, help="expected utilisation share per GPU, 0..1")
+    submit.add_argument("--duration", type=_number(float, 0), default=0.0, help="estimated run time, s (0 = unknown)")
     submit.add_argument("--gpu-spec", help="allowed models, e.g. 'V100M16|V100M32' or 'RTX 4090'")
     submit.add_argument("--nvlink", action="store_true", help="needs NVLink-connected GPUs")
     submit.add_argument("--io-heavy", action="store_true", help="storage-bound: avoid nodes with slow disks")
     submit.add_argument("--movable", action="store_true", help="may be migrated by the rebalance advisor")
-    submit.add_argument("--deadline", type=float, default=0.0, help="s to wait for a placement (0 = no deadline)")
-    submit.add_argument("--label", action="append", help="task label KEY=VALUE (repeatable)")
-    submit.add_argument("--require-label", action="append", help="node must carry KEY=VALUE (repeatable)")
-    submit.add_argument("--prefer-label", action="append", help="prefer nodes carrying KEY=VALUE (repeatable)")
-    submit.add_argument("--no-wait", action="store_true", help="return at once with the queued task")
+    submit.add_argument("--deadline", type=_number(float, 0), default=0.0,
+                        help="s the task may stay queued before the coordinator expires it (0 = no deadline)")
+    submit.add_argument("--label", action="append", type=_key_value, help="task label KEY=VALUE (repeatable)")
+    submit.add_argument("--require-label", action="append", type=_key_value, help="node must carry KEY=VALUE (repeatable)")
+    submit.add_argument("--prefer-label", action="append", type=_key_value, help="prefer nodes carrying KEY=VALUE (repeatable)")
+    submit.add_argument("--no-wait", action="store_true", help="return at once with the queued task (exit 0)")
     submit.add_argument("--array", type=int, metavar="N",
                         help="a job array: N tasks ID-0..ID-N-1 of this spec in one ScheduleTasks call (1..1000)")
     submit.add_argument("--json", action="store_true")
@@ -696,7 +877,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks = sub.add_parser("tasks", help="list tasks")
     tasks.add_argument("--state", choices=[n.removeprefix("TASK_STATE_").lower() for n in tpb.TaskState.keys()[1:]])
     tasks.add_argument("--tenant")
-    tasks.add_argument("--limit", type=int, default=1000)
+    tasks.add_argument("--limit", type=_number(int, 0, 2**32 - 1), default=1000, help="at most this many (0: the coordinator's 1000)")
     tasks.add_argument("--json", action="store_true")
 
     queue = sub.add_parser("queue", help="queue depth per class and the next tasks in dispatch order")
@@ -705,7 +886,7 @@ def build_parser() -> argparse.ArgumentParser:
     policy = sub.add_parser("policy", help="show or switch the placement policy (no restart)")
     policy.add_argument("action", choices=("get", "set"))
     policy.add_argument("name", nargs="?", help="round_robin, weighted_round_robin, least_connections, load_aware, binpack, fgd")
-    policy.add_argument("--weights", help="TERM=NUMBER,... e.g. load=1.0,memory=0.5")
+    policy.add_argument("--weights", type=_weights, help="TERM=NUMBER,... e.g. load=1.0,memory=0.5")
     policy.add_argument("--json", action="store_true")
 
     complete = sub.add_parser("complete", help="report a leased task finished")
@@ -732,8 +913,8 @@ def build_parser() -> argparse.ArgumentParser:
     advisor.add_argument("--checkpoint", help="execute: command run before each move, the move in GPULB_* variables "
                          "(coordinator/executor.py); a failure skips the move")
     advisor.add_argument("--restart", help="execute: command run after each move (or in place when the move is refused)")
-    advisor.add_argument("--command-timeout", type=float, default=600.0, help="execute: s a checkpoint or restart may take")
-    advisor.add_argument("--plans", type=int, default=0, help="execute: stop after this many plans (0: run until stopped)")
+    advisor.add_argument("--command-timeout", type=_TIMEOUT, default=600.0, help="execute: s a checkpoint or restart may take")
+    advisor.add_argument("--plans", type=_number(int, 0), default=0, help="execute: stop after this many plans (0: run until stopped)")
     advisor.add_argument("--stdin", action="store_true",
                          help="execute: carry out the one plan on standard input (as the coordinator's advisor_hook gives it) "
                          "instead of watching for plans")
@@ -755,18 +936,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="wire: bytes per GPU-sample; ingest: telemetry throughput; schedule: placements/s and latency",
     )
     bench.add_argument("--json", action="store_true")
-    bench.add_argument("--samples", type=int, default=600, help="wire: sampling rounds per scenario")
-    bench.add_argument("--gpus", type=int, default=8, help="GPUs per host")
-    bench.add_argument("--hosts", type=int, default=2500, help="ingest: simulated hosts (one stream each)")
-    bench.add_argument("--interval", type=float, default=0.2, help="ingest: s between a host's envelopes")
+    bench.add_argument("--samples", type=_number(int, 1, 10**7), default=600, help="wire: sampling rounds per scenario")
+    bench.add_argument("--gpus", type=_number(int, 1, MAX_GPUS), default=8, help="GPUs per host")
+    bench.add_argument("--hosts", type=_number(int, 1, 10**6), default=2500, help="ingest: simulated hosts (one stream each)")
+    bench.add_argument("--interval", type=_number(float, 0, 3600, above=True), default=0.2, help="ingest: s between a host's envelopes")
     # 40 s: over 20 s windows the counters read at the two scrapes were ~0.7 % apart from the
     # generator's count (an offset, gone over 40 s), which read as a shortfall
-    bench.add_argument("--duration", type=float, default=40.0, help="ingest: measured s")
-    bench.add_argument("--warmup", type=float, default=10.0, help="ingest: s before measuring")
-    bench.add_argument("--channels", type=int, default=25, help="ingest: HTTP/2 connections the generator spreads streams over")
-    bench.add_argument("--nodes", default="1000,5000", help="schedule: comma-separated synthetic cluster sizes (8 GPUs each)")
-    bench.add_argument("--clients", type=int, default=16, help="schedule: concurrent submitting clients")
-    bench.add_argument("--requests", type=int, default=3000, help="schedule: ScheduleTask calls per size")
+    bench.add_argument("--duration", type=_number(float, 1, 86400), default=40.0, help="ingest: measured s")
+    bench.add_argument("--warmup", type=_number(float, 0, 86400), default=10.0, help="ingest: s before measuring")
+    bench.add_argument("--channels", type=_number(int, 1, 10**5), default=25, help="ingest: HTTP/2 connections the generator spreads streams over")
+    bench.add_argument("--nodes", type=_sizes, default="1000,5000", help="schedule: comma-separated synthetic cluster sizes (8 GPUs each)")
+    bench.add_argument("--clients", type=_number(int, 1, 10**5), default=16, help="schedule: concurrent submitting clients")
+    bench.add_argument("--requests", type=_number(int, 1, 10**8), default=3000, help="schedule: ScheduleTask calls per size")
+    for parser in sub.choices.values():  # a check after parsing fails the way argparse's own do
+        parser.set_defaults(usage_error=parser.error)
     return p
 
 
@@ -786,10 +969,24 @@ def main(argv: list[str] | None = None) -> int:
         return set_search_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
+        return status
     except grpc.RpcError as exc:
         print(f"gpulb: {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # the reader went away (gpulb ... | head): stop quietly, as a process
+        # that SIGPIPE ended does, and keep the interpreter's last flush of
+        # stdout from failing too
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass  # stdout is no file (captured): nothing will flush to the pipe
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C (watch, advisor watch/execute, a waiting submit): no traceback
 
 
 if __name__ == "__main__":
