@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from coordinator.config import CoordinatorConfig
 from protos.runtime import LOG_LEVELS
 from scheduler.advisor import AdvisorConfig
-from scheduler.config import SchedulerConfig
+from scheduler.config import LEASE_S_MAX, SchedulerConfig
 from scheduler.errors import InvalidArgument, InvalidWeight, UnknownPolicy
 from scheduler.policies import POLICIES, make_policy
 from scheduler.memgrowth import MemoryGrowthConfig
@@ -197,12 +197,11 @@ _FALLBACK_HELP: Mapping[str, str] = {
 # value outside which breaks the coordinator at run time (the coordinator's
 # own are declared on its fields, coordinator/config.py); as metadata.
 _FALLBACK_BOUNDS: Mapping[str, Mapping[str, float]] = {
-    # a negative limit listed nothing, silently
+    # SchedulerConfig.validate refuses the same; declared here too so that
+    # --help and --print-config show the range
     "scheduler.queue_head_limit": {"ge": 0},
-    # a lease's expiry goes out as int64 Unix nanoseconds: ~10^10 s overflows
-    # it and every RPC that returns the task fails; 10^8 s is over 3 years
-    "scheduler.lease_s": {"gt": 0, "le": 1e8},
-    "scheduler.max_lease_extend_s": {"gt": 0, "le": 1e8},
+    "scheduler.lease_s": {"gt": 0, "le": LEASE_S_MAX},
+    "scheduler.max_lease_extend_s": {"gt": 0, "le": LEASE_S_MAX},
 }
 
 

@@ -592,3 +592,18 @@ def test_an_nvlink_task_moves_only_onto_one_nvlink_connected_group() -> None:
         sched.migrate("pair", t.assignment.lease_id, ["GPU-b-1", "GPU-b-2"], empty)
     moved = sched.migrate("pair", t.assignment.lease_id, ["GPU-b-2", "GPU-b-3"], empty)
     assert moved.assignment.gpu_uuids == ("GPU-b-2", "GPU-b-3") and moved.assignment.gpu_indices == (2, 3)
+
+
+@pytest.mark.parametrize("changes, name", [
+    (dict(lease_s=1e10), "lease_s"),  # its expiry in int64 ns would overflow
+    (dict(max_lease_extend_s=2e8), "max_lease_extend_s"),
+    (dict(queue_head_limit=-1), "queue_head_limit"),
+])
+def test_scheduler_config_refuses_leases_past_int64_nanoseconds_and_negative_limits(changes, name):
+    """Checked by SchedulerConfig itself, so the simulator and any embedding
+    caller get it too, not only the coordinator's settings loader."""
+    from scheduler.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as info:
+        SchedulerConfig(**changes).validate()
+    assert name in str(info.value)
