@@ -197,8 +197,8 @@ _FALLBACK_HELP: Mapping[str, str] = {
 # value outside which breaks the coordinator at run time (the coordinator's
 # own are declared on its fields, coordinator/config.py); as metadata.
 _FALLBACK_BOUNDS: Mapping[str, Mapping[str, float]] = {
-    # SchedulerConfig.validate refuses the same; declared here too so that
-    # --help and --print-config show the range
+    # queue_head_limit: SchedulerConfig.validate refuses it too; declared here
+    # so that --help and --print-config show the ranges
     "scheduler.queue_head_limit": {"ge": 0},
     "scheduler.lease_s": {"gt": 0, "le": LEASE_S_MAX},
     "scheduler.max_lease_extend_s": {"gt": 0, "le": LEASE_S_MAX},
