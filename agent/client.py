@@ -4,6 +4,17 @@ One long-lived bidirectional gRPC stream per host carries registration,
 telemetry envelopes, heartbeats and task events up, and acks, resync requests,
 sampling hints and task placements down. A broken stream is retried with
 jittered exponential backoff, and every new stream starts with a keyframe.
+
+A registration the coordinator refuses is not retried blindly: INVALID_ARGUMENT,
+UNAUTHENTICATED or PERMISSION_DENIED before the RegisterAck (a bad node id or
+label, a wrong token or certificate) end ``run`` with ``refused`` set, since
+retrying cannot fix them; ALREADY_EXISTS (the node id or a GPU is held by
+another live agent) and INVALID_ARGUMENT about the GPUs themselves (what NVML
+reads of a GPU that fell off the bus, or before the driver is up: hardware
+can recover) are logged as errors each time and retried with the backoff
+growing to its cap; the GPUs are read once, at start, so after
+``HARDWARE_RETRIES`` such refusals ``run`` returns with ``reread_wanted`` set
+and the agent exits for a new process to read them again.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from protos import telemetry_pb2 as pb
 from protos import telemetry_pb2_grpc as pb_grpc
 from protos.codec import DEADBANDS, TelemetryEncoder
 
-__all__ = ["AgentConfig", "Agent", "AgentStats", "Backoff", "AGENT_VERSION"]
+__all__ = ["AgentConfig", "Agent", "AgentStats", "Backoff", "AGENT_VERSION", "FATAL_AT_REGISTRATION"]
 
 AGENT_VERSION = "0.1.0"
 log = structlog.get_logger("gpulb.agent")
@@ -97,6 +108,38 @@ class _SessionEnded(Exception):
 
 _REGISTER_TIMEOUT_S = 10.0
 
+#: statuses of a refused registration that retrying cannot fix: the agent stops
+FATAL_AT_REGISTRATION = {
+    grpc.StatusCode.INVALID_ARGUMENT: "fix the option the coordinator names (flags or --config) and restart the agent",
+    grpc.StatusCode.UNAUTHENTICATED: "give the agent a valid credential: --token-file with an agent token, or --cert-file/--key-file",
+    grpc.StatusCode.PERMISSION_DENIED: "the credential does not allow this node id: the certificate's CN or SAN, or the token, must be this node's",
+}
+
+
+#: refusals of what the GPUs read as (``_from_hardware``) in a row before the
+#: agent stops so that a new process reads them again (gpulb-agent exits 75)
+HARDWARE_RETRIES = 5
+
+
+def _from_hardware(code: grpc.StatusCode, detail: str) -> bool:
+    """An INVALID_ARGUMENT about what NVML reported of the GPUs (a GPU that
+    fell off the bus reads as uuid "" and 0 MiB, NVML not ready at boot, a
+    topology link to it): the hardware may recover, so the agent retries,
+    logging it, rather than exit for good as for its own configuration."""
+    return code == grpc.StatusCode.INVALID_ARGUMENT and detail.startswith(("register.gpus", "register.topology"))
+
+
+def _conflict_hint(detail: str) -> str:
+    """What to do about a refusal that is retried, by the field it names."""
+    if detail.startswith(("register.gpus", "register.topology")) and "held by node" not in detail:
+        return ("a GPU of this host reads wrong through NVML (an unreadable GPU lists as uuid '' and 0 MiB): check "
+                "nvidia-smi and the kernel log for Xid errors; the agent registers once it reads right")
+    if detail.startswith("register.node_id"):
+        return ("another agent is streaming under this node id: give each host its own --node-id / node_id, "
+                "or stop the other agent; a restarted agent takes over once the old stream closes or goes silent")
+    return ("a GPU of this host is registered by another node: this host under another node id (a renamed node keeps its "
+            "GPUs until it is removed after its missed heartbeats), or two agents on one host; stop the other agent")
+
 
 async def _reader_status(reader: asyncio.Task) -> grpc.aio.AioRpcError | None:
     try:
@@ -141,6 +184,13 @@ class Agent:
         self.encoder = TelemetryEncoder(self.gpu_order, keyframe_interval_s=config.keyframe_interval_s)
         self.sampler = AdaptiveInterval(config.interval_min_s, config.interval_max_s)
         self.stats = AgentStats()
+        #: (status code name, detail) when the coordinator refused the
+        #: registration for good (FATAL_AT_REGISTRATION); ``run`` then returned
+        self.refused: tuple[str, str] | None = None
+        #: (status code name, detail) when ``run`` returned because the GPUs
+        #: read wrong HARDWARE_RETRIES times in a row: the backend reads them
+        #: once, at start, so only a new process (systemd's restart) reads again
+        self.reread_wanted: tuple[str, str] | None = None
         self.connected = asyncio.Event()
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
@@ -166,14 +216,35 @@ class Agent:
     # ---- lifecycle -------------------------------------------------------
     async def run(self) -> None:
         backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
+        hardware_refusals = 0
         while not self._stop.is_set():
+            conflict = None
             try:
                 await self._session(backoff)
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
-                self.stats.last_error = f"{exc.code().name}: {exc.details()}"
-                self._log.warning("stream_ended", code=exc.code().name, detail=exc.details())
+                code, detail = exc.code(), exc.details() or ""
+                self.stats.last_error = f"{code.name}: {detail}"
+                registered = self.connected.is_set()  # the coordinator had accepted this stream
+                if registered:
+                    hardware_refusals = 0  # the GPUs read right last time
+                if not registered and code in FATAL_AT_REGISTRATION and not _from_hardware(code, detail):
+                    self.refused = (code.name, detail)
+                    self._log.error("registration_refused", code=code.name, detail=detail,
+                                    fix=FATAL_AT_REGISTRATION[code], retrying=False)
+                    break
+                if not registered and _from_hardware(code, detail):
+                    hardware_refusals += 1
+                    if hardware_refusals >= HARDWARE_RETRIES:
+                        self.reread_wanted = (code.name, detail)
+                        self._log.error("registration_refused", code=code.name, detail=detail,
+                                        fix=_conflict_hint(detail), retrying=False, reread="a new agent process")
+                        break
+                if not registered and (code == grpc.StatusCode.ALREADY_EXISTS or _from_hardware(code, detail)):
+                    conflict = (code.name, detail)
+                else:
+                    self._log.warning("stream_ended", code=code.name, detail=detail)
             except _SessionEnded as exc:
                 self._log.warning("stream_ended", reason=str(exc))
             except Exception:  # never let one bad round kill the daemon
@@ -182,8 +253,14 @@ class Agent:
                 self.connected.clear()
             if self._stop.is_set():
                 break
+            # A refused registration never streamed, so the backoff was not
+            # reset: a conflict is retried ever more slowly, up to the cap.
             delay = backoff.next_delay()
-            self._log.info("reconnecting", in_s=round(delay, 2), attempt=backoff.attempt, buffered=len(self._outage))
+            if conflict is not None:
+                self._log.error("registration_refused", code=conflict[0], detail=conflict[1], fix=_conflict_hint(conflict[1]),
+                                retrying=True, in_s=round(delay, 2), attempt=backoff.attempt)
+            else:
+                self._log.info("reconnecting", in_s=round(delay, 2), attempt=backoff.attempt, buffered=len(self._outage))
             await self._sample_while_away(delay)
 
     async def _sample_while_away(self, duration_s: float) -> None:
@@ -270,19 +347,23 @@ class Agent:
                     await self._send_outage_buffer(call)
                 first = True
                 last_sent = self.clock()
+                next_round = last_sent  # the first round at once
+                woken = False
                 while not self._stop.is_set():
                     if reader.done():
                         reader.result()  # raises the stream's error
                         raise _SessionEnded("coordinator closed the stream")
                     now = self.clock()
-                    sent = await self._round(call, now)
-                    if first and self.connected.is_set():
-                        first = False
-                        backoff.reset()
-                        self._log.info("streaming", coordinator=cfg.coordinator, gpus=len(self.gpu_order))
-                    if sent:
-                        last_sent = now
-                    elif now - last_sent >= cfg.heartbeat_interval_s:
+                    if woken or now >= next_round:
+                        sent = await self._round(call, now)
+                        next_round = now + self._period
+                        if first and self.connected.is_set():
+                            first = False
+                            backoff.reset()
+                            self._log.info("streaming", coordinator=cfg.coordinator, gpus=len(self.gpu_order))
+                        if sent:
+                            last_sent = now
+                    if now - last_sent >= cfg.heartbeat_interval_s:
                         await call.write(
                             pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at_ns=self.wall_ns(), last_seq=self.encoder.seq))
                         )
@@ -290,10 +371,15 @@ class Agent:
                         last_sent = now
                     await self._send_task_events(call)
                     self._wake.clear()
+                    # until the next round or, if sooner, the next heartbeat: a
+                    # sampling period above the heartbeat interval (interval_max
+                    # may be 60 s) had left the node UNREACHABLE between rounds
+                    wait_s = min(next_round, last_sent + cfg.heartbeat_interval_s) - self.clock()
                     try:
-                        await asyncio.wait_for(self._wake.wait(), timeout=self._period)
+                        await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, wait_s))
+                        woken = True
                     except asyncio.TimeoutError:
-                        pass
+                        woken = False
                 if self._stop.is_set():
                     await call.done_writing()
             except grpc.aio.AioRpcError as exc:

@@ -57,7 +57,7 @@ class SimFleet:
                 outage_buffer_rounds=outage_buffer_rounds,
                 **{k: (v.format(node_id=node_id) if isinstance(v, str) else v) for k, v in (agent_options or {}).items()},
             )
-            backend = SimBackend(gpus=gpus, seed=seed * 1000 + h, workload=workload,
+            backend = SimBackend(gpus=gpus, seed=seed * 1000 + h, workload=workload, node_id=node_id,
                                  **dict((backend_options or {}).get(node_id, {})))
             self.agents.append(Agent(config, backend, seed=seed * 1000 + h))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -20,9 +21,86 @@ from agent.client import Agent, AgentConfig
 from coordinator.sdnotify import Notifier, WatchdogPinger
 from protos.runtime import LOG_LEVELS, configure_logging
 
-__all__ = ["main", "build_backend", "parse_args"]
+__all__ = ["main", "build_backend", "parse_args", "EXIT_USAGE", "EXIT_REFUSED"]
 
 log = structlog.get_logger("gpulb.agent")
+
+#: bad flags or configuration (argparse's own code), a backend or token file that cannot be used
+EXIT_USAGE = 2
+#: the coordinator refused the registration for good (sysexits' EX_CONFIG): retrying cannot help
+EXIT_REFUSED = 78
+#: the GPUs read wrong (refused as register.gpus / topology) several times:
+#: a new process reads them again (sysexits' EX_TEMPFAIL; systemd restarts it)
+EXIT_REREAD = 75
+
+_EPILOG = (
+    "exit status: 0 stopped (SIGTERM, SIGINT); 2 a bad flag or --config option, or the backend or token file "
+    "cannot be used; 78 the coordinator refused the registration with INVALID_ARGUMENT, UNAUTHENTICATED or "
+    "PERMISSION_DENIED (a bad node id or label, a wrong token or certificate): the log line registration_refused "
+    "says what to fix, and retrying would not help (systemd: RestartPreventExitStatus=78); 75 the GPUs read wrong through NVML (a GPU that fell off the bus or a driver not up yet: refused as register.gpus) 5 times in a row, so a new process (systemd restarts it) reads them again. A node id or GPU held "
+    "by another live agent (ALREADY_EXISTS) is logged as an error and retried with the backoff growing to 30 s. "
+    "--check exits 0/1/2 as said above."
+)
+
+#: numeric options: (type, lowest, highest); None = unbounded
+_NUMBERS: dict[str, tuple[type, float | None, float | None]] = {
+    "sim_gpus": (int, 1, 64),  # the coordinator takes 1..64 GPUs per node
+    "sim_seed": (int, None, None),
+    "interval_min": (float, 0.01, 60.0),
+    "interval_max": (float, 0.01, 60.0),
+    "outage_buffer": (int, 1, 1_000_000),
+}
+_CHOICES = {
+    "backend": ("nvml", "sim", "auto"),
+    "sim_workload": ("synthetic", "idle", "replay"),
+    "log_level": LOG_LEVELS,
+    "log_format": ("auto", "json", "console"),
+}
+
+
+def _range_text(kind: type, low, high) -> str:
+    noun = "an integer" if kind is int else "a number"
+    if low is None and high is None:
+        return noun
+    return f"{noun} in {low:g}..{high:g}" if kind is float else f"{noun} in {low}..{high}"
+
+
+def _check_number(key: str, value: Any) -> Any:
+    """``value`` as the option's type, or ValueError saying the range."""
+    kind, low, high = _NUMBERS[key]
+    wanted = _range_text(kind, low, high)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ValueError(f"must be {wanted}, got {value!r}")
+    if kind is float:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"must be {wanted}, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"must be {wanted}, got {value!r}")
+    return value
+
+
+def _number_flag(key: str):
+    """An argparse type for a numeric option: errors name the flag and the range."""
+    kind = _NUMBERS[key][0]
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {_range_text(*_NUMBERS[key])}, got {text!r}") from None
+        try:
+            return _check_number(key, value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _fail(message: str) -> None:
+    """An argparse-style error: one line on stderr, exit 2."""
+    print(f"gpulb-agent: error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -33,22 +111,26 @@ def _label(text: str) -> tuple[str, str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpulb-agent", description="Stream this host's GPU telemetry to a gpulb coordinator.")
+    p = argparse.ArgumentParser(prog="gpulb-agent", description="Stream this host's GPU telemetry to a gpulb coordinator.",
+                                epilog=_EPILOG)
     p.add_argument("--config", type=Path, help="TOML file; flags override it")
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator (default 127.0.0.1:50051)")
     p.add_argument("--node-id", help="this node's cluster-unique name (default: the hostname)")
     p.add_argument("--backend", choices=("nvml", "sim", "auto"), help="GPU backend (default auto: NVML, else simulate)")
-    p.add_argument("--sim-gpus", type=int, help="simulated GPUs (sim backend, default 4)")
-    p.add_argument("--sim-seed", type=int, help="seed of the simulated GPUs (default: from the node id)")
+    p.add_argument("--sim-gpus", type=_number_flag("sim_gpus"), help="simulated GPUs, 1..64 (sim backend, default 4)")
+    p.add_argument("--sim-seed", type=_number_flag("sim_seed"),
+                   help="seed of the simulated GPUs' readings (default: from the node id); their UUIDs derive from node id, seed and index")
     p.add_argument("--sim-workload", choices=("synthetic", "idle", "replay"), help="simulated load (default synthetic)")
     p.add_argument("--label", action="append", type=_label, default=[], help="node label KEY=VALUE (repeatable)")
-    p.add_argument("--interval-min", type=float, help="fastest sampling period, s (default 0.2)")
-    p.add_argument("--interval-max", type=float, help="slowest sampling period, s (default 2.0)")
+    p.add_argument("--interval-min", type=_number_flag("interval_min"), help="fastest sampling period, s, 0.01..60 (default 0.2)")
+    p.add_argument("--interval-max", type=_number_flag("interval_max"),
+                   help="slowest sampling period, s, 0.01..60, at least --interval-min (default 2.0)")
     p.add_argument("--ca-file", help="PEM CA that signed the coordinator's certificate (turns TLS on)")
     p.add_argument("--cert-file", help="PEM client certificate for mutual TLS (CN or SAN = the node id)")
     p.add_argument("--key-file", help="PEM private key of --cert-file")
     p.add_argument("--token-file", help="file holding a bearer token with the agent role")
-    p.add_argument("--outage-buffer", type=int, help="sampling rounds kept while the coordinator is away (default 300)")
+    p.add_argument("--outage-buffer", type=_number_flag("outage_buffer"),
+                   help="sampling rounds kept while the coordinator is away, 1..1000000 (default 300)")
     p.add_argument(
         "--check", action="store_true",
         help="read this host's GPUs a few times and print what the agent would report (and how long a round takes), "
@@ -83,21 +165,57 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "token_file": "",
         "outage_buffer": 300,
     }
+    where = {key: "default" for key in settings}
     if args.config is not None:
-        with args.config.open("rb") as fh:
-            data = tomllib.load(fh)
+        try:
+            with args.config.open("rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            _fail(f"--config {args.config}: {exc}")
         section = data.get("agent", data)
+        if not isinstance(section, dict):
+            _fail(f"{args.config}: [agent] must be a table")
         for key, value in section.items():
             if key not in settings:
-                raise SystemExit(f"{args.config}: unknown option {key!r} (known: {', '.join(sorted(settings))})")
-            settings[key] = value
+                _fail(f"{args.config}: unknown option {key!r} (known: {', '.join(sorted(settings))})")
+            settings[key] = _checked_option(key, value, args.config)
+            where[key] = f"{key} in {args.config}"
     for key in ("coordinator", "node_id", "backend", "sim_gpus", "sim_seed", "sim_workload", "interval_min", "interval_max",
                 "log_level", "log_format", "ca_file", "cert_file", "key_file", "token_file", "outage_buffer"):
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
+            where[key] = "--" + key.replace("_", "-")
     settings["labels"] = {**settings["labels"], **dict(args.label)}
+    if settings["interval_min"] > settings["interval_max"]:
+        def said(key: str) -> str:
+            value = f"{settings[key]:g} s"
+            return f"the default {key} {value}" if where[key] == "default" else f"{where[key]} ({value})"
+
+        _fail(f"{said('interval_min')} is above {said('interval_max')}: the fastest sampling period cannot exceed the slowest")
     return settings
+
+
+def _checked_option(key: str, value: Any, path: Path) -> Any:
+    """A --config option's value, or a clean error naming the option and file."""
+    if key in _NUMBERS:
+        if key == "sim_seed" and value is None:
+            return value
+        try:
+            return _check_number(key, value)
+        except ValueError as exc:
+            _fail(f"{path}: option {key!r} {exc}")
+    if key in _CHOICES:
+        if value not in _CHOICES[key]:
+            _fail(f"{path}: option {key!r} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+        return value
+    if key == "labels":
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            _fail(f"{path}: [agent.labels] must map names to strings, got {value!r}")
+        return dict(value)
+    if not isinstance(value, str):
+        _fail(f"{path}: option {key!r} must be a string, got {value!r}")
+    return value
 
 
 def _read_token(settings: dict[str, Any]) -> str:
@@ -108,7 +226,7 @@ def _read_token(settings: dict[str, Any]) -> str:
         return fh.read().strip()
 
 
-def build_backend(kind: str, *, gpus: int, seed: int, workload: str) -> GpuBackend:
+def build_backend(kind: str, *, gpus: int, seed: int, workload: str, node_id: str = "") -> GpuBackend:
     if kind in ("nvml", "auto"):
         try:
             from agent.nvml import NvmlBackend
@@ -123,7 +241,7 @@ def build_backend(kind: str, *, gpus: int, seed: int, workload: str) -> GpuBacke
             )
     from agent.sim import SimBackend
 
-    return SimBackend(gpus=gpus, seed=seed, workload=workload)
+    return SimBackend(gpus=gpus, seed=seed, workload=workload, node_id=node_id)
 
 
 async def _run(settings: dict[str, Any]) -> int:
@@ -131,7 +249,8 @@ async def _run(settings: dict[str, Any]) -> int:
     if seed is None:
         seed = sum(settings["node_id"].encode()) * 7919
     try:
-        backend = build_backend(settings["backend"], gpus=settings["sim_gpus"], seed=seed, workload=settings["sim_workload"])
+        backend = build_backend(settings["backend"], gpus=settings["sim_gpus"], seed=seed, workload=settings["sim_workload"],
+                                node_id=settings["node_id"])
     except BackendUnavailable as exc:
         log.error("backend_unavailable", backend=settings["backend"], error=str(exc))
         return 2
@@ -186,6 +305,18 @@ async def _run(settings: dict[str, Any]) -> int:
         status.cancel()
         await pinger.stop()
         backend.close()
+    if agent.refused is not None:
+        code, detail = agent.refused
+        notifier.status(f"registration refused by {config.coordinator}: {code}: {detail}"[:400])
+        log.error("agent_exiting", node_id=config.node_id, exit_code=EXIT_REFUSED,
+                  reason=f"the coordinator refused the registration: {code}: {detail}")
+        return EXIT_REFUSED
+    if agent.reread_wanted is not None:
+        code, detail = agent.reread_wanted
+        notifier.status(f"GPUs read wrong, exiting for a fresh read: {code}: {detail}"[:400])
+        log.error("agent_exiting", node_id=config.node_id, exit_code=EXIT_REREAD,
+                  reason=f"the GPUs read wrong: {code}: {detail}; a new process reads them again")
+        return EXIT_REREAD
     log.info("agent_stopped", node_id=config.node_id, envelopes=agent.stats.envelopes, bytes=agent.stats.bytes_sent)
     return 0
 
@@ -208,6 +339,8 @@ async def _report_status(agent: Agent, notifier: Notifier, backend: str) -> None
 def _status(agent: Agent, backend: str, gpus: int) -> str:
     if agent.connected.is_set():
         return f"streaming {gpus} {backend} GPUs to {agent.config.coordinator}: {agent.stats.envelopes} envelopes, {agent.stats.bytes_sent} bytes"
+    if agent.stats.last_error.startswith("ALREADY_EXISTS"):
+        return f"{gpus} {backend} GPUs; registration refused by {agent.config.coordinator}, retrying: {agent.stats.last_error}"[:400]
     return f"{gpus} {backend} GPUs; coordinator {agent.config.coordinator} unreachable, retrying"
 
 
@@ -219,7 +352,8 @@ def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator:
 
     seed = settings["sim_seed"] if settings["sim_seed"] is not None else 0
     try:
-        backend = build_backend(settings["backend"], gpus=settings["sim_gpus"], seed=seed, workload=settings["sim_workload"])
+        backend = build_backend(settings["backend"], gpus=settings["sim_gpus"], seed=seed, workload=settings["sim_workload"],
+                                node_id=settings["node_id"])
     except BackendUnavailable as exc:
         print(f"check: FAIL: the {settings['backend']} backend cannot start: {exc}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ from protos import telemetry_pb2 as pb
 
 log = structlog.get_logger("gpulb.agent.sim")
 
-__all__ = ["SimBackend", "SimTaskEvent", "Workload", "TaskEventKind"]
+__all__ = ["SimBackend", "SimTaskEvent", "Workload", "TaskEventKind", "sim_gpu_uuid"]
 
 Workload = Literal["synthetic", "idle", "replay"]
 TaskEventKind = Literal["started", "finished", "oom_killed", "failed"]
@@ -72,6 +72,13 @@ _DEFAULT_MEM_UTIL_RATIO = 0.45
 _NVLINK_PAIR_LINKS = 4
 _BACKGROUND_PID = 30_000
 _TASK_PID = 50_000
+
+
+def sim_gpu_uuid(node_id: str, seed: int, index: int) -> str:
+    """The UUID of a simulated GPU: a function of the host's node id, its
+    seed and the GPU's index, in NVML's form ("GPU-" and a version-4 UUID)."""
+    bits = random.Random(f"gpulb-sim-uuid:{node_id}:{seed}:{index}").getrandbits(128)
+    return f"GPU-{uuid.UUID(int=bits, version=4)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +196,10 @@ class SimBackend:
     ones already holding theirs: the background gets what is free, runs on
     with it (as a framework that catches the error and retries would), and
     each such episode is counted (``tenant_ooms``, per GPU) and logged
-    (``sim_tenant_oom``): harm gpulb's placements did to a co-tenant. Give
-    each simulated host its own seed: UUIDs derive from it.
+    (``sim_tenant_oom``): harm gpulb's placements did to a co-tenant. GPU
+    UUIDs derive from ``node_id``, the seed and the GPU index, so two hosts
+    given the same seed still report different GPUs (the coordinator refuses
+    a GPU uuid another node holds); the readings derive from the seed alone.
     """
 
     name = "sim"
@@ -207,6 +216,7 @@ class SimBackend:
         replay: Sequence[ReplaySeries] | ReplaySeries | None = None,
         replay_speed: float = 1.0,
         ecc: bool = False,
+        node_id: str = "",
     ) -> None:
         if gpus < 1:
             raise ValueError("gpus must be >= 1")
@@ -237,11 +247,10 @@ class SimBackend:
             if not self._replay:
                 raise ValueError("replay workload needs at least one series")
 
-        ids = random.Random(f"gpulb-sim-uuid:{seed}")
         self._inventory = [
             GpuInfo(
                 index=i,
-                uuid=f"GPU-{uuid.UUID(int=ids.getrandbits(128), version=4)}",
+                uuid=sim_gpu_uuid(node_id, seed, i),
                 model=model,
                 memory_total_mib=memory_total_mib,
                 power_limit_mw=power_limit_mw,

@@ -4,8 +4,16 @@ One coroutine per stream reads the agent's messages and applies them to the
 view; a writer drains the stream's outbox (acks, resync requests, sampling
 hints, task placements). Bad input ends only that stream, with a status that
 names the field; every other stream keeps flowing and nothing already applied
-is touched. A second stream for a connected node id wins (the agent has
-reconnected) and the older one is closed with ABORTED.
+is touched.
+
+A node id is held by one agent at a time. A second stream for a connected node
+id wins, and the older one is closed with ABORTED, when it comes from the same
+agent instance (``Register.session_id``: the agent reconnected) or when the
+older stream has been silent past the heartbeat timeout (a restarted agent
+whose old stream the coordinator has not seen die). A different instance
+while the older stream is alive is refused with ALREADY_EXISTS: two agents
+with one node id would otherwise take the node from each other forever. A GPU
+uuid another node holds is refused the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 import structlog
 
-from coordinator.view import RegistrationError, validate_register
+from coordinator.view import RegistrationConflict, RegistrationError, validate_register
 from protos import telemetry_pb2 as pb
 from protos import telemetry_pb2_grpc as pb_grpc
 from protos.codec import CodecError, CorruptEnvelope, DecodeOutcome, InvalidReading, PayloadTooLarge
@@ -77,8 +85,14 @@ class AgentSession:
 
     node_id: str
     peer: str
+    #: the agent instance (Register.session_id, random per agent process)
+    session_id: int = 0
+    #: gateway clock time of the stream's last message (its register first)
+    last_seen_s: float = 0.0
     outbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
     superseded: asyncio.Event = field(default_factory=asyncio.Event)
+    #: why a newer stream took over ("" until one did)
+    superseded_by: str = ""
     closing: asyncio.Event = field(default_factory=asyncio.Event)
     last_ack_s: float = 0.0
     close_status: tuple[grpc.StatusCode, str] | None = None
@@ -115,6 +129,7 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
         writer: asyncio.Task | None = None
         stopper: asyncio.Task | None = None
         reader: asyncio.Task | None = None
+        claimed: str | None = None  # the node id a refused register asked for, for the log
         try:
             try:
                 first = await anext(aiter(request_iterator))
@@ -122,15 +137,23 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                 return
             if first.WhichOneof("body") != "register":
                 raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, "the first message of a stream must be a register")
+            claimed = first.register.node_id[:128]
             try:
                 validate_register(first.register)
             except RegistrationError as exc:
                 raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             self.coordinator.authorize_node(first.register.node_id, context)
             node_id = first.register.node_id
-            session = AgentSession(node_id=node_id, peer=context.peer())
+            now = self.clock()
+            try:
+                self.coordinator.view.check_gpu_uuids(first.register)
+            except RegistrationConflict as exc:
+                raise StreamRefused(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
             previous = self.sessions.get(node_id)
+            takeover = self._may_take_over(previous, first.register, now)
+            session = AgentSession(node_id=node_id, peer=context.peer(), session_id=first.register.session_id, last_seen_s=now)
             if previous is not None:
+                previous.superseded_by = takeover
                 previous.superseded.set()
             self.sessions[node_id] = session
             node = self.coordinator.node_registered(first.register, session)
@@ -156,13 +179,14 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                 reader.result()  # raises StreamRefused for bad input
                 return
             if session.superseded.is_set():
-                raise StreamRefused(grpc.StatusCode.ABORTED, f"node {node_id} opened a newer stream; this one is closed")
+                raise StreamRefused(grpc.StatusCode.ABORTED, f"node {node_id} opened a newer stream{session.superseded_by}; this one is closed")
             if session.close_status is not None:
                 raise StreamRefused(*session.close_status)
         except StreamRefused as exc:
             # A shutdown closes every stream at once: one line for it is enough (server.stop logs it).
             if exc.code != grpc.StatusCode.UNAVAILABLE:
-                log.warning("stream_refused", node_id=session.node_id if session else None, code=exc.code.name, detail=exc.message)
+                log.warning("stream_refused", node_id=session.node_id if session else claimed, code=exc.code.name, detail=exc.message,
+                            **({} if session else {"peer": context.peer()}))
             # A write in flight while the call is aborted turns the status into
             # INTERNAL; stop the writer first so the agent sees the real reason.
             await _finish_writer(writer, session)
@@ -179,6 +203,35 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
             if session is not None and self.sessions.get(session.node_id) is session:
                 del self.sessions[session.node_id]
                 self.coordinator.node_disconnected(session.node_id)
+
+    def alive_window_s(self) -> float:
+        """A stream heard from within this long is alive: the heartbeat
+        timeout after which its node turns UNREACHABLE."""
+        liveness = self.coordinator.liveness
+        return liveness.heartbeat_interval_s + liveness.grace_s
+
+    def _may_take_over(self, previous: AgentSession | None, reg: pb.Register, now: float) -> str:
+        """Whether a new stream may replace the node's current one: the same
+        agent instance reconnecting always may; another instance only once
+        the current stream is silent past the heartbeat timeout (its agent is
+        gone though the coordinator has not seen the stream close). Returns
+        what the older stream is told; raises StreamRefused (ALREADY_EXISTS)
+        while the current stream is alive."""
+        if previous is None or previous.session_id == reg.session_id:
+            return ""
+        silent = now - previous.last_seen_s
+        window = self.alive_window_s()
+        if silent <= window:
+            raise StreamRefused(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"register.node_id: node {reg.node_id} is held by a live agent, instance {previous.session_id:#x} "
+                f"at {previous.peer}, heard from {silent:.1f} s ago (this agent is instance {reg.session_id:#x}); "
+                f"give each host its own node id, or stop the other agent: a new instance takes a node over "
+                f"only once the old one's stream closes or is silent for {window:g} s",
+            )
+        log.warning("node_taken_over", node_id=reg.node_id, old_instance=f"{previous.session_id:#x}", old_peer=previous.peer,
+                    new_instance=f"{reg.session_id:#x}", silent_s=round(silent, 1))
+        return f" (agent instance {reg.session_id:#x} took over: this stream was silent for {silent:.1f} s)"
 
     async def _wait_stop(self, session: AgentSession) -> None:
         superseded = asyncio.create_task(session.superseded.wait())
@@ -201,6 +254,7 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
         async for msg in request_iterator:
             now = self.clock()
             node.last_seen_s = now
+            session.last_seen_s = now
             if not coordinator.node_seen(node.node_id):
                 raise StreamRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,

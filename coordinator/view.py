@@ -24,6 +24,7 @@ from protos.fields import BY_NAME, FIELD_COUNT
 __all__ = [
     "ClusterView",
     "NodeRecord",
+    "RegistrationConflict",
     "RegistrationError",
     "validate_register",
     "MAX_GPUS_PER_NODE",
@@ -63,6 +64,11 @@ class RegistrationError(Exception):
         self.field = field
 
 
+class RegistrationConflict(RegistrationError):
+    """A well-formed Register that clashes with another node's (ALREADY_EXISTS):
+    a GPU uuid that a registered node holds."""
+
+
 def validate_register(reg: pb.Register) -> None:
     """Raise RegistrationError naming the first field that is wrong."""
     if not _NODE_ID.match(reg.node_id):
@@ -70,6 +76,7 @@ def validate_register(reg: pb.Register) -> None:
     if not 1 <= len(reg.gpus) <= MAX_GPUS_PER_NODE:
         raise RegistrationError("register.gpus", f"{len(reg.gpus)} GPUs; a node registers 1..{MAX_GPUS_PER_NODE}")
     seen: set[int] = set()
+    uuids: dict[str, int] = {}
     for i, gpu in enumerate(reg.gpus):
         if gpu.index in seen:
             raise RegistrationError(f"register.gpus[{i}].index", f"GPU {gpu.index} registered twice")
@@ -80,6 +87,12 @@ def validate_register(reg: pb.Register) -> None:
             raise RegistrationError(f"register.gpus[{i}].memory_total_mib", f"{gpu.memory_total_mib} MiB is out of range")
         if len(gpu.uuid) > 128 or len(gpu.model) > 128:
             raise RegistrationError(f"register.gpus[{i}]", "uuid and model are at most 128 characters")
+        # the uuid names the GPU across the cluster (placements, migrations, leases)
+        if not gpu.uuid:
+            raise RegistrationError(f"register.gpus[{i}].uuid", f"empty: GPU {gpu.index} must register its uuid")
+        if gpu.uuid in uuids:
+            raise RegistrationError(f"register.gpus[{i}].uuid", f"{gpu.uuid!r} is also register.gpus[{uuids[gpu.uuid]}].uuid: a GPU registers once")
+        uuids[gpu.uuid] = i
     for i, link in enumerate(reg.topology):
         if link.gpu_a not in seen or link.gpu_b not in seen or link.gpu_a == link.gpu_b:
             raise RegistrationError(f"register.topology[{i}]", f"link {link.gpu_a}-{link.gpu_b} names an unregistered GPU")
@@ -87,6 +100,12 @@ def validate_register(reg: pb.Register) -> None:
         # shown by ListNodes and carried as Prometheus labels (gpulb_node_info)
         if len(getattr(reg, name)) > limit:
             raise RegistrationError(f"register.{name}", f"{len(getattr(reg, name))} characters; at most {limit}")
+    # 0 = not said (a client that does not adapt its sampling)
+    if reg.sample_interval_min_ms and reg.sample_interval_max_ms and reg.sample_interval_min_ms > reg.sample_interval_max_ms:
+        raise RegistrationError(
+            "register.sample_interval_min_ms",
+            f"{reg.sample_interval_min_ms} ms is above sample_interval_max_ms ({reg.sample_interval_max_ms} ms)",
+        )
     if len(reg.running_task_ids) > MAX_RUNNING_TASKS:
         raise RegistrationError("register.running_task_ids", f"{len(reg.running_task_ids)} tasks; at most {MAX_RUNNING_TASKS}")
     for i, task_id in enumerate(reg.running_task_ids):
@@ -163,6 +182,9 @@ class ClusterView:
         self.row_node: list[str | None] = [None] * capacity
         self.row_gpu_index = np.full(capacity, -1, dtype=np.int32)
         self._free: list[int] = list(range(capacity - 1, -1, -1))
+        # GPU uuid -> the node that registered it (every node here is not
+        # REMOVED), so a registration cannot claim another node's GPU
+        self.gpu_owner: dict[str, str] = {}
         self.version = 0  # bumps on every change, for watchers
         self.membership_version = 0  # bumps when nodes or their GPU rows come and go
         self._last_reread_s = float("-inf")
@@ -204,10 +226,33 @@ class ClusterView:
         self._forget_pending(rows)
 
     # ---- nodes ------------------------------------------------------------
+    def check_gpu_uuids(self, reg: pb.Register) -> None:
+        """Raise RegistrationConflict when a GPU of ``reg`` is held by another
+        node of the view. The same node registering again (a reconnect, a
+        restarted agent) keeps its own GPUs."""
+        for i, gpu in enumerate(reg.gpus):
+            owner = self.gpu_owner.get(gpu.uuid)
+            if owner is not None and owner != reg.node_id:
+                raise RegistrationConflict(
+                    f"register.gpus[{i}].uuid",
+                    f"GPU {gpu.uuid} is held by node {owner}; a GPU belongs to one node "
+                    f"({owner} lets it go when it registers without it or is removed after its missed heartbeats)",
+                )
+
+    def _disown(self, record: NodeRecord) -> None:
+        for gpu in record.gpus:
+            if self.gpu_owner.get(gpu.uuid) == record.node_id:
+                del self.gpu_owner[gpu.uuid]
+
     def register(self, reg: pb.Register, now_s: float) -> NodeRecord:
-        """Add or refresh a node. Rows are kept when the GPU set is unchanged."""
+        """Add or refresh a node. Rows are kept when the GPU set is unchanged.
+        The gateway checks ``check_gpu_uuids`` first; this does not."""
         indices = [g.index for g in reg.gpus]
         existing = self.nodes.get(reg.node_id)
+        if existing is not None:
+            self._disown(existing)
+        for gpu in reg.gpus:
+            self.gpu_owner[gpu.uuid] = reg.node_id
         if existing is not None and [g.index for g in existing.gpus] == indices:
             rows = existing.rows
             # Old readings are not fresh for the new stream: unknown until the
@@ -246,6 +291,7 @@ class ClusterView:
     def remove(self, node_id: str) -> NodeRecord | None:
         record = self.nodes.pop(node_id, None)
         if record is not None:
+            self._disown(record)
             self._release(record.rows)
             self.version += 1
             self.membership_version += 1

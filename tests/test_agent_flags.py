@@ -1,0 +1,108 @@
+"""``gpulb-agent`` refuses numbers out of range, as flags and as ``--config``
+options, with one line naming the flag or option and the range, and exit
+status 2: no traceback, and nothing started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agent import main as agent_main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _exit(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        agent_main.main(["--backend", "sim", "--coordinator", "127.0.0.1:1", *argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return info.value.code, err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--sim-gpus", "0"], "argument --sim-gpus: must be an integer in 1..64, got 0"),
+        (["--sim-gpus", "-3"], "argument --sim-gpus: must be an integer in 1..64, got -3"),
+        (["--sim-gpus", "65"], "argument --sim-gpus: must be an integer in 1..64"),
+        (["--sim-gpus", "two"], "argument --sim-gpus: must be an integer in 1..64, got 'two'"),
+        (["--sim-seed", "1.5"], "argument --sim-seed: must be an integer, got '1.5'"),
+        (["--interval-min", "0"], "argument --interval-min: must be a number in 0.01..60, got 0.0"),
+        (["--interval-min", "nan"], "argument --interval-min: must be a number in 0.01..60, got nan"),
+        (["--interval-min", "-1"], "argument --interval-min: must be a number in 0.01..60"),
+        (["--interval-max", "inf"], "argument --interval-max: must be a number in 0.01..60, got inf"),
+        (["--interval-max", "61"], "argument --interval-max: must be a number in 0.01..60"),
+        (["--interval-min", "5", "--interval-max", "1"], "--interval-min (5 s) is above --interval-max (1 s)"),
+        (["--interval-min", "3"], "--interval-min (3 s) is above the default interval_max 2 s"),
+        (["--outage-buffer", "-1"], "argument --outage-buffer: must be an integer in 1..1000000, got -1"),
+        (["--outage-buffer", "0"], "argument --outage-buffer: must be an integer in 1..1000000, got 0"),
+        (["--check", "--check-rounds", "x"], "argument --check-rounds: invalid int value"),
+    ],
+)
+def test_a_bad_flag_exits_2_naming_the_flag_and_range(argv, needle, capsys):
+    code, err = _exit(argv, capsys)
+    assert code == 2 and needle in err, err
+
+
+@pytest.mark.parametrize(
+    "toml, needle",
+    [
+        ("sim_gpus = 0", "option 'sim_gpus' must be an integer in 1..64, got 0"),
+        ("sim_gpus = 2.5", "option 'sim_gpus' must be an integer in 1..64, got 2.5"),
+        ("sim_seed = \"7\"", "option 'sim_seed' must be an integer, got '7'"),
+        ("interval_min = nan", "option 'interval_min' must be a number in 0.01..60, got nan"),
+        ("interval_max = \"2\"", "option 'interval_max' must be a number in 0.01..60, got '2'"),
+        ("interval_min = 3.0", "interval_min in {path} (3 s) is above the default interval_max 2 s"),
+        ("outage_buffer = -1", "option 'outage_buffer' must be an integer in 1..1000000, got -1"),
+        ("outage_buffer = true", "option 'outage_buffer' must be an integer in 1..1000000, got True"),
+        ("backend = \"nvlm\"", "option 'backend' must be one of nvml, sim, auto, got 'nvlm'"),
+        ("log_level = \"loud\"", "option 'log_level' must be one of"),
+        ("node_id = 7", "option 'node_id' must be a string, got 7"),
+        ("[agent.labels]\nrack = 1", "[agent.labels] must map names to strings"),
+        ("sim_gpu = 2", "unknown option 'sim_gpu'"),
+        ("sim_gpus = ", "--config {path}:"),  # not TOML
+    ],
+)
+def test_a_bad_config_option_exits_2_naming_the_option(toml, needle, tmp_path, capsys):
+    path = tmp_path / "agent.toml"
+    path.write_text(f"[agent]\n{toml}\n")
+    code, err = _exit(["--config", str(path)], capsys)
+    assert code == 2 and needle.format(path=path) in err and str(path) in err, err
+
+
+def test_a_flag_overrides_the_file_and_the_pair_is_checked_after_both(tmp_path, capsys):
+    path = tmp_path / "agent.toml"
+    path.write_text("[agent]\ninterval_min = 3.0\n")
+    settings = agent_main._settings(agent_main.parse_args(["--config", str(path), "--interval-max", "4"]))
+    assert (settings["interval_min"], settings["interval_max"]) == (3.0, 4.0)
+    code, err = _exit(["--config", str(path), "--interval-max", "1"], capsys)
+    assert code == 2 and f"interval_min in {path} (3 s) is above --interval-max (1 s)" in err, err
+
+
+def test_a_missing_config_file_exits_2(tmp_path, capsys):
+    code, err = _exit(["--config", str(tmp_path / "nope.toml")], capsys)
+    assert code == 2 and "nope.toml" in err
+
+
+def test_in_range_values_are_taken():
+    settings = agent_main._settings(agent_main.parse_args(
+        ["--sim-gpus", "64", "--sim-seed", "-5", "--interval-min", "0.01", "--interval-max", "60", "--outage-buffer", "1"]))
+    assert (settings["sim_gpus"], settings["sim_seed"], settings["interval_min"], settings["interval_max"], settings["outage_buffer"]) == (
+        64, -5, 0.01, 60.0, 1)
+
+
+def test_help_documents_the_exit_status():
+    out = subprocess.run([sys.executable, "-m", "agent.main", "--help"], capture_output=True, text=True, timeout=30)
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0
+    assert "78 the coordinator refused the registration" in text and "RestartPreventExitStatus=78" in text
+    assert "ALREADY_EXISTS" in text
+
+
+def test_the_command_line_exits_2_without_a_traceback():
+    out = subprocess.run([sys.executable, "-m", "agent.main", "--backend", "sim", "--sim-gpus", "0"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--sim-gpus" in out.stderr and "Traceback" not in out.stderr, out.stderr
