@@ -834,7 +834,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--iterations", type=_number(int, 0), default=0, help="stop after N refreshes (0 = until Ctrl-C)")
     top.add_argument("--no-clear", action="store_true", help="append tables instead of redrawing the screen")
 
-    for name, text in (("cordon", "no new tasks on NODE"), ("drain", "no new tasks on NODE; running ones finish"), ("uncordon", "NODE takes tasks again")):
+    for name, text in (("cordon", "no new tasks on NODE"), ("drain", "no new tasks on NODE; running ones finish"), ("uncordon", "NODE takes tasks again (a removed node is forgotten: its stored cordon and its count as removed)")):
         action = sub.add_parser(name, help=text)
         action.add_argument("node", metavar="NODE")
         action.add_argument("--reason", help="free text, logged by the coordinator")

@@ -127,6 +127,11 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
         self.c.authorize(context, admin=True)
         await _node_id_given(request.node_id, context)
         if request.node_id not in self.c.view.nodes:
+            if action == "uncordon" and self.c.forget_removed_node(request.node_id, request.reason):
+                # a node that left the pool (decommissioned, or kept cordoned over a
+                # restart): its record and stored cordon go, and with them its count
+                # in gpulb_nodes{state="removed"} and the alert on it
+                return cpb.NodeActionResponse(node=cpb.Node(node_id=request.node_id, state=cpb.NODE_STATE_REMOVED))
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node_id: no node {request.node_id!r}")
         try:
             self.c.node_admin(request.node_id, action, request.reason)

@@ -602,6 +602,20 @@ class Coordinator:
             self.dispatcher.request()
         log.info("node_admin", node_id=node_id, action=action, reason=reason)
 
+    def forget_removed_node(self, node_id: str, reason: str = "") -> bool:
+        """Uncordon of a node not in the view: forget a REMOVED node's record
+        (and its stored cordon or drain). False when no such node is known."""
+        try:
+            if self.liveness.state(node_id).liveness is not Liveness.REMOVED:
+                return False
+        except UnknownNode:
+            return False
+        self.liveness.forget(node_id)
+        if self.store is not None:
+            self.store.save_node_admin(node_id, "ACTIVE")
+        log.info("node_forgotten", node_id=node_id, reason=reason)
+        return True
+
     def envelope_bytes(self, size: int) -> None:
         # counted here, published per tick: a locked counter per envelope is
         # measurable at 10k envelopes/s

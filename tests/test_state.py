@@ -687,6 +687,31 @@ async def test_a_cordon_survives_a_coordinator_restart(tmp_path: Path) -> None:
     await session(cordon_and_drain)
     await session(still_kept)
     await session(uncordon_kept)
+
+    # sim-02 is decommissioned while draining: after a restart without its agent
+    # it counts as removed (and alerts) until an uncordon forgets it, for good
+    def removed_count(coord) -> int:
+        return sum(1 for n in coord.liveness.nodes() if n.liveness.name == "REMOVED")
+
+    for forget in (True, False):
+        coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", insecure=True), store=open_state_dir(state_dir))
+        port = await coord.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                op = cpb_grpc.ClusterOperatorStub(ch)
+                if forget:
+                    assert removed_count(coord) == 1
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await op.CordonNode(cpb.NodeActionRequest(node_id="sim-02"), timeout=5)
+                    assert info.value.code() == grpc.StatusCode.NOT_FOUND  # only uncordon reaches a removed node
+                    gone = await op.UncordonNode(cpb.NodeActionRequest(node_id="sim-02", reason="decommissioned"), timeout=5)
+                    assert gone.node.state == cpb.NODE_STATE_REMOVED
+                assert removed_count(coord) == 0
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await op.UncordonNode(cpb.NodeActionRequest(node_id="sim-02"), timeout=5)
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        finally:
+            await coord.stop(grace_s=0.1)
     mode = (state_dir / "gpulb.sqlite3").stat().st_mode & 0o777
     assert mode == 0o600, oct(mode)  # owner-only, like the lock file
 
