@@ -305,18 +305,17 @@ async def _run(settings: dict[str, Any]) -> int:
         status.cancel()
         await pinger.stop()
         backend.close()
-    if agent.refused is not None:
-        code, detail = agent.refused
-        notifier.status(f"registration refused by {config.coordinator}: {code}: {detail}"[:400])
-        log.error("agent_exiting", node_id=config.node_id, exit_code=EXIT_REFUSED,
-                  reason=f"the coordinator refused the registration: {code}: {detail}")
-        return EXIT_REFUSED
-    if agent.reread_wanted is not None:
-        code, detail = agent.reread_wanted
-        notifier.status(f"GPUs read wrong, exiting for a fresh read: {code}: {detail}"[:400])
-        log.error("agent_exiting", node_id=config.node_id, exit_code=EXIT_REREAD,
-                  reason=f"the GPUs read wrong: {code}: {detail}; a new process reads them again")
-        return EXIT_REREAD
+    for ended, exit_code, status, reason in (
+        (agent.refused, EXIT_REFUSED, f"registration refused by {config.coordinator}",
+         "the coordinator refused the registration"),
+        (agent.reread_wanted, EXIT_REREAD, "GPUs read wrong, exiting for a fresh read",
+         "the GPUs read wrong; a new process reads them again"),
+    ):
+        if ended is not None:
+            code, detail = ended
+            notifier.status(f"{status}: {code}: {detail}"[:400])
+            log.error("agent_exiting", node_id=config.node_id, exit_code=exit_code, reason=f"{reason}: {code}: {detail}")
+            return exit_code
     log.info("agent_stopped", node_id=config.node_id, envelopes=agent.stats.envelopes, bytes=agent.stats.bytes_sent)
     return 0
 
