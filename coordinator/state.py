@@ -920,7 +920,9 @@ def restore_into(scheduler: "Scheduler", restored: Restored, now: float | None =
             continue
         s._leases._put(lease)
         spec = task.spec
-        s._reservations.add(a.lease_id, a.gpu_uuids, float(spec.vram_mib), 100.0 * spec.gpu_share, [math.nan] * len(a.gpu_uuids))
+        # the task runs: its memory is in the readings its agent sends on reconnecting
+        s._reservations.add(a.lease_id, a.gpu_uuids, float(spec.vram_mib), 100.0 * spec.gpu_share,
+                            [math.nan] * len(a.gpu_uuids), shown=True)
         s._by_node.setdefault(a.node_id, set()).add(task.task_id)
     s._view = None  # reservations changed under any view
 

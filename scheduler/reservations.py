@@ -133,22 +133,37 @@ class Reservations:
         util_pct: float,
         used_mib: Sequence[float],
         util_now: Sequence[float] | None = None,
+        *,
+        shown: bool = False,
     ) -> None:
         """Reserve ``vram_mib`` and ``util_pct`` on each GPU; ``used_mib`` and
         ``util_now`` are their memory and util readings.
 
         Pass NaN for a reading that is unknown or stale (``util_now`` None: all).
+        ``shown``: the task already runs, its memory and load are in whatever
+        the GPUs read once their agent reports (a lease restored after a
+        coordinator restart): nothing is reserved beyond the readings, and a
+        stale or unknown reading still reserves it all.
         """
         if key in self._keys:
             raise ValueError(f"reservation {key!r} exists")
         utils = util_now if util_now is not None else [math.nan] * len(gpu_uuids)
         for gpu_uuid, used, util in zip(gpu_uuids, used_mib, utils, strict=True):
             gpu = self._gpus.get(gpu_uuid)
-            if gpu is None:
+            if gpu is None and shown:
+                # B = -inf: e = 0 from the first fresh reading on. B = inf, then
+                # lowered to that reading, which already holds the task, had
+                # reserved its memory a second time for as long as it ran
+                # (after a restart: GPUs with room refused work as full).
+                gpu = GpuReservation(baseline_mib=-math.inf, baseline_util_pct=-math.inf)
+                self._gpus[gpu_uuid] = gpu
+            elif gpu is None:
                 # Unknown reading: B = inf keeps e = R until a fresh reading lowers B (Bu alike).
                 gpu = GpuReservation(baseline_mib=used if math.isfinite(used) else math.inf,
                                      baseline_util_pct=util if math.isfinite(util) else math.inf)
                 self._gpus[gpu_uuid] = gpu
+            elif shown:
+                pass  # its memory and load are in the readings the stack's baseline is of
             else:
                 if math.isfinite(used):
                     gpu.baseline_mib = max(gpu.baseline_mib, used - gpu.vram_mib)

@@ -762,3 +762,37 @@ async def test_a_reload_keeps_the_policy_an_operator_set_unless_the_file_changes
         assert again.dispatcher.engine.get_policy().name == "binpack"
     finally:
         await again.stop(0)
+
+
+def test_a_restored_lease_is_not_reserved_again_on_top_of_the_memory_it_reads_as(tmp_path: Path) -> None:
+    """A lease restored after a restart belongs to a task that runs: once its
+    GPU reads that task's memory, none of it stays reserved. It had stayed
+    reserved in full (the stack's baseline was the first reading, which
+    already held the task), so a 24 GiB GPU holding a 12 GiB task refused
+    a 6 GiB one as full, for as long as the first task ran."""
+    clock = Clock(100.0)
+    a = scheduler(clock, SchedulerConfig())
+    one = ClusterSnapshot.build([NodeFacts("n0", 1, memory_total_mib=24 * GIB)])
+    with TaskStore(tmp_path / "s.db", timebase=timebase(clock, WALL0)) as store:
+        a.add_listener(store.stage)
+        a.submit(TaskSpec(task_id="running", vram_mib=12 * GIB, kind="training"), one)
+        a.dispatch(one)
+        assert a.get("running").state == TaskState.LEASED
+        store.commit()
+        restored = store.load()
+    ids = (f"after-{i}" for i in itertools.count())
+    b = Scheduler(SchedulerConfig(), clock=Clock(5.0), lease_ids=lambda: next(ids))
+    restore_into(b, restored)
+    unknown = ClusterSnapshot.build([NodeFacts("n0", 1, memory_total_mib=24 * GIB)], memory_used_mib=[math.nan])
+    b.submit(TaskSpec(task_id="while-unknown", vram_mib=16 * GIB, kind="batch"), unknown)
+    b.dispatch(unknown)  # no reading yet: the restored lease's memory is held in full
+    assert b.get("while-unknown").state == TaskState.QUEUED
+    b.cancel("while-unknown")
+    reads = ClusterSnapshot.build([NodeFacts("n0", 1, memory_total_mib=24 * GIB)], memory_used_mib=[12 * GIB])
+    b.submit(TaskSpec(task_id="fits-next-to-it", vram_mib=6 * GIB, kind="batch"), reads)
+    b.dispatch(reads)
+    assert b.get("fits-next-to-it").state == TaskState.LEASED, b.get("fits-next-to-it").reason
+    again = ClusterSnapshot.build([NodeFacts("n0", 1, memory_total_mib=24 * GIB)], memory_used_mib=[12 * GIB])
+    b.submit(TaskSpec(task_id="no-room-left", vram_mib=6 * GIB, kind="batch"), again)
+    b.dispatch(again)  # the new placement is reserved as usual until its memory shows
+    assert b.get("no-room-left").state == TaskState.QUEUED
