@@ -142,6 +142,10 @@ class _Daemon:
             log.error("tls_unavailable", error=str(exc))
             self.notifier.status(f"not started: {exc}")
             return 2
+        except StateError as exc:  # the stored tasks cannot be read (a damaged page)
+            log.error("state_unavailable", state_dir=self.settings.coordinator.state_dir, error=str(exc))
+            self.notifier.status(f"not started: {exc}"[:400])
+            return 2
         pinger = WatchdogPinger(self.notifier)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, self.reload)

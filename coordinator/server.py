@@ -347,7 +347,11 @@ class Coordinator:
         self.state_writer = self.store.writer()
         self.dispatcher.engine.add_listener(self.state_writer.stage)
         self._restore_learned()
-        admin = self.store.load_node_admin()
+        try:
+            admin = self.store.load_node_admin()
+        except StateError as exc:  # a damaged page costs the cordons (said loudly), not the start
+            log.error("node_admin_unreadable", error=str(exc), kept="every node ACTIVE: cordon again what was cordoned")
+            admin = {}
         if admin:
             unreadable = self.liveness.restore_admin(admin)
             log.info("node_admin_restored", nodes={k: v for k, v in sorted(admin.items()) if k not in unreadable})

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -160,6 +161,12 @@ _SYNC_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 class StateError(RuntimeError):
     """The state database cannot be used (newer schema, bad row, I/O error)."""
+
+
+def _repair_hint(path: Path) -> str:
+    """What an operator can do about a damaged state database."""
+    return (f"`sqlite3 {path} 'PRAGMA integrity_check'` says what is damaged; to start from an empty state, stop "
+            f"gpulb and move {path.name}* aside (queued and leased tasks are then forgotten), or put back a copy")
 
 
 class StateLocked(StateError):
@@ -383,6 +390,8 @@ class TaskStore:
                 self._db.close()
                 self._db = None
             self._release_lock()
+            if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+                raise StateError(f"{self.path}: {exc}; {_repair_hint(self.path)}") from exc  # damaged, not busy
             if isinstance(exc, sqlite3.Error):
                 raise StateError(f"{self.path}: {exc}") from exc
             raise
@@ -548,7 +557,7 @@ class TaskStore:
         """Every stored task, oldest submission first, times in this process's
         monotonic seconds; and the policy. Staged rows are not included."""
         base = self.timebase
-        with self._mutex:
+        with self._mutex, self._readable("tasks"):
             rows = self._db.execute(
                 "SELECT task_id, spec, state, priority, submitted_at, queued_at, enqueued_at, assignment, reason, "
                 "attempts, sla_missed, finished_at, entry_seq FROM tasks ORDER BY submit_seq"
@@ -593,7 +602,7 @@ class TaskStore:
 
     def load_learned(self, name: str) -> dict | None:
         """The last ``save_learned`` copy of ``name``; None when there is none."""
-        with self._mutex:
+        with self._mutex, self._readable(f"learned state {name!r}"):
             row = self._db.execute("SELECT state FROM learned WHERE name = ?", (name,)).fetchone()
         if row is None:
             return None
@@ -619,8 +628,17 @@ class TaskStore:
 
     def load_node_admin(self) -> dict[str, str]:
         """node id -> CORDONED / DRAINING, as ``save_node_admin`` left them."""
-        with self._mutex:
+        with self._mutex, self._readable("node cordons and drains"):
             return {str(n): str(a) for n, a in self._db.execute("SELECT node_id, admin FROM node_admin")}
+
+    @contextlib.contextmanager
+    def _readable(self, what: str):
+        """sqlite3's errors on reading (a damaged page: "database disk image is
+        malformed") as StateError naming the file, what was read and what to do."""
+        try:
+            yield
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"{self.path}: {what} cannot be read: {exc}; {_repair_hint(self.path)}") from exc
 
     def count(self) -> int:
         with self._mutex:

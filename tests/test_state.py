@@ -796,3 +796,56 @@ def test_a_restored_lease_is_not_reserved_again_on_top_of_the_memory_it_reads_as
     b.submit(TaskSpec(task_id="no-room-left", vram_mib=6 * GIB, kind="batch"), again)
     b.dispatch(again)  # the new placement is reserved as usual until its memory shows
     assert b.get("no-room-left").state == TaskState.QUEUED
+
+
+def _damage(db: Path, table: str) -> None:
+    """Overwrite the first page of ``table`` with garbage, as a bad sector would."""
+    con = sqlite3.connect(db)
+    page = con.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()[0]
+    size = con.execute("PRAGMA page_size").fetchone()[0]
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+    with open(db, "r+b") as fh:
+        fh.seek((page - 1) * size)
+        fh.write(b"\xa5" * size)
+
+
+@pytest.mark.parametrize("table", ["tasks", "node_admin", "learned"])
+def test_a_damaged_state_database_is_one_line_with_what_to_do_not_a_traceback(tmp_path: Path, table: str) -> None:
+    """A damaged page of the tasks ends the start (exit 2, one line naming the
+    file and what to do); one of the learned state or of the cordons costs
+    only those (logged as errors), and the coordinator starts."""
+    state = tmp_path / "state"
+    with open_state_dir(state) as store:
+        store.save_task(Task(spec=TaskSpec(task_id="t", vram_mib=1024), state=TaskState.QUEUED, priority=Priority.P2,
+                             submitted_at=1.0, queued_at=1.0, enqueued_at=1.0))
+        store.save_node_admin("n1", "CORDONED")
+        store.save_learned("predictor", {"version": 1})
+    _damage(state / "gpulb.sqlite3", table)
+    if table == "tasks":
+        proc = subprocess.run(
+            [sys.executable, "-m", "coordinator.main", "--listen", "127.0.0.1:0", "--insecure", "--state-dir",
+             str(state), "--log-format", "json"],
+            capture_output=True, text=True, timeout=60,
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        assert "Traceback" not in out
+        assert '"event": "state_unavailable"' in out and "integrity_check" in out and "gpulb.sqlite3" in out
+        return
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+    from structlog.testing import capture_logs
+
+    async def start_and_stop() -> list[dict]:
+        with capture_logs() as logs:
+            coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", insecure=True), store=open_state_dir(state))
+            await coord.start()
+            assert coord.dispatcher.engine.get("t").state == TaskState.QUEUED  # the tasks came back
+            await coord.stop(0)
+        return logs
+
+    logs = asyncio.run(start_and_stop())
+    events = {e["event"] for e in logs}
+    assert ("node_admin_unreadable" if table == "node_admin" else "predictor_state_unreadable") in events
