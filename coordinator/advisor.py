@@ -27,6 +27,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
@@ -111,31 +112,82 @@ class CommandHook:
         payload = json.dumps(plan.to_dict()).encode()
         env = {**(self.env if self.env is not None else os.environ), "GPULB_PLAN_ID": str(plan.plan_id)}
         try:
+            # its own process group: the executor it runs (gpulb advisor execute
+            # runs the checkpoint command) goes with it on a timeout
             proc = await asyncio.create_subprocess_exec(
                 *self.argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=env,
+                start_new_session=True,
             )
         except OSError as exc:
             return HookResult("error", None, time.perf_counter() - started, "", str(exc))
+        out, err = bytearray(), bytearray()
+        # read as it comes, so that what a hook said before its timeout is kept
+        pumps = [asyncio.ensure_future(_keep_tail(proc.stdout, out)), asyncio.ensure_future(_keep_tail(proc.stderr, err)),
+                 asyncio.ensure_future(_feed(proc.stdin, payload))]
+        outcome = ""
         try:
-            out, err = await asyncio.wait_for(proc.communicate(payload), timeout=self.timeout_s)
+            await asyncio.wait_for(proc.wait(), timeout=self.timeout_s)
         except asyncio.TimeoutError:
-            proc.kill()
-            out, err = await proc.communicate()
-            return HookResult("timeout", proc.returncode, time.perf_counter() - started, _tail(out), _tail(err))
-        except asyncio.CancelledError:
-            proc.kill()
+            # proc.kill() alone killed the shell and left its children holding
+            # the pipes: the "timeout" came when they ended (20 s for a 3 s limit)
+            _kill_group(proc)
             await proc.wait()
+            outcome = "timeout"
+        except asyncio.CancelledError:
+            _kill_group(proc)
+            await proc.wait()
+            for pump in pumps:
+                pump.cancel()
             raise
-        outcome = "ok" if proc.returncode == 0 else "failed"
+        # a child that left the group may still hold the pipes: do not wait for it
+        await asyncio.wait(pumps, timeout=_PIPE_GRACE_S)
+        for pump in pumps:
+            pump.cancel()
+        outcome = outcome or ("ok" if proc.returncode == 0 else "failed")
         return HookResult(outcome, proc.returncode, time.perf_counter() - started, _tail(out), _tail(err))
 
 
-def _tail(data: bytes | None) -> str:
-    return (data or b"")[-_OUTPUT_TAIL:].decode("utf-8", "replace")
+#: s a hook's pipes are read after it ended (its output is in them by then)
+_PIPE_GRACE_S = 1.0
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the hook's session: it and what it started
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+
+async def _keep_tail(stream: asyncio.StreamReader | None, into: bytearray) -> None:
+    if stream is None:
+        return
+    while chunk := await stream.read(65536):
+        into += chunk
+        if len(into) > 2 * _OUTPUT_TAIL:
+            del into[:-_OUTPUT_TAIL]
+
+
+async def _feed(stdin: asyncio.StreamWriter | None, payload: bytes) -> None:
+    if stdin is None:
+        return
+    try:
+        stdin.write(payload)
+        await stdin.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # a hook that does not read its plan
+    finally:
+        stdin.close()
+
+
+def _tail(data: bytes | bytearray | None) -> str:
+    return bytes(data or b"")[-_OUTPUT_TAIL:].decode("utf-8", "replace")
 
 
 # ---- the runtime ---------------------------------------------------------------------------------
@@ -431,6 +483,13 @@ class AdvisorRuntime:
         result = await self.hook.run(plan)
         self.last_hook = result
         self.hook_runs[result.outcome] = self.hook_runs.get(result.outcome, 0) + 1
+        if result.outcome != "ok":
+            # the moves whose task is still where the plan found it were not made:
+            # they leave the cool-down (else `plan --now` said "moved within cooldown_s")
+            leased = {t.task_id: t for t in self._tasks()}
+            unmade = [m for m in plan.moves if (t := leased.get(m.task_id)) is not None and t.assignment is not None
+                      and set(t.assignment.gpu_uuids) == set(m.from_gpu_uuids)]
+            self.advisor.not_carried_out(unmade, plan.created_at_s)
         event = log.info if result.outcome == "ok" else log.warning
         event(
             "advisor_hook_ran",

@@ -884,6 +884,25 @@ class Advisor:
         self.state = AdvisorState()
         self.last_plan: Plan | None = None
 
+    def not_carried_out(self, moves: Sequence[Move], planned_at: float) -> None:
+        """Moves of a plan at ``planned_at`` that the executor did not carry
+        out (its hook failed, timed out or could not start): their tasks and
+        GPUs leave the cool-down and their slots return to the move window,
+        so the advisor may propose them again and ``no_move`` does not count
+        them as moved."""
+        if not moves:
+            return
+        st = self.state
+        tasks = {m.task_id for m in moves}
+        gpus = {u for m in moves for u in (*m.from_gpu_uuids, *m.to_gpu_uuids)}
+        moved_at = {k: t for k, t in st.moved_at.items() if not (k in tasks and t == planned_at)}
+        touched_at = {k: t for k, t in st.touched_at.items() if not (k in gpus and t == planned_at)}
+        times = list(st.move_times)
+        for _ in moves:
+            if planned_at in times:
+                times.remove(planned_at)
+        self.state = replace(st, moved_at=moved_at, touched_at=touched_at, move_times=tuple(times))
+
     def evaluate(
         self,
         snapshot: ClusterSnapshot,

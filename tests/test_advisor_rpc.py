@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import sys
+from pathlib import Path
 from dataclasses import replace
 
 import grpc
@@ -332,6 +333,51 @@ async def test_hook_is_bounded_in_time_and_failures_are_counted():
     assert missing.outcome == "error"
     with pytest.raises(ValueError):
         CommandHook([])
+
+
+async def test_a_hook_timeout_ends_what_the_hook_started_and_keeps_what_it_said(tmp_path):
+    """The usual hook is a shell running the executor, which runs the
+    checkpoint command: a timeout killed only the shell, and the result came
+    when the grandchild ended (20 s for a 3 s limit, QA pass), with its output
+    lost. The whole process group goes now, at the limit."""
+    child = tmp_path / "child.pid"
+    script = tmp_path / "hook.sh"
+    script.write_text(f"#!/bin/sh\necho starting the checkpoint >&2\nsleep 30 &\necho $! > {child}\nwait\n")
+    script.chmod(0o755)
+    c = Cluster()
+    rt = runtime_for(c)
+    hot_spot(c)
+    rt.evaluate_now()
+    c.now += 30.0
+    plan = rt.evaluate_now()
+    assert plan is not None
+    result = await asyncio.wait_for(CommandHook([str(script)], timeout_s=0.5).run(plan), 10)
+    assert result.outcome == "timeout" and result.duration_s < 5
+    assert result.stderr_tail.strip() == "starting the checkpoint"
+    pid = int(child.read_text())
+    await asyncio.sleep(0.1)
+    stat = Path(f"/proc/{pid}/stat")
+    # the checkpoint command went with the hook: gone, or a zombie no one reaps yet
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+async def test_moves_a_failed_hook_did_not_make_leave_the_cool_down():
+    """A hook that fails moved nothing: its tasks must not stay in the
+    cool-down, or the advisor will not propose them again and `plan --now`
+    says they were moved."""
+    c = Cluster()
+    rt = runtime_for(c, hook=CommandHook([sys.executable, "-c", "import sys; sys.exit(3)"], timeout_s=10))
+    hot_spot(c)
+    rt.evaluate_now()
+    c.now += 30.0
+    plan = rt.evaluate_now()
+    assert plan is not None and plan.moves
+    moved = {m.task_id for m in plan.moves}
+    assert moved <= set(rt.advisor.state.moved_at)  # cooled down as planned
+    await rt.hook_idle()
+    assert rt.last_hook.outcome == "failed"
+    assert not moved & set(rt.advisor.state.moved_at)
+    assert rt.advisor.state.move_times == ()
 
 
 # ---- metrics -------------------------------------------------------------------------------------------
