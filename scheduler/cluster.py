@@ -4,8 +4,8 @@ known GPU models, the openb node-list converter and a homogeneous generator.
 The format
 ==========
 
-One CSV file, one node a row, with a header; blank lines and ``#`` lines are
-ignored.
+One CSV file, UTF-8 (a leading byte-order mark is skipped), one node a row,
+with a header; blank lines and ``#`` lines are ignored.
 
 ================ ======== ======================================================
 column           required meaning
@@ -16,7 +16,8 @@ model            yes      a known model (``KNOWN_MODELS``: key, alias or full
                           name, case and punctuation ignored) or any name when
                           ``vram_mib_per_gpu`` is given
 vram_mib_per_gpu no       MiB per GPU; empty = the model's
-speed            no       relative speed (RTX 4090 = 1.0); empty = the model's
+speed            no       relative speed (RTX 4090 = 1.0), 0.001..1000; empty =
+                          the model's
 nvlink           no       the node's NVLink: empty or ``none``; ``all`` (every
                           pair, an NVSwitch host); ``pairs`` (0-1, 2-3, ...:
                           bridged PCIe cards); or the linked pairs of GPU
@@ -70,7 +71,7 @@ from dataclasses import dataclass
 from typing import IO, Iterable, Sequence
 
 from scheduler.snapshot import NodeFacts
-from scheduler.traces import TraceFormatError, csv_records, read_header
+from scheduler.traces import TraceFormatError, csv_records, read_csv_file, read_header
 
 __all__ = [
     "GpuModel",
@@ -90,6 +91,9 @@ __all__ = [
 ]
 
 CLUSTER_COLUMNS = ("node_id", "gpus", "model")
+#: the speeds a cluster file may give: a task's run time is its duration over
+#: its node's speed, and the simulator's runs must end well within its leases
+MIN_SPEED, MAX_SPEED = 1e-3, 1e3
 OPTIONAL_CLUSTER_COLUMNS = ("vram_mib_per_gpu", "speed", "nvlink")
 
 
@@ -210,9 +214,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _speed(text: str) -> float:
+    value = _positive(text)
+    if not MIN_SPEED <= value <= MAX_SPEED:
+        raise ValueError(f"expected a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (RTX 4090 = 1), got {text!r}")
+    return value
+
+
 def parse_cluster(lines: Iterable[str], source: str = "<cluster>") -> list[ClusterNode]:
     """Parse cluster CSV text into nodes; ``TraceFormatError`` names line and column."""
-    rows = csv_records(lines)
+    rows = csv_records(lines, source)
     names = read_header(rows, source, CLUSTER_COLUMNS, OPTIONAL_CLUSTER_COLUMNS)
     index = {n: i for i, n in enumerate(names)}
     nodes: list[ClusterNode] = []
@@ -248,7 +259,7 @@ def parse_cluster(lines: Iterable[str], source: str = "<cluster>") -> list[Clust
             column = "vram_mib_per_gpu"
             vram = _positive(vram_text) if vram_text else model.memory_mib  # type: ignore[union-attr]
             column = "speed"
-            speed = _positive(speed_text) if speed_text else (model.speed if model else 1.0)
+            speed = _speed(speed_text) if speed_text else (model.speed if model else 1.0)
             column = "nvlink"
             links = nvlink_pairs(cells[index["nvlink"]], gpus) if "nvlink" in index else ()
         except ValueError as exc:
@@ -271,8 +282,8 @@ def parse_cluster(lines: Iterable[str], source: str = "<cluster>") -> list[Clust
 
 
 def read_cluster(path: str | os.PathLike[str]) -> list[ClusterNode]:
-    with open(path, newline="", encoding="utf-8") as fh:
-        return parse_cluster(fh, source=str(path))
+    """Read a cluster CSV file (see the module docstring)."""
+    return read_csv_file(path, lambda fh, source: parse_cluster(fh, source=source))
 
 
 def node_facts(nodes: Sequence[ClusterNode]) -> list[NodeFacts]:
@@ -331,12 +342,18 @@ def convert_openb_nodes(
 ) -> list[ClusterNode]:
     """The openb node list as cluster nodes (and a cluster file when ``out_csv``)."""
     source = str(node_csv)
-    with open(node_csv, newline="", encoding="utf-8") as fh:
+
+    def read(fh: IO[str], source: str) -> list[dict[str, str]]:
         reader = csv.DictReader(fh)
-        for col in ("sn", "gpu", "model"):
-            if col not in (reader.fieldnames or []):
-                raise TraceFormatError(source, 1, col, "openb node list column is missing")
-        raw = list(reader)
+        try:
+            for col in ("sn", "gpu", "model"):
+                if col not in (reader.fieldnames or []):
+                    raise TraceFormatError(source, 1, col, "openb node list column is missing")
+            return list(reader)
+        except csv.Error as exc:
+            raise TraceFormatError(source, reader.line_num or None, None, f"not valid CSV: {exc}") from None
+
+    raw = read_csv_file(node_csv, read)
     nodes: list[ClusterNode] = []
     for i, row in enumerate(raw):
         line = i + 2

@@ -1566,9 +1566,163 @@ def _non_negative(text: str) -> float:
     return _number(text, zero=True)
 
 
+def _ranged(high: float, why: str = ""):
+    """An argparse type: a finite number in [0, ``high``] (``why`` says why the bound)."""
+
+    def parse(text: str) -> float:
+        value = _number(text, zero=True)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"expected a number in [0, {high:g}], got {text!r}{why}")
+        return value
+
+    return parse
+
+
+def _seed(text: str) -> int:
+    """An argparse value: a seed, an integer >= 0 (what numpy's generators take)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """An argparse value: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+#: s a task may run alone on the slowest node of a replay: a hundredth of the
+#: simulator's lease, the rest room for slowdowns from sharing a GPU
+_MAX_ALONE_S = _LEASE_S / 100
+
+
+def _replay_limits_error(
+    tasks: Sequence[TraceTask], nodes: Sequence[ClusterNode], time_scale: float, arrival_scale: float,
+    migration_cost: float,
+) -> str | None:
+    """Why the scaled trace is beyond what a replay takes (None: it is not):
+    submit times and durations as the trace format bounds them, finite
+    estimates, and every task's run alone on the slowest node well within the
+    simulator's leases (``_MAX_ALONE_S``)."""
+    from scheduler.traces import MAX_TRACE_S
+
+    scales = f"--time-scale {time_scale:g}" + (f" --arrival-scale {arrival_scale:g}" if arrival_scale != 1.0 else "")
+    limit = f"a replay takes at most {MAX_TRACE_S:g} s (about 31 years)"
+    for t in tasks:
+        if not t.duration_s <= MAX_TRACE_S:
+            return f"{scales}: task {t.task_id!r} would run {t.duration_s:g} s; {limit}: raise --time-scale"
+        if not t.duration_s > 0:
+            return (f"{scales}: task {t.task_id!r}'s duration comes to {t.duration_s:g} s (below what a float "
+                    "holds): lower --time-scale")
+        if not t.submit_s <= MAX_TRACE_S:
+            return (f"{scales}: task {t.task_id!r} would be submitted at {t.submit_s:g} s; {limit}: "
+                    "raise --time-scale or --arrival-scale")
+        if t.estimate_s is not None and not math.isfinite(t.estimate_s):
+            return f"{scales}: task {t.task_id!r}'s estimate_s comes to {t.estimate_s:g} s: raise --time-scale"
+    if not tasks:
+        return None
+    slowest = min(nodes, key=lambda n: n.speed)
+    longest = max(tasks, key=lambda t: t.duration_s)
+    alone = (longest.duration_s + migration_cost) / slowest.speed
+    if alone > _MAX_ALONE_S:
+        return (
+            f"task {longest.task_id!r} would run {alone:g} s alone on the slowest node, {slowest.node_id!r} "
+            f"(speed {slowest.speed:g}): duration {longest.duration_s:g} s"
+            + (f" + --migration-cost {migration_cost:g} s" if migration_cost else "")
+            + f" over the speed; a replay's runs must end within {_MAX_ALONE_S:g} s alone (the simulator's leases "
+            f"last {_LEASE_S:g} s, the rest is room for sharing a GPU): raise --time-scale or use faster nodes"
+        )
+    return None
+
+
+def _plot_dir_error(path: str) -> str | None:
+    """Create the --plot folder now, before the replay; why it cannot be (None: it can)."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        return f"--plot {path}: exists and is not a folder"
+    except OSError as exc:
+        return f"--plot {path}: cannot create the folder: {exc.strerror or exc}"
+    if not os.path.isdir(path):
+        return f"--plot {path}: not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return f"--plot {path}: cannot write there: {exc.strerror or exc}"
+    return None
+
+
+#: what a task that did not complete without a recorded reason was doing
+_UNFINISHED_REASON = "still queued or running when the replay ended"
+_NOT_COMPLETED_STATES = ("rejected", "dropped", "unfinished")
+
+
+def _not_completed(result: SimResult) -> list[tuple[str, str, str]]:
+    """(task id, state, reason) of each task of ``result`` that did not complete."""
+    out = []
+    for rec in result.records:
+        if rec.state == "completed":
+            continue
+        state = "unfinished" if rec.state == "pending" else rec.state
+        reason = rec.reason or (_UNFINISHED_REASON if state == "unfinished" else "(no reason recorded)")
+        out.append((rec.task_id, state, reason))
+    return out
+
+
+def _reasons_json(result: SimResult) -> dict:
+    """``--json``'s account of the tasks that did not complete: counts by state
+    and reason, and each task with its state and reason."""
+    by: dict[str, dict[str, int]] = {}
+    tasks = []
+    for task_id, state, reason in _not_completed(result):
+        counts = by.setdefault(state, {})
+        counts[reason] = counts.get(reason, 0) + 1
+        tasks.append({"task_id": task_id, "state": state, "reason": reason})
+    return {"by_reason": by, "tasks": tasks}
+
+
+def _reasons_table(results: Sequence[SimResult], rows: int = 20, examples: int = 3) -> str:
+    """Why tasks did not complete, one line per state and reason: the count
+    under each policy and a few task ids ("" when every task completed)."""
+    keys: dict[tuple[str, str], list] = {}  # (state, reason) -> [counts per policy, example ids]
+    for i, r in enumerate(results):
+        for task_id, state, reason in _not_completed(r):
+            entry = keys.setdefault((state, reason), [[0] * len(results), []])
+            entry[0][i] += 1
+            if len(entry[1]) < examples and task_id not in entry[1]:
+                entry[1].append(task_id)
+    if not keys:
+        return ""
+    order = sorted(keys.items(), key=lambda kv: (_NOT_COMPLETED_STATES.index(kv[0][0])
+                                                 if kv[0][0] in _NOT_COMPLETED_STATES else 9, -sum(kv[1][0])))
+    lines = [f"tasks not completed, by reason (count: {' / '.join(r.policy for r in results)}; e.g. task ids):"]
+    cells = [(state, "/".join(str(c) for c in counts), reason, ", ".join(ids))
+             for (state, reason), (counts, ids) in order[:rows]]
+    w0 = max(len(c[0]) for c in cells)
+    w1 = max(len(c[1]) for c in cells)
+    for state, count, reason, ids in cells:
+        lines.append(f"  {state:<{w0}}  {count:>{w1}}  {reason}  (e.g. {ids})")
+    if len(order) > rows:
+        lines.append(f"  ... {len(order) - rows} more reasons (--json lists every task and its reason)")
+    return "\n".join(lines)
+
+
 def simulate_main(argv: Sequence[str] | None = None) -> int:
     """``gpulb simulate``: replay a trace into a cluster under each policy."""
     from scheduler import simreport
+    from scheduler.errors import NotLeaseHolder
 
     p = argparse.ArgumentParser(
         prog="gpulb simulate",
@@ -1584,10 +1738,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                    help="divide submit times and durations by this (a faster clock)")
     p.add_argument("--arrival-scale", type=_positive, default=1.0,
                    help="divide submit times only by this (more offered load)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the memory draws (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the memory draws, an integer >= 0 (default 0)")
     p.add_argument("--memory", choices=("genai", "asked"), default="genai",
                    help="real memory use: measured GenAI ratios (default) or exactly the ask")
-    p.add_argument("--max-tasks", type=int, default=0, help="replay only the first N tasks")
+    p.add_argument("--max-tasks", type=_count, default=None, metavar="N",
+                   help="replay only the first N tasks by submit time (N >= 1; default: all)")
     p.add_argument("--no-prediction", action="store_true",
                    help="score without learned speeds (the coordinator always learns them; this shows what they are worth)")
     p.add_argument("--no-memory-learning", action="store_true",
@@ -1602,31 +1757,46 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scheduler-set", action="append", default=[], metavar="OPTION=VALUE",
                    help="a [scheduler] option for every run, as the coordinator would have it, e.g. "
                    "growth_room_wait_s=0 or backfill_estimate_factor=2 (repeatable; --policy names the policy)")
-    p.add_argument("--migration-cost", type=_non_negative, default=SimConfig.migration_cost_s, metavar="S",
-                   help="s of work a migrated task redoes on its new GPU: checkpoint, transfer, restart (default 30)")
-    p.add_argument("--load-drift", type=_non_negative, default=0.0, metavar="SIGMA",
+    p.add_argument("--migration-cost", type=_ranged(1e9), default=SimConfig.migration_cost_s, metavar="S",
+                   help="s of work a migrated task redoes on its new GPU: checkpoint, transfer, restart (default 30; "
+                   "at most 1e9)")
+    p.add_argument("--load-drift", type=_ranged(10.0, " (the walk is clipped to 0.25..2 times the start anyway)"),
+                   default=0.0, metavar="SIGMA",
                    help="tasks' utilisation walks after placement, a log-normal step of SIGMA per phase of work "
-                   "(default 0: constant); what the advisor is for")
-    p.add_argument("--estimate-scale", type=_non_negative, default=1.0, metavar="F",
+                   "(default 0: constant; at most 10); what the advisor is for")
+    p.add_argument("--estimate-scale", type=_ranged(1000.0), default=1.0, metavar="F",
                    help="clients estimate each task's run time as F times its duration (default 1: exact; "
-                   "below 1: they estimate short); tasks with an estimate_s column keep theirs")
-    p.add_argument("--estimate-noise", type=_non_negative, default=0.0, metavar="SIGMA",
-                   help="and misjudge it by a log-normal factor exp(SIGMA * z), drawn per task from --seed (default 0)")
+                   "below 1: they estimate short; at most 1000); tasks with an estimate_s column keep theirs")
+    p.add_argument("--estimate-noise", type=_ranged(10.0, " (10 already puts estimates e^10 = 22,026 times off)"),
+                   default=0.0, metavar="SIGMA",
+                   help="and misjudge it by a log-normal factor exp(SIGMA * z), drawn per task from --seed (default 0; "
+                   "at most 10)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (shown only on a terminal)")
     args = p.parse_args(argv)
+    if args.advisor_set and not args.advisor:
+        p.error("--advisor-set needs --advisor (it sets the advisor of the --advisor runs)")
+    if not 0 < args.time_scale * args.arrival_scale < math.inf:
+        p.error(f"--time-scale {args.time_scale:g} times --arrival-scale {args.arrival_scale:g} is out of range")
     try:
         tasks = read_trace(args.trace)
         nodes = read_cluster(args.cluster)
     except (OSError, ValueError) as exc:
         print(f"gpulb simulate: {exc}", file=sys.stderr)
         return 2
+    if not tasks:
+        print(f"gpulb simulate: {args.trace}: no tasks (a header and no rows): nothing to replay", file=sys.stderr)
+        return 2
     tasks = scale_trace(tasks, args.time_scale, args.arrival_scale)
     tasks = misestimate(tasks, args.estimate_scale, args.estimate_noise, args.seed)
     tasks.sort(key=lambda t: t.submit_s)
-    if args.max_tasks > 0:
+    if args.max_tasks is not None:
         tasks = tasks[: args.max_tasks]
+    problem = _replay_limits_error(tasks, nodes, args.time_scale, args.arrival_scale, args.migration_cost)
+    if problem is not None:
+        print(f"gpulb simulate: {problem}", file=sys.stderr)
+        return 2
     try:
         from coordinator.settings import section_from_text  # the [advisor] table's own parsing
 
@@ -1650,19 +1820,42 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     cfg = SimConfig(seed=args.seed, memory=args.memory, prediction=not args.no_prediction,
                     memory_learning=not args.no_memory_learning, migration_cost_s=args.migration_cost,
                     util_drift=args.load_drift, scheduler=scheduler)
+    if args.plot:
+        # made now: a folder that cannot be is said before the replay, not after it
+        problem = _plot_dir_error(args.plot)
+        if problem is not None:
+            print(f"gpulb simulate: {problem}", file=sys.stderr)
+            return 2
     progress = not args.no_progress and sys.stderr.isatty()
-    results = simulate(tasks, nodes, args.policy, cfg, progress=progress)
-    if advisor is not None:
-        # each policy next to itself with the advisor: the same trace, draws and drift
-        with_advisor = simulate(tasks, nodes, args.policy, replace(cfg, advisor=advisor), progress=progress,
-                                label_suffix="+advisor")
-        for r in with_advisor:
-            r.policy = f"{r.policy}+advisor"
-        results = [r for pair in zip(results, with_advisor) for r in pair]
-    simreport.attach_floors(results, tasks, nodes)  # how far each policy is from the best the work allows
-    if args.saturate:
-        for r in results:
-            r.saturation = saturate(tasks, nodes, r.policy, config=cfg)
+    try:
+        results = simulate(tasks, nodes, args.policy, cfg, progress=progress)
+        bases = list(args.policy)  # the policy each result runs, without "+advisor"
+        if advisor is not None:
+            # each policy next to itself with the advisor: the same trace, draws and drift
+            with_advisor = simulate(tasks, nodes, args.policy, replace(cfg, advisor=advisor), progress=progress,
+                                    label_suffix="+advisor")
+            for r in with_advisor:
+                r.policy = f"{r.policy}+advisor"
+            results = [r for pair in zip(results, with_advisor) for r in pair]
+            bases = [name for name in args.policy for _ in range(2)]
+        simreport.attach_floors(results, tasks, nodes)  # how far each policy is from the best the work allows
+        if args.saturate:
+            # the saturation run places without ever ending a task: no advisor
+            # acts in it, so a POLICY+advisor run shares POLICY's
+            measured: dict[str, SaturationResult] = {}
+            for r, base in zip(results, bases):
+                if base not in measured:
+                    measured[base] = saturate(tasks, nodes, base, config=cfg)
+                r.saturation = measured[base]
+    except NotLeaseHolder as exc:
+        # the limits checked above leave a hundredfold for sharing; a run
+        # slowed beyond that outlives the simulator's lease
+        if progress:
+            sys.stderr.write("\n")  # off the progress bar's line
+        print(f"gpulb simulate: task {exc.task_id!r} ran past the simulator's {_LEASE_S:g} s lease (a run slowed "
+              f"far beyond its duration by sharing its GPUs): shorten the trace's durations or raise --time-scale",
+              file=sys.stderr)
+        return 2
     meta = {
         "trace": args.trace,
         "cluster": args.cluster,
@@ -1681,10 +1874,17 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         meta["migration_cost_s"] = args.migration_cost
         meta.update({f"advisor.{o.partition('=')[0].strip()}": o.partition("=")[2].strip() for o in args.advisor_set})
     if args.json:
-        json.dump(simreport.to_json(results, meta), sys.stdout, indent=2)
+        doc = simreport.to_json(results, meta)
+        for fig, r in zip(doc["policies"], results):
+            fig["not_completed"] = _reasons_json(r)  # why: counts by state and reason, and each task
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(simreport.render(results, meta))
+        reasons = _reasons_table(results)
+        if reasons:
+            print()
+            print(reasons)
     if args.plot:
         written = simreport.plot(results, args.plot)
         if not written:
@@ -1710,8 +1910,9 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
     conv.add_argument("pod_csv")
     conv.add_argument("out_csv")
     conv.add_argument("--time-scale", type=_positive, default=1.0, help="divide all times by this")
-    conv.add_argument("--times-from", help="reference pod list for lists without times")
-    conv.add_argument("--seed", type=int, default=0)
+    conv.add_argument("--times-from", help="reference pod list for lists without times (must exist)")
+    conv.add_argument("--seed", type=_seed, default=0,
+                      help="seed of the reference rows drawn for pods without times, an integer >= 0 (default 0)")
 
     cl = groups.add_parser("cluster", help="cluster files")
     cl_sub = cl.add_subparsers(dest="action", required=True)
@@ -1729,6 +1930,9 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
                       help="each host's NVLink (the cluster format's nvlink column; default none)")
     homo.add_argument("out_csv")
     args = p.parse_args(argv)
+    if args.group == "trace" and args.times_from and not os.path.isfile(args.times_from):
+        print(f"gpulb trace: --times-from {args.times_from}: no such file", file=sys.stderr)
+        return 2
     try:
         if args.group == "trace":
             tasks, stats = convert_openb(

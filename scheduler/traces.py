@@ -4,22 +4,28 @@ and the converter from the Alibaba openb pod lists.
 The format
 ==========
 
-One CSV file, one task a row, a header naming the columns (any order).
-Blank lines and lines starting with ``#`` are ignored.
+One CSV file, UTF-8 (a byte-order mark, as spreadsheets write, is skipped),
+one task a row, a header naming the columns (any order). Blank lines and
+lines starting with ``#`` between records are ignored; a quoted value may
+span lines (line numbers in errors are the file's, where the record starts).
 
 ============ ======== ==========================================================
 column       required meaning
 ============ ======== ==========================================================
 task_id      yes      unique, printable, at most 128 characters
-submit_s     yes      s from the trace start when the task is submitted (>= 0)
-duration_s   yes      s the task runs on a speed-1.0 GPU (RTX 4090) alone (> 0)
+submit_s     yes      s from the trace start when the task is submitted
+                      (0..1e9: a billion seconds, about 31 years)
+duration_s   yes      s the task runs on a speed-1.0 GPU (RTX 4090) alone
+                      (> 0, at most 1e9)
 num_gpus     yes      GPUs on one node, 1..64
 vram_mib     yes      MiB of GPU memory the task asks for on each GPU (> 0)
 gpu_share    yes      0..1, share of each GPU's compute the task expects
 priority     yes      ``P0``..``P3`` (or 0..3); P0 is real-time inference
-kind         yes      ``inference``, ``training``, ``batch``, ``background`` or free text
+kind         yes      ``inference``, ``training``, ``batch``, ``background`` or free
+                      text (printable, at most 64 characters)
 gpu_spec     no       model constraint, e.g. ``V100M16|V100M32`` (empty = any)
-tenant       no       tenant name (per-tenant memory thresholds)
+tenant       no       tenant name (per-tenant memory thresholds; printable, at
+                      most 128 characters)
 util         no       % utilisation the task puts on each GPU (0..100);
                       empty = ``100 * gpu_share``
 movable      no       ``true``/``false`` (also 1/0, yes/no); empty = by kind
@@ -28,12 +34,15 @@ needs_nvlink no       ``true``: its GPUs must be NVLink-connected (a cluster
 estimate_s   no       s the client tells the scheduler the task will run (its
                       ``duration_s`` estimate, e.g. a batch system's time
                       limit); ``duration_s`` is what it really runs. Empty =
-                      ``duration_s`` (an exact estimate); 0 = no estimate
+                      ``duration_s`` (an exact estimate); 0 = no estimate; at
+                      most 1e9
 ============ ======== ==========================================================
 
 Any other column is an error (a misspelt optional column must not be silently
-ignored). ``read_trace`` raises ``TraceFormatError`` naming the file, the line
-and the column of the first bad value.
+ignored). Each row must also pass the limits a submitted ``TaskSpec`` has
+(``TaskSpec.validate``), so a trace that reads is one the scheduler takes.
+``read_trace`` raises ``TraceFormatError`` naming the file, the line and the
+column of the first bad value (or the line of a byte that is not UTF-8).
 
 The openb converter
 ===================
@@ -103,6 +112,7 @@ Rows are written sorted by ``submit_s`` (file order on ties).
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import math
@@ -112,6 +122,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Iterable, Iterator, Sequence
 
+from scheduler.errors import InvalidTask
 from scheduler.gpuspec import parse_gpu_spec
 from scheduler.task import MAX_GPUS, MAX_TASK_ID_LEN, Priority, TaskSpec
 
@@ -129,6 +140,8 @@ __all__ = [
     "convert_openb_rows",
     "trace_to_text",
     "csv_records",
+    "read_csv_file",
+    "MAX_TRACE_S",
     "OPENB_QOS",
     "OPENB_REFERENCE_VRAM_MIB",
     "OPENB_VRAM_FRACTION",
@@ -158,6 +171,11 @@ OPENB_VRAM_FRACTION = 0.8  # of the reference card for a whole-GPU task
 _MOVABLE_KINDS = frozenset({"training", "batch", "background"})
 _TRUE = frozenset({"true", "1", "yes", "y", "t"})
 _FALSE = frozenset({"false", "0", "no", "n", "f"})
+#: s: the largest submit time, duration or estimate a trace may hold (about 31
+#: years). The simulator's leases last 1e12 s and its arithmetic runs on the
+#: virtual clock, so times far beyond this hang or overflow it.
+MAX_TRACE_S = 1e9
+_TIME_NOTE = "s; 1e9 s is about 31 years of simulated time"
 
 
 class TraceFormatError(ValueError):
@@ -235,8 +253,12 @@ class TraceTask:
 # ---- reading ------------------------------------------------------------------------------
 
 
-def _float(text: str, column: str, *, low: float, high: float = math.inf, low_open: bool = False) -> float:
-    """Parse a finite float in [low, high] (or (low, high]); ValueError names the rule."""
+def _float(
+    text: str, column: str, *, low: float, high: float = math.inf, low_open: bool = False,
+    most: float = math.inf, note: str = "",
+) -> float:
+    """Parse a finite float in [low, high] (or (low, high]), at most ``most``;
+    ValueError names the rule (``note``: why ``most``)."""
     try:
         value = float(text)
     except ValueError:
@@ -247,6 +269,8 @@ def _float(text: str, column: str, *, low: float, high: float = math.inf, low_op
         lo = "(" if low_open else "["
         hi = f"{high:g}]" if math.isfinite(high) else "inf)"
         raise ValueError(f"expected a number in {lo}{low:g}, {hi}, got {text!r}")
+    if value > most:
+        raise ValueError(f"expected at most {most:g}, got {text!r}" + (f" ({note})" if note else ""))
     return value
 
 
@@ -288,15 +312,36 @@ def _bool(text: str) -> bool | None:
     raise ValueError(f"expected true/false, got {text!r}")
 
 
-def csv_records(lines: Iterable[str]) -> Iterator[tuple[int, list[str]]]:
-    """(line number, cells) for each non-blank, non-comment CSV record."""
-    numbered = ((n, line) for n, line in enumerate(lines, start=1))
-    kept: list[tuple[int, str]] = [
-        (n, line) for n, line in numbered if line.strip() and not line.lstrip().startswith("#")
-    ]
-    reader = csv.reader(line for _, line in kept)
-    for (n, _), cells in zip(kept, reader):
-        yield n, cells
+def csv_records(lines: Iterable[str], source: str = "<csv>") -> Iterator[tuple[int, list[str]]]:
+    """(line number, cells) for each non-blank, non-comment CSV record.
+
+    The number is the file's line where the record starts: blank and ``#``
+    lines between records are skipped but counted, and a quoted value that
+    spans lines (its lines may be blank or start with ``#``) is one record.
+    A CSV error (``csv.Error``) is a ``TraceFormatError`` naming the line.
+    """
+    at = {"between": True, "line": 0, "start": 0}
+
+    def fed() -> Iterator[str]:
+        for n, line in enumerate(lines, start=1):
+            at["line"] = n
+            if at["between"]:
+                if not line.strip() or line.lstrip().startswith("#"):
+                    continue
+                at["between"] = False
+                at["start"] = n
+            yield line
+
+    reader = csv.reader(fed())
+    while True:
+        at["between"] = True
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise TraceFormatError(source, at["line"] or None, None, f"not valid CSV: {exc}") from None
+        yield at["start"], cells
 
 
 def read_header(
@@ -331,7 +376,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceTask
 
     Raises ``TraceFormatError`` naming the line and column of the first problem.
     """
-    rows = csv_records(lines)
+    rows = csv_records(lines, source)
     names = read_header(rows, source, TRACE_COLUMNS, OPTIONAL_TRACE_COLUMNS)
     index = {name: i for i, name in enumerate(names)}
     tasks: list[TraceTask] = []
@@ -354,9 +399,11 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceTask
             if task_id in first_line:
                 raise ValueError(f"duplicate task_id {task_id!r} (first on line {first_line[task_id]})")
             column = "submit_s"
-            submit = _float(cells[index["submit_s"]], column, low=0.0)
+            submit = _float(cells[index["submit_s"]], column, low=0.0, most=MAX_TRACE_S, note=_TIME_NOTE)
             column = "duration_s"
-            duration = _float(cells[index["duration_s"]], column, low=0.0, low_open=True)
+            duration = _float(
+                cells[index["duration_s"]], column, low=0.0, low_open=True, most=MAX_TRACE_S, note=_TIME_NOTE
+            )
             column = "num_gpus"
             num_gpus = _int(cells[index["num_gpus"]], 1, MAX_GPUS)
             column = "vram_mib"
@@ -394,35 +441,72 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceTask
                 column = "estimate_s"
                 text = cells[index["estimate_s"]].strip()
                 if text:
-                    estimate = _float(text, column, low=0.0)
+                    estimate = _float(text, column, low=0.0, most=MAX_TRACE_S, note=_TIME_NOTE)
         except ValueError as exc:
             raise TraceFormatError(source, line, column, str(exc)) from None
-        first_line[task_id] = line
-        tasks.append(
-            TraceTask(
-                task_id=task_id,
-                submit_s=submit,
-                duration_s=duration,
-                num_gpus=num_gpus,
-                vram_mib=vram,
-                gpu_share=share,
-                priority=priority,
-                kind=kind,
-                gpu_spec=gpu_spec,
-                tenant=tenant,
-                util=util,
-                movable=movable,
-                needs_nvlink=needs_nvlink,
-                estimate_s=estimate,
-            )
+        task = TraceTask(
+            task_id=task_id,
+            submit_s=submit,
+            duration_s=duration,
+            num_gpus=num_gpus,
+            vram_mib=vram,
+            gpu_share=share,
+            priority=priority,
+            kind=kind,
+            gpu_spec=gpu_spec,
+            tenant=tenant,
+            util=util,
+            movable=movable,
+            needs_nvlink=needs_nvlink,
+            estimate_s=estimate,
         )
+        try:
+            # the limits a submitted spec has (kind and tenant length, printable):
+            # a row past them would pass here and fail in the replay
+            task.to_spec().validate()
+        except InvalidTask as exc:
+            field_ = exc.field
+            if field_ == "duration_s":  # the spec's duration is the client's estimate
+                field_ = "estimate_s" if estimate is not None else "duration_s"
+            raise TraceFormatError(source, line, field_ if field_ in index else None, exc.message) from None
+        first_line[task_id] = line
+        tasks.append(task)
     return tasks
+
+
+def _not_utf8(path: str | os.PathLike[str]) -> TraceFormatError:
+    """The error for a file that is not UTF-8: its line and the first bad byte."""
+    line = None
+    detail = ""
+    try:
+        data = Path(path).read_bytes()
+        if data.startswith(codecs.BOM_UTF8):
+            data = data[len(codecs.BOM_UTF8):]
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        detail = f" (byte 0x{data[exc.start]:02x})"
+    except OSError:
+        pass
+    return TraceFormatError(
+        str(path), line, None, f"not UTF-8 text{detail}; save the file as UTF-8 (e.g. \"CSV UTF-8\")"
+    )
+
+
+def read_csv_file(path: str | os.PathLike[str], parse):
+    """``parse(file, source)`` on a CSV file opened as UTF-8 text (a leading
+    byte-order mark skipped); a byte that is not UTF-8 is a ``TraceFormatError``
+    naming the file and its line."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            return parse(fh, str(path))
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
 
 
 def read_trace(path: str | os.PathLike[str]) -> list[TraceTask]:
     """Read a trace CSV file (see the module docstring), in file order."""
-    with open(path, newline="", encoding="utf-8") as fh:
-        return parse_trace(fh, source=str(path))
+    return read_csv_file(path, lambda fh, source: parse_trace(fh, source=source))
 
 
 # ---- writing ------------------------------------------------------------------------------
@@ -570,10 +654,14 @@ _OPENB_BASE_COLUMNS = ("name", "num_gpu", "gpu_milli")
 
 
 def _openb_read(path: str | os.PathLike[str]) -> tuple[list[str], list[dict[str, str]]]:
-    with open(path, newline="", encoding="utf-8") as fh:
+    def read(fh: IO[str], source: str) -> tuple[list[str], list[dict[str, str]]]:
         reader = csv.DictReader(fh)
-        header = list(reader.fieldnames or [])
-        rows = list(reader)
+        try:
+            return list(reader.fieldnames or []), list(reader)
+        except csv.Error as exc:
+            raise TraceFormatError(source, reader.line_num or None, None, f"not valid CSV: {exc}") from None
+
+    header, rows = read_csv_file(path, read)
     for name in _OPENB_BASE_COLUMNS:
         if name not in header:
             raise TraceFormatError(str(path), 1, name, "openb pod list column is missing")
@@ -680,10 +768,21 @@ def convert_openb_rows(
             mapped = (Priority.P2, "batch")
         priority, kind = mapped
         gpu_spec = (row.get("gpu_spec") or "").strip()
+        submit_s, duration_s = (created - origin) / time_scale, duration / time_scale
+        for column, value in (("creation_time", submit_s), ("deletion_time", duration_s)):
+            # what the trace format (and so the simulator) takes: a time_scale
+            # far below 1 must not write a trace that no reader accepts
+            if not (0 < value <= MAX_TRACE_S or (value == 0 and column == "creation_time")):
+                what = "submit time" if column == "creation_time" else "duration"
+                raise TraceFormatError(
+                    source, line, column,
+                    f"{what} {value:g} s after time_scale {time_scale:g} is out of the trace format's "
+                    f"range (0, {MAX_TRACE_S:g}] s",
+                )
         task = TraceTask(
             task_id=row["name"],
-            submit_s=(created - origin) / time_scale,
-            duration_s=duration / time_scale,
+            submit_s=submit_s,
+            duration_s=duration_s,
             num_gpus=int(num_gpu),
             vram_mib=round(share * OPENB_VRAM_FRACTION * OPENB_REFERENCE_VRAM_MIB, 1),
             gpu_share=share,
@@ -712,7 +811,11 @@ def convert_openb(
 
     ``times_from`` is the reference list for pod lists without time columns;
     by default ``openb_pod_list_default.csv`` in the same folder, if present.
+    A ``times_from`` given that is not a file is an error (even for a list
+    with its own times: it was asked for).
     """
+    if times_from and not Path(times_from).is_file():
+        raise TraceFormatError(str(times_from), None, None, "times_from: no such file (the reference pod list)")
     header, rows = _openb_read(pod_csv)
     reference = None
     if not all(c in header for c in _OPENB_TIME_COLUMNS):
