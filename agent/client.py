@@ -203,8 +203,16 @@ class Agent:
     def _default_channel(self, target: str) -> grpc.aio.Channel:
         cfg = self.config
         if cfg.ca_file or cfg.cert_file:
-            from coordinator.security import channel_credentials
+            from coordinator.security import SecurityConfigError, channel_credentials, check_client_credentials
 
+            # gpulb-agent checked them at start; a certificate can expire (or be
+            # replaced by a wrong one) while the agent runs, and the handshake
+            # would then say only "Socket closed": say why on every reconnect
+            try:
+                check_client_credentials(cfg.ca_file or None, cfg.cert_file or None, cfg.key_file or None,
+                                         options=("ca_file", "cert_file", "key_file"))
+            except SecurityConfigError as exc:
+                self._log.error("tls_credentials_unusable", error=str(exc), detail="the coordinator will refuse this connection")
             creds = channel_credentials(cfg.ca_file or None, cfg.cert_file or None, cfg.key_file or None, cfg.token or None)
             return grpc.aio.secure_channel(target, creds)
         return grpc.aio.insecure_channel(target)

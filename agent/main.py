@@ -25,7 +25,7 @@ __all__ = ["main", "build_backend", "parse_args", "EXIT_USAGE", "EXIT_REFUSED"]
 
 log = structlog.get_logger("gpulb.agent")
 
-#: bad flags or configuration (argparse's own code), a backend or token file that cannot be used
+#: bad flags or configuration (argparse's own code), a backend, token file or TLS file that cannot be used
 EXIT_USAGE = 2
 #: the coordinator refused the registration for good (sysexits' EX_CONFIG): retrying cannot help
 EXIT_REFUSED = 78
@@ -34,8 +34,9 @@ EXIT_REFUSED = 78
 EXIT_REREAD = 75
 
 _EPILOG = (
-    "exit status: 0 stopped (SIGTERM, SIGINT); 2 a bad flag or --config option, or the backend or token file "
-    "cannot be used; 78 the coordinator refused the registration with INVALID_ARGUMENT, UNAUTHENTICATED or "
+    "exit status: 0 stopped (SIGTERM, SIGINT); 2 a bad flag or --config option, or the backend, the token file or "
+    "the TLS files cannot be used (unreadable, a key that is not the certificate's, a certificate expired or not yet "
+    "valid); 78 the coordinator refused the registration with INVALID_ARGUMENT, UNAUTHENTICATED or "
     "PERMISSION_DENIED (a bad node id or label, a wrong token or certificate): the log line registration_refused "
     "says what to fix, and retrying would not help (systemd: RestartPreventExitStatus=78); 75 the GPUs read wrong through NVML (a GPU that fell off the bus or a driver not up yet: refused as register.gpus) 5 times in a row, so a new process (systemd restarts it) reads them again. A node id or GPU held "
     "by another live agent (ALREADY_EXISTS) is logged as an error and retried with the backoff growing to 30 s. "
@@ -219,11 +220,62 @@ def _checked_option(key: str, value: Any, path: Path) -> Any:
 
 
 def _read_token(settings: dict[str, Any]) -> str:
-    """The agent's bearer token ("" without a token file); OSError if unreadable."""
+    """The agent's bearer token ("" without a token file); OSError if
+    unreadable, ValueError (SecurityConfigError, UnicodeDecodeError) when the
+    file holds no token gRPC can send (empty, the coordinator's digest file)."""
     if not settings["token_file"]:
         return ""
+    from coordinator.security import SecurityConfigError, token_problem
+
     with open(settings["token_file"]) as fh:
-        return fh.read().strip()
+        token = fh.read().strip()
+    problem = token_problem(token)
+    if problem:
+        raise SecurityConfigError(problem)
+    return token
+
+
+def _option(args: argparse.Namespace, key: str) -> str:
+    """How the operator gave ``key``: its flag, else its name in --config."""
+    if getattr(args, key, None) is not None or args.config is None:
+        return "--" + key.replace("_", "-")
+    return key
+
+
+def _credentials(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """(what is wrong with the agent's own TLS files or token file, or None;
+    warnings), checked at start: a key that is not the certificate's, a
+    certificate expired or not yet valid, an unreadable file, a token file
+    that holds no token would otherwise show only as handshakes failing
+    ("Failed to create security handshaker", "Socket closed") retried forever."""
+    if not any(settings[key] for key in ("ca_file", "cert_file", "key_file", "token_file")):
+        return None, []
+    from coordinator.security import SecurityConfigError, check_client_credentials
+
+    warnings: list[str] = []
+    try:
+        warnings = check_client_credentials(
+            settings["ca_file"], settings["cert_file"], settings["key_file"],
+            options=(_option(args, "ca_file"), _option(args, "cert_file"), _option(args, "key_file")),
+        )
+    except SecurityConfigError as exc:
+        keys = [key for key in ("ca_file", "cert_file", "key_file") if settings[key]]
+        return _in_config(args, keys) + str(exc), warnings
+    token_file = f"{_in_config(args, ['token_file'])}{_option(args, 'token_file')} {settings['token_file']}"
+    try:
+        _read_token(settings)
+    except OSError as exc:
+        return f"{token_file}: cannot read the token file: {exc.strerror or exc}", warnings
+    except UnicodeDecodeError:
+        return f"{token_file}: not a text file: it should hold the bearer token on one line", warnings
+    except ValueError as exc:
+        return f"{token_file}: {exc}", warnings
+    return None, warnings
+
+
+def _in_config(args: argparse.Namespace, keys: list[str]) -> str:
+    """"CONFIG: " when one of ``keys`` came from --config, else ""."""
+    return f"{args.config}: " if any(not _option(args, key).startswith("--") for key in keys) else ""
 
 
 def build_backend(kind: str, *, gpus: int, seed: int, workload: str, node_id: str = "") -> GpuBackend:
@@ -258,7 +310,7 @@ async def _run(settings: dict[str, Any]) -> int:
 
     try:
         token = _read_token(settings)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         log.error("token_file_unreadable", path=settings["token_file"], error=str(exc))
         return 2
     config = AgentConfig(
@@ -346,7 +398,7 @@ def _status(agent: Agent, backend: str, gpus: int) -> str:
 _READY_BOUND_S = 10.0
 
 
-def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator: bool) -> int:
+def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator: bool, credentials: str | None = None) -> int:
     from agent.check import check_coordinator, run_and_render
 
     seed = settings["sim_seed"] if settings["sim_seed"] is not None else 0
@@ -357,10 +409,12 @@ def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator:
         print(f"check: FAIL: the {settings['backend']} backend cannot start: {exc}", file=sys.stderr)
         return 2
     coordinator = None
-    if not no_coordinator:
+    if not no_coordinator and credentials is not None:
+        coordinator = (False, credentials)  # the agent's own TLS or token file (_credentials): the same words as a start
+    elif not no_coordinator:
         try:
             token = _read_token(settings)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             coordinator = (False, f"token_file unreadable: {exc}")
         else:
             coordinator = check_coordinator(
@@ -379,11 +433,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = _settings(args)
     configure_logging(settings["log_level"], settings["log_format"])
+    credentials, warnings = _credentials(args, settings)
+    for warning in warnings:
+        log.warning("tls_certificate_expires_soon", detail=warning)
     if args.check:
         if args.check_rounds < 1:
             print(f"--check-rounds must be >= 1, got {args.check_rounds}", file=sys.stderr)
             return 2
-        return _check(settings, args.check_rounds, args.json, args.no_coordinator)
+        return _check(settings, args.check_rounds, args.json, args.no_coordinator, credentials)
+    if credentials is not None:
+        _fail(credentials)
     return asyncio.run(_run(settings))
 
 

@@ -175,6 +175,11 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
         except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else "not text"
             _fail(f"cannot read the token file {args.token_file!r} ({_source(args.token_file, '--token-file', 'GPULB_TOKEN_FILE')}): {why}")
+        from coordinator.security import token_problem
+
+        problem = token_problem(token)  # empty, the coordinator's digest file, bytes gRPC metadata cannot carry
+        if problem:
+            _fail(f"the token file {args.token_file!r} ({_source(args.token_file, '--token-file', 'GPULB_TOKEN_FILE')}): {problem}")
     if args.ca_file:
         from coordinator.security import SecurityConfigError, channel_credentials
 

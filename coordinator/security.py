@@ -54,6 +54,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import datetime as dt
 import hashlib
 import hmac
 import inspect
@@ -61,6 +62,7 @@ import json
 import math
 import re
 import secrets
+import ssl
 import sys
 import time
 import tomllib
@@ -71,7 +73,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Sequence
 import grpc
 import structlog
 
-from scheduler.task import Task, TaskSpec, TaskState
+from scheduler.task import MAX_TENANT_LEN, Task, TaskSpec, TaskState
 
 __all__ = [
     "AuthError",
@@ -81,6 +83,7 @@ __all__ = [
     "INSECURE_IDENTITY",
     "hash_token",
     "generate_token",
+    "token_problem",
     "bearer_token",
     "bearer_metadata",
     "TokenAuth",
@@ -93,6 +96,10 @@ __all__ = [
     "node_identity_matches",
     "check_node_certificate",
     "ServerCredentialsConfig",
+    "CERT_EXPIRY_WARNING_DAYS",
+    "certificate_validity",
+    "check_certificate_and_key",
+    "check_client_credentials",
     "channel_credentials",
     "TokenBucket",
     "RateLimiter",
@@ -166,6 +173,45 @@ def hash_token(token: str) -> str:
 def generate_token() -> str:
     """A new random token (256 bits, URL-safe)."""
     return "gpulb_" + secrets.token_urlsafe(32)
+
+
+#: what a bearer token may hold: one line of printable ASCII without spaces
+#: (gRPC refuses other header bytes as "Illegal metadata")
+_TOKEN_TEXT = re.compile(r"[\x21-\x7e]+")
+#: the marks of a coordinator token file (TOML or JSON of digests), not a token
+_DIGEST_FILE = re.compile(r"sha256:[0-9a-fA-F]{16}|\[\s*tokens|\"tokens\"\s*:|^\s*(role|tenant|name|nodes)\s*=", re.MULTILINE)
+
+
+def token_problem(text: str) -> str | None:
+    """Why ``text`` (a token file's contents, surrounding whitespace
+    stripped) cannot be sent as a bearer token, else None: empty, the
+    coordinator's digest file given by mistake, a digest instead of the token,
+    or bytes a gRPC header cannot carry."""
+    if not text:
+        return "it is empty: it should hold the bearer token on one line"
+    if _DIGEST_FILE.search(text):
+        if re.fullmatch(r"sha256:[0-9a-fA-F]{64}", text):
+            return ("it holds a token digest (sha256:...), not the token: give the token that "
+                    "`python -m coordinator.security new-token` printed")
+        return ("it looks like the coordinator's token digest file ([tokens.\"sha256:...\"] entries), not a token: "
+                "give the file holding the token that `python -m coordinator.security new-token` printed")
+    if not _TOKEN_TEXT.fullmatch(text):
+        rule = "a token is one line of printable ASCII without spaces (what a gRPC header carries)"
+        lines = text.count("\n") + 1
+        if lines > 1:
+            return f"it holds {lines} lines: {rule}"
+        column = next(i for i, char in enumerate(text, 1) if not "\x21" <= char <= "\x7e")
+        return f"character {column} is {text[column - 1]!r}: {rule}"
+    return None
+
+
+def _tenant_problem(tenant: str) -> str | None:
+    """Why ``tenant`` cannot be a task tenant (the limits TaskSpec applies), else None."""
+    if len(tenant) > MAX_TENANT_LEN:
+        return f"longer than {MAX_TENANT_LEN} characters ({len(tenant)}), the most a task's tenant may be"
+    if not tenant.isprintable():
+        return "contains control characters"
+    return None
 
 
 def _metadata_items(metadata) -> Iterable[tuple[str, Any]]:
@@ -256,6 +302,11 @@ class TokenAuth:
             tenant = spec.get("tenant", "")
             if not isinstance(tenant, str) or (role == "tenant" and not tenant):
                 raise SecurityConfigError(f"{where}.tenant: a non-empty string is required for role 'tenant'")
+            problem = _tenant_problem(tenant)
+            if problem:
+                raise SecurityConfigError(f"{where}.tenant: {problem}")
+            if role == "agent" and tenant:
+                raise SecurityConfigError(f"{where}.tenant: an agent token has no tenant (it may only open agent streams); remove the field")
             nodes = spec.get("nodes")
             if nodes is not None:
                 if role != "agent" or not isinstance(nodes, list) or not all(isinstance(n, str) and n for n in nodes):
@@ -393,6 +444,113 @@ def _read_pem(path: str | Path, what: str, marker: str) -> bytes:
     return data
 
 
+#: a certificate that expires within this many days is warned about at start
+CERT_EXPIRY_WARNING_DAYS = 14
+_CERT_MARKER = "-----BEGIN CERTIFICATE-----"
+_KEY_MARKER = "PRIVATE KEY-----"
+
+
+def certificate_validity(path: str | Path) -> tuple[dt.datetime, dt.datetime] | None:
+    """(notBefore, notAfter), in UTC, of the first certificate of the PEM file
+    ``path`` (a chain's leaf), read with ``cryptography`` when installed, else
+    with CPython's own decoder (``ssl._ssl._test_decode_cert``); None when
+    neither is there. ValueError or OSError when it cannot be decoded."""
+    try:
+        from cryptography import x509
+    except ImportError:
+        x509 = None
+    if x509 is not None:
+        cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
+        if hasattr(cert, "not_valid_after_utc"):  # cryptography >= 42
+            return cert.not_valid_before_utc, cert.not_valid_after_utc
+        return (cert.not_valid_before.replace(tzinfo=dt.timezone.utc),  # pragma: no cover
+                cert.not_valid_after.replace(tzinfo=dt.timezone.utc))
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:  # pragma: no cover - a Python without it, and no cryptography
+        return None
+    fields = decode(str(path))
+
+    def when(text: str) -> dt.datetime:
+        return dt.datetime.fromtimestamp(ssl.cert_time_to_seconds(text), dt.timezone.utc)
+
+    return when(fields["notBefore"]), when(fields["notAfter"])
+
+
+def _utc_text(when: dt.datetime) -> str:
+    return when.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_passphrase() -> bytes:
+    raise _EncryptedKey  # OpenSSL asks only for an encrypted key (never prompt on a terminal)
+
+
+def check_certificate_and_key(
+    cert_file: str | Path,
+    key_file: str | Path,
+    *,
+    cert_option: str,
+    key_option: str,
+    now: dt.datetime | None = None,
+    warn_days: float = CERT_EXPIRY_WARNING_DAYS,
+) -> list[str]:
+    """Check, before anything listens or connects, what a TLS handshake would
+    otherwise find (or, with gRPC, hide): both files readable PEM, the key
+    unencrypted and the certificate's own, the certificate valid now.
+    ``SecurityConfigError`` naming ``cert_option``/``key_option`` and the files
+    when not; returns warnings (a certificate that expires within
+    ``warn_days``)."""
+    _read_pem(cert_file, f"{cert_option} (certificate)", _CERT_MARKER)
+    _read_pem(key_file, f"{key_option} (private key)", _KEY_MARKER)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(str(cert_file), str(key_file), password=_no_passphrase)
+    except _EncryptedKey:
+        raise SecurityConfigError(
+            f"{key_option} {key_file}: the key is encrypted (passphrase-protected); gRPC needs an unencrypted PEM key "
+            f"(openssl pkey -in {key_file} -out PLAIN.pem, then keep PLAIN.pem readable by the daemon only)"
+        ) from None
+    except ssl.SSLError as exc:
+        # OpenSSL 3 says NO_CERTIFICATE_ASSIGNED for a key of another type (an RSA key, an EC certificate)
+        if exc.reason in ("KEY_VALUES_MISMATCH", "KEY_TYPE_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):
+            raise SecurityConfigError(
+                f"{key_option} {key_file} is not the private key of {cert_option} {cert_file}: "
+                "the key and the certificate do not match (give the key the certificate was issued for)"
+            ) from None
+        raise SecurityConfigError(
+            f"{cert_option} {cert_file} and {key_option} {key_file}: OpenSSL cannot load them as a certificate and its key "
+            f"({exc.reason or exc})"
+        ) from None
+    except OSError as exc:  # pragma: no cover - the files were just read
+        raise SecurityConfigError(f"{cert_option} {cert_file} / {key_option} {key_file}: cannot read: {exc.strerror}") from None
+    try:
+        validity = certificate_validity(cert_file)
+    except (ValueError, OSError) as exc:
+        raise SecurityConfigError(f"{cert_option} {cert_file}: cannot read the certificate's validity: {exc}") from None
+    if validity is None:  # pragma: no cover
+        return []
+    not_before, not_after = validity
+    now = now or dt.datetime.now(dt.timezone.utc)
+    if now < not_before:
+        raise SecurityConfigError(
+            f"{cert_option} {cert_file}: the certificate is not valid yet: notBefore {_utc_text(not_before)}, now "
+            f"{_utc_text(now)} (a certificate from the future: check this host's clock, or the certificate's dates)"
+        )
+    if now >= not_after:
+        days = (now - not_after).total_seconds() / 86400
+        raise SecurityConfigError(
+            f"{cert_option} {cert_file}: the certificate has expired: notAfter {_utc_text(not_after)} "
+            f"({days:.1f} days ago); every TLS peer would refuse it: renew it"
+        )
+    left = (not_after - now).total_seconds() / 86400
+    if left < warn_days:
+        return [f"{cert_option} {cert_file}: the certificate expires in {left:.1f} days (notAfter {_utc_text(not_after)}): renew it"]
+    return []
+
+
 @dataclass(frozen=True)
 class ServerCredentialsConfig:
     """PEM files for the server's TLS (see module docstring for the two ports)."""
@@ -412,6 +570,18 @@ class ServerCredentialsConfig:
         key = _read_pem(self.key_file, "server private key", "PRIVATE KEY-----")
         ca = _read_pem(self.client_ca_file, "client CA", "-----BEGIN CERTIFICATE-----") if self.client_ca_file else None
         return cert, key, ca
+
+    def check(self, *, now: dt.datetime | None = None) -> list[str]:
+        """At start, what gRPC would report only as a port it "could not bind"
+        or as handshakes failing on every client: ``SecurityConfigError``
+        naming the option and file for a key that is not the certificate's,
+        an expired or not yet valid certificate, an unreadable file; returns
+        warnings (the certificate expires within CERT_EXPIRY_WARNING_DAYS)."""
+        warnings = check_certificate_and_key(self.cert_file, self.key_file, cert_option="tls_cert_file",
+                                             key_option="tls_key_file", now=now)
+        if self.client_ca_file:
+            _read_pem(self.client_ca_file, "tls_client_ca_file (client CA)", _CERT_MARKER)
+        return warnings
 
     def credentials(self, *, require_client_auth: bool) -> grpc.ServerCredentials:
         cert, key, ca = self.read()
@@ -445,6 +615,29 @@ def channel_credentials(
     if token:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
     return creds
+
+
+def check_client_credentials(
+    ca_file: str | Path | None,
+    cert_file: str | Path | None,
+    key_file: str | Path | None,
+    *,
+    options: tuple[str, str, str] = ("--ca-file", "--cert-file", "--key-file"),
+    now: dt.datetime | None = None,
+) -> list[str]:
+    """A client's (an agent's) TLS files checked at start, as
+    ``ServerCredentialsConfig.check`` does the server's: ``SecurityConfigError``
+    naming the option (``options``: how the caller names ca, cert and key) and
+    the file; returns warnings (the client certificate expires soon)."""
+    ca_option, cert_option, key_option = options
+    if ca_file:
+        _read_pem(ca_file, f"{ca_option} (CA)", _CERT_MARKER)
+    if bool(cert_file) != bool(key_file):
+        given, missing = (cert_option, key_option) if cert_file else (key_option, cert_option)
+        raise SecurityConfigError(f"{given} {cert_file or key_file} needs {missing} too: a client certificate and its key go together")
+    if cert_file and key_file:
+        return check_certificate_and_key(cert_file, key_file, cert_option=cert_option, key_option=key_option, now=now)
+    return []
 
 
 # ---- limits ------------------------------------------------------------------------------------
@@ -682,6 +875,9 @@ class Security:
                 raise SecurityConfigError("TLS certificate and key are required (or ask for insecure mode explicitly)")
             if tokens is None:
                 raise SecurityConfigError("a token file is required (or ask for insecure mode explicitly)")
+        if tls is not None:
+            for warning in tls.check():
+                log.warning("tls_certificate_expires_soon", detail=warning)
         self.tokens = tokens
         self.tls = tls
         self.insecure = insecure
@@ -908,10 +1104,23 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("hash-token", help="read a token on stdin, print its digest")
     args = parser.parse_args(argv)
     if args.cmd == "hash-token":
-        print(hash_token(sys.stdin.readline().strip()))
+        token = sys.stdin.readline().strip()
+        problem = token_problem(token)
+        if problem:
+            print(f"{parser.prog} hash-token: the token on stdin: {problem}", file=sys.stderr)
+            return 2
+        print(hash_token(token))
         return 0
     if args.role == "tenant" and not args.tenant:
         parser.error("--tenant is required for role tenant")
+    problem = _tenant_problem(args.tenant)
+    if problem:
+        parser.error(f"--tenant: {problem}")
+    if args.role == "agent" and args.tenant:
+        parser.error("--tenant: an agent token has no tenant (it may only open agent streams)")
+    if args.role == "admin" and args.tenant:
+        print(f"# note: an admin token is not limited to --tenant {args.tenant!r}; the tenant is only the default of what "
+              "it submits without one", file=sys.stderr)
     token = generate_token()
     print(f"# token (give it to the client; it is not stored anywhere): {token}", file=sys.stderr)
     print(f'[tokens."{hash_token(token)}"]')

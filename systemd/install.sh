@@ -11,8 +11,11 @@
 #   --dry-run   print each step (as a shell command) instead of running it
 #   --source    what pip installs (default: the repository holding this script)
 #   --python    interpreter for the virtual environment, >= 3.11 (default: python3)
-#   --root      install into DIR as if it were / (packaging); skips the user,
-#               group and systemctl steps, which belong to the target host
+#   --root      stage the files (units, configuration, entry-point links) into
+#               DIR as if it were / (packaging). The virtual environment, the
+#               user and group and systemctl belong to the target host (a venv
+#               cannot move: its scripts name the path it was built at); the
+#               last lines print the commands to run there
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -27,7 +30,7 @@ while [ $# -gt 0 ]; do
         --source) source_spec=${2:?--source needs a value}; shift ;;
         --python) python=${2:?--python needs a value}; shift ;;
         --root) root=${2:?--root needs a value}; shift ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "install.sh: unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -37,7 +40,7 @@ prefix=/opt/gpulb                      # where the units' binaries really live
 bin_dir=$root/usr/local/bin
 etc_dir=$root/etc/gpulb
 unit_dir=$root/etc/systemd/system
-venv=$root$prefix
+venv=$prefix                           # built here only when installing into / (--root: on the target)
 
 # Every change to the system goes through run, so --dry-run shows exactly the
 # commands a real run would execute, quoted so they can be pasted.
@@ -58,7 +61,7 @@ if [ "$dry_run" = 0 ] && [ -z "$root" ] && [ "$(id -u)" != 0 ]; then
     exit 1
 fi
 
-if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+if [ -z "$root" ] && ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     echo "install.sh: $python is missing or older than 3.11 (gpulb needs tomllib); pass --python" >&2
     [ "$dry_run" = 1 ] || exit 1
 fi
@@ -81,21 +84,29 @@ else
 fi
 
 # ---- package ----------------------------------------------------------------------
-if [ -x "$venv/bin/python" ]; then
-    note "virtual environment $venv exists"
+# A virtual environment is tied to the path it was built at (its entry points'
+# shebangs, pyvenv.cfg's interpreter), so with --root it is not built into the
+# staging tree: the closing lines say how to build it on the target.
+if [ -n "$root" ]; then
+    note "--root: the virtual environment $venv is built on the target host (commands at the end)"
 else
-    run "$python" -m venv "$venv"
+    if [ -x "$venv/bin/python" ]; then
+        note "virtual environment $venv exists"
+    else
+        run "$python" -m venv "$venv"
+    fi
+    run "$venv/bin/python" -m pip install --quiet --upgrade "$source_spec"
+    # The multi-GPU set search, compiled ahead of time: it loads under the
+    # coordinator's MemoryDenyWriteExecute=yes, where numba's JIT cannot, and
+    # keeps LLVM out of the daemon. It needs a C compiler and the Python headers;
+    # without them the coordinator runs the numpy path (same placements, slower).
+    if [ "$dry_run" = 1 ]; then
+        run "$venv/bin/gpulb" set-search build
+    elif ! "$venv/bin/gpulb" set-search build; then
+        note "could not build the set search ahead of time (a C compiler and Python headers are needed); the coordinator will use numpy"
+    fi
 fi
-run "$venv/bin/python" -m pip install --quiet --upgrade "$source_spec"
-# The multi-GPU set search, compiled ahead of time: it loads under the
-# coordinator's MemoryDenyWriteExecute=yes, where numba's JIT cannot, and
-# keeps LLVM out of the daemon. It needs a C compiler and the Python headers;
-# without them the coordinator runs the numpy path (same placements, slower).
-if [ "$dry_run" = 1 ]; then
-    run "$venv/bin/gpulb" set-search build
-elif ! "$venv/bin/gpulb" set-search build; then
-    note "could not build the set search ahead of time (a C compiler and Python headers are needed); the coordinator will use numpy"
-fi
+# the links name the final path: with --root they resolve once the target has the venv
 run install -d -m 0755 "$bin_dir"
 for exe in gpulb gpulb-coordinator gpulb-agent; do
     run ln -sfn "$prefix/bin/$exe" "$bin_dir/$exe"
@@ -130,8 +141,21 @@ else
     note "systemd is not running here: run 'systemctl daemon-reload' once it is"
 fi
 
-note "installed. Next:"
+# The commands below run on the host that runs gpulb, so they name the final
+# paths (/etc/gpulb, /opt/gpulb), never the staging root.
+if [ -n "$root" ]; then
+    note "staged into $root as the target's /: copy it there, then on the target host, as root:"
+    note "  getent group gpulb >/dev/null || groupadd --system gpulb"
+    note "  getent passwd gpulb >/dev/null || useradd --system --gid gpulb --home-dir /var/lib/gpulb --no-create-home --shell /usr/sbin/nologin --comment 'gpulb daemons' gpulb"
+    note "  chgrp gpulb /etc/gpulb/coordinator.env /etc/gpulb/agent.env"
+    note "  $(printf '%q' "$python") -m venv $venv   (Python >= 3.11)"
+    note "  $venv/bin/python -m pip install --upgrade $(printf '%q' "$source_spec")   (this source must be there: a copy of it, or a wheel built with pip wheel)"
+    note "  $venv/bin/gpulb set-search build   (needs a C compiler and the Python headers; without them the coordinator uses numpy)"
+    note "  systemctl daemon-reload"
+    note "(or run systemd/install.sh there, as root: it does the same and keeps the staged /etc/gpulb files)"
+fi
+if [ -n "$root" ]; then note "once installed there, next:"; else note "installed. Next:"; fi
 note "  coordinator host: systemctl enable --now gpulb-coordinator"
-note "  GPU hosts:        $prefix/bin/gpulb-agent --config $etc_dir/agent.toml --check   (pre-flight: exit 0 = ready)"
-note "                    systemctl enable --now gpulb-agent   (set coordinator in $etc_dir/agent.toml first)"
+note "  GPU hosts:        $prefix/bin/gpulb-agent --config /etc/gpulb/agent.toml --check   (pre-flight: exit 0 = ready)"
+note "                    systemctl enable --now gpulb-agent   (set coordinator in /etc/gpulb/agent.toml first)"
 note "  effective config: $prefix/bin/gpulb-coordinator --config /etc/gpulb/coordinator.toml --print-config"

@@ -254,13 +254,10 @@ def test_install_dry_run_prints_every_step_and_changes_nothing(tmp_path: Path) -
     result = _install("--dry-run", "--root", str(root), "--source", "/src/gpulb")
     assert result.returncode == 0, result.stderr
     steps = [line[2:] for line in result.stdout.splitlines() if line.startswith("+ ")]
-    venv = f"{root}/opt/gpulb"
-    assert steps[0].endswith(f"-m venv {venv}")
-    assert f"{venv}/bin/python -m pip install --quiet --upgrade /src/gpulb" in steps
-    # the set search compiled ahead of time, right after the package (loads under W^X)
-    assert steps[steps.index(f"{venv}/bin/python -m pip install --quiet --upgrade /src/gpulb") + 1] == (
-        f"{venv}/bin/gpulb set-search build"
-    )
+    # --root stages files only: a venv built under the staging root would name
+    # it in every shebang (tests/test_install.py); the target builds /opt/gpulb
+    assert not any("-m venv" in s or "pip install" in s or "set-search" in s for s in steps)
+    assert "/opt/gpulb/bin/python -m pip install --upgrade /src/gpulb" in result.stdout  # printed for the target
     for exe in ("gpulb", "gpulb-coordinator", "gpulb-agent"):
         # links point at the real /opt path, not the staging root
         assert f"ln -sfn /opt/gpulb/bin/{exe} {root}/usr/local/bin/{exe}" in steps
