@@ -396,7 +396,16 @@ def _priority(value: int) -> str:
     return tpb.Priority.Name(value).removeprefix("PRIORITY_") if value else "P2"
 
 
-def _task_rows(tasks) -> list[list]:
+#: characters of a reason a table row shows (a waiting task's reason names every
+#: filter that refused it: 200 characters wrapped every row on a terminal)
+REASON_COLUMN = 80
+
+
+def _short(reason: str, wide: bool) -> str:
+    return reason if wide or len(reason) <= REASON_COLUMN else reason[: REASON_COLUMN - 1] + "…"
+
+
+def _task_rows(tasks, wide: bool = True) -> list[list]:
     import time
 
     now = time.time_ns()
@@ -419,7 +428,7 @@ def _task_rows(tasks) -> list[list]:
             f"{t.spec.vram_mib / 1024:.1f}",
             f"{a.node_id}:{','.join(map(str, a.gpu_index))}" if a.node_id else "-",
             fmt(wait, 2),
-            t.reason or "",
+            _short(t.reason or "", wide),
         ])
     return rows
 
@@ -525,15 +534,19 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         tasks = tpb_grpc.SchedulerStub(ch).ListTasks(
             tpb.ListTasksRequest(state=state, tenant=args.tenant or "", limit=args.limit), timeout=args.timeout
         ).tasks
-    _print_tasks(tasks, args.json)
+    _print_tasks(tasks, args.json, wide=args.wide)
+    limit = args.limit or 1000  # the coordinator's default
+    if len(tasks) >= limit and not args.json:
+        # the response carries no total: a full page may not be all of them
+        print(f"gpulb: tasks: the first {limit}; there may be more (--limit N, --state, --tenant)", file=sys.stderr)
     return 0
 
 
-def _print_tasks(tasks, as_json: bool) -> None:
+def _print_tasks(tasks, as_json: bool, wide: bool = False) -> None:
     if as_json:
         _print_json(tasks)
     else:
-        print(render_table(_TASK_HEADERS, _task_rows(tasks)))
+        print(render_table(_TASK_HEADERS, _task_rows(tasks, wide)))
 
 
 @command("queue")
@@ -883,6 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--state", choices=[n.removeprefix("TASK_STATE_").lower() for n in tpb.TaskState.keys()[1:]])
     tasks.add_argument("--tenant")
     tasks.add_argument("--limit", type=_number(int, 0, 2**32 - 1), default=1000, help="at most this many (0: the coordinator's 1000)")
+    tasks.add_argument("--wide", action="store_true", help=f"whole reasons (the table cuts them at {REASON_COLUMN} characters; --json has them whole)")
     tasks.add_argument("--json", action="store_true")
 
     queue = sub.add_parser("queue", help="queue depth per class and the next tasks in dispatch order")

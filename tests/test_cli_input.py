@@ -263,3 +263,17 @@ async def test_against_a_real_coordinator_timeouts_waits_unknown_nodes_and_pipes
             assert rc == EXIT_BROKEN_PIPE and err == "", err
     finally:
         await coord.stop(grace_s=0.1)
+
+
+def test_the_tasks_table_cuts_long_reasons_unless_wide():
+    """A waiting task's reason names every filter that refused it (~200
+    characters): every row wrapped on a terminal. The table shows the first
+    REASON_COLUMN characters; --wide and --json show it whole."""
+    from coordinator import cli
+    from protos import tasks_pb2 as tpb
+
+    reason = "waiting: no GPU fits (14 GPUs; rejected by: " + ", ".join(f"filter_{i} 1" for i in range(30)) + ")"
+    task = tpb.Task(spec=tpb.TaskSpec(task_id="t", vram_mib=1024), state=tpb.TASK_STATE_QUEUED, reason=reason)
+    short = cli._task_rows([task], wide=False)[0][-1]
+    assert len(short) == cli.REASON_COLUMN and short.endswith("…") and reason.startswith(short[:-1])
+    assert cli._task_rows([task], wide=True)[0][-1] == reason
