@@ -1578,26 +1578,26 @@ def _ranged(high: float, why: str = ""):
     return parse
 
 
-def _seed(text: str) -> int:
-    """An argparse value: a seed, an integer >= 0 (what numpy's generators take)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+def _integer_from(low: int, what: str):
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+
+    parse.__doc__ = what
+    return parse
 
 
-def _count(text: str) -> int:
-    """An argparse value: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+#: an argparse value: a seed, an integer >= 0 (what numpy's generators take)
+_seed = _integer_from(0, "a seed")
+#: an argparse value: an integer >= 1
+_count = _integer_from(1, "a count")
 
 
 #: s a task may run alone on the slowest node of a replay: a hundredth of the
