@@ -1566,6 +1566,18 @@ def _non_negative(text: str) -> float:
     return _number(text, zero=True)
 
 
+#: the most --time-scale / --arrival-scale compress a trace: a million times is
+#: a year in 30 s; 1e300 ran and printed absurd figures (throughputs of 1e290)
+_SCALE_MAX = 1e6
+
+
+def _scale(text: str) -> float:
+    value = _number(text, zero=False)
+    if value > _SCALE_MAX:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 and at most {_SCALE_MAX:g}, got {text!r}")
+    return value
+
+
 def _ranged(high: float, why: str = ""):
     """An argparse type: a finite number in [0, ``high``] (``why`` says why the bound)."""
 
@@ -1734,9 +1746,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policy", type=_policies, default=list(POLICIES),
                    help="comma-separated policies, or 'all' (default: all); NAME@requests runs NAME with no "
                         "telemetry (placement by the tasks' asks only, the baseline of a scheduler without a metrics pipeline)")
-    p.add_argument("--time-scale", type=_positive, default=1.0,
+    p.add_argument("--time-scale", type=_scale, default=1.0,
                    help="divide submit times and durations by this (a faster clock)")
-    p.add_argument("--arrival-scale", type=_positive, default=1.0,
+    p.add_argument("--arrival-scale", type=_scale, default=1.0,
                    help="divide submit times only by this (more offered load)")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the memory draws, an integer >= 0 (default 0)")
     p.add_argument("--memory", choices=("genai", "asked"), default="genai",
@@ -1909,7 +1921,7 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
     conv.add_argument("source", choices=("openb",))
     conv.add_argument("pod_csv")
     conv.add_argument("out_csv")
-    conv.add_argument("--time-scale", type=_positive, default=1.0, help="divide all times by this")
+    conv.add_argument("--time-scale", type=_scale, default=1.0, help="divide all times by this")
     conv.add_argument("--times-from", help="reference pod list for lists without times (must exist)")
     conv.add_argument("--seed", type=_seed, default=0,
                       help="seed of the reference rows drawn for pods without times, an integer >= 0 (default 0)")

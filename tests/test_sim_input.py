@@ -168,6 +168,8 @@ def test_a_run_slowed_past_the_lease_by_sharing_is_one_line(tmp_path, capsys):
         (["--load-drift", "1e6"], "argument --load-drift: expected a number in [0, 10]"),  # numpy RuntimeWarning
         (["--migration-cost", "1e300", "--advisor"], "argument --migration-cost: expected a number in [0, 1e+09]"),
         (["--time-scale", "1e-200", "--arrival-scale", "1e-200"], "is out of range"),  # ZeroDivisionError
+        (["--time-scale", "1e300"], "argument --time-scale: expected a number > 0 and at most 1e+06"),  # absurd figures
+        (["--arrival-scale", "1e7"], "argument --arrival-scale: expected a number > 0 and at most 1e+06"),
     ],
 )
 def test_bad_flags(tmp_path, capsys, flags, fragment):
