@@ -526,28 +526,35 @@ def check_certificate_and_key(
         ) from None
     except OSError as exc:  # pragma: no cover - the files were just read
         raise SecurityConfigError(f"{cert_option} {cert_file} / {key_option} {key_file}: cannot read: {exc.strerror}") from None
+    return _check_validity(cert_file, cert_option, now=now, warn_days=warn_days)
+
+
+def _check_validity(path: str | Path, option: str, *, now: dt.datetime | None, warn_days: float,
+                    what: str = "the certificate") -> list[str]:
+    """SecurityConfigError when the (first) certificate of ``path`` is expired
+    or not valid yet; a warning when it expires within ``warn_days``."""
     try:
-        validity = certificate_validity(cert_file)
+        validity = certificate_validity(path)
     except (ValueError, OSError) as exc:
-        raise SecurityConfigError(f"{cert_option} {cert_file}: cannot read the certificate's validity: {exc}") from None
+        raise SecurityConfigError(f"{option} {path}: cannot read the certificate's validity: {exc}") from None
     if validity is None:  # pragma: no cover
         return []
     not_before, not_after = validity
     now = now or dt.datetime.now(dt.timezone.utc)
     if now < not_before:
         raise SecurityConfigError(
-            f"{cert_option} {cert_file}: the certificate is not valid yet: notBefore {_utc_text(not_before)}, now "
+            f"{option} {path}: {what} is not valid yet: notBefore {_utc_text(not_before)}, now "
             f"{_utc_text(now)} (a certificate from the future: check this host's clock, or the certificate's dates)"
         )
     if now >= not_after:
         days = (now - not_after).total_seconds() / 86400
         raise SecurityConfigError(
-            f"{cert_option} {cert_file}: the certificate has expired: notAfter {_utc_text(not_after)} "
+            f"{option} {path}: {what} has expired: notAfter {_utc_text(not_after)} "
             f"({days:.1f} days ago); every TLS peer would refuse it: renew it"
         )
     left = (not_after - now).total_seconds() / 86400
     if left < warn_days:
-        return [f"{cert_option} {cert_file}: the certificate expires in {left:.1f} days (notAfter {_utc_text(not_after)}): renew it"]
+        return [f"{option} {path}: {what} expires in {left:.1f} days (notAfter {_utc_text(not_after)}): renew it"]
     return []
 
 
@@ -581,6 +588,9 @@ class ServerCredentialsConfig:
                                              key_option="tls_key_file", now=now)
         if self.client_ca_file:
             _read_pem(self.client_ca_file, "tls_client_ca_file (client CA)", _CERT_MARKER)
+            # an expired CA fails every agent's handshake, as an expired certificate would
+            warnings += _check_validity(self.client_ca_file, "tls_client_ca_file", now=now,
+                                        warn_days=CERT_EXPIRY_WARNING_DAYS, what="the CA certificate")
         return warnings
 
     def credentials(self, *, require_client_auth: bool) -> grpc.ServerCredentials:
@@ -630,14 +640,17 @@ def check_client_credentials(
     naming the option (``options``: how the caller names ca, cert and key) and
     the file; returns warnings (the client certificate expires soon)."""
     ca_option, cert_option, key_option = options
+    warnings: list[str] = []
     if ca_file:
         _read_pem(ca_file, f"{ca_option} (CA)", _CERT_MARKER)
+        warnings += _check_validity(ca_file, ca_option, now=now, warn_days=CERT_EXPIRY_WARNING_DAYS,
+                                    what="the CA certificate")
     if bool(cert_file) != bool(key_file):
         given, missing = (cert_option, key_option) if cert_file else (key_option, cert_option)
         raise SecurityConfigError(f"{given} {cert_file or key_file} needs {missing} too: a client certificate and its key go together")
     if cert_file and key_file:
-        return check_certificate_and_key(cert_file, key_file, cert_option=cert_option, key_option=key_option, now=now)
-    return []
+        warnings += check_certificate_and_key(cert_file, key_file, cert_option=cert_option, key_option=key_option, now=now)
+    return warnings
 
 
 # ---- limits ------------------------------------------------------------------------------------

@@ -416,3 +416,20 @@ def test_the_token_file_loader_refuses_the_same(tmp_path: Path) -> None:
     # an admin's tenant is the default tenant of its submissions: kept
     identity = load({"role": "admin", "tenant": "alice"}).authenticate((("authorization", "Bearer t"),), admin=True)
     assert identity.admin and security.tenant_for_submission(identity, "") == "alice"
+
+
+def test_an_expired_or_expiring_ca_file_is_checked_like_a_certificate(creds: Creds) -> None:
+    """An expired CA fails every handshake it should vouch for, as an expired
+    certificate does: refused at start naming the option; one expiring within
+    14 days is a warning. (The leaves stand in for CA files: only the dates
+    are read.)"""
+    from coordinator.security import check_client_credentials
+
+    with pytest.raises(SecurityConfigError, match=r"--ca-file .*: the CA certificate has expired: notAfter"):
+        check_client_credentials(creds.expired.cert_file, None, None)
+    [warning] = check_client_credentials(creds.soon.cert_file, None, None)
+    assert "--ca-file" in warning and "the CA certificate expires in 3.0 days" in warning
+    assert check_client_credentials(creds.ca, None, None) == []
+    server = ServerCredentialsConfig(str(creds.good.cert_file), str(creds.good.key_file), str(creds.expired.cert_file))
+    with pytest.raises(SecurityConfigError, match=r"tls_client_ca_file .*: the CA certificate has expired"):
+        server.check()
