@@ -38,7 +38,9 @@ _EPILOG = (
     "the TLS files cannot be used (unreadable, a key that is not the certificate's, a certificate expired or not yet "
     "valid); 78 the coordinator refused the registration with INVALID_ARGUMENT, UNAUTHENTICATED or "
     "PERMISSION_DENIED (a bad node id or label, a wrong token or certificate): the log line registration_refused "
-    "says what to fix, and retrying would not help (systemd: RestartPreventExitStatus=78); 75 the GPUs read wrong through NVML (a GPU that fell off the bus or a driver not up yet: refused as register.gpus) 5 times in a row, so a new process (systemd restarts it) reads them again. A node id or GPU held "
+    "says what to fix, and retrying would not help (systemd: RestartPreventExitStatus=78); 75 the GPUs read wrong "
+    "through NVML (a GPU that fell off the bus or a driver not up yet: refused as register.gpus) 5 times in a row, "
+    "so a new process (systemd restarts it) reads them again. A node id or GPU held "
     "by another live agent (ALREADY_EXISTS) is logged as an error and retried with the backoff growing to 30 s. "
     "--check exits 0/1/2 as said above."
 )

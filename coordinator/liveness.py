@@ -53,7 +53,7 @@ import asyncio
 import enum
 import inspect
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 import structlog
 
@@ -327,6 +327,11 @@ class NodeLiveness:
     def nodes(self) -> list[NodeState]:
         """Snapshots of every known node, REMOVED ones included, by node id."""
         return [self._snapshot(k, self._nodes[k]) for k in sorted(self._nodes)]
+
+    def removed(self) -> Iterator[str]:
+        """Ids of the REMOVED nodes, unordered and without snapshots (a
+        metrics scrape counts them)."""
+        return (k for k, n in self._nodes.items() if n.liveness is Liveness.REMOVED)
 
     def forget(self, node_id: str) -> None:
         """Drop a REMOVED node's record (its operator state with it)."""

@@ -27,7 +27,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from coordinator.advisor import ADVISOR_METRIC_NAMES
-from coordinator.liveness import Liveness
 from protos import cluster_pb2 as cpb
 from protos.fields import BY_NAME
 
@@ -162,8 +161,7 @@ class _ViewCollector:
             counts[cpb.NodeState.Name(c.node_state(node_id))] += 1
         # a removed node leaves the view, not the liveness records: without
         # these a dead agent showed as nothing at all once removed (30 s)
-        counts["NODE_STATE_REMOVED"] += sum(
-            1 for n in c.liveness.nodes() if n.liveness is Liveness.REMOVED and n.node_id not in view.nodes)
+        counts["NODE_STATE_REMOVED"] += sum(1 for node_id in c.liveness.removed() if node_id not in view.nodes)
         for name, count in counts.items():
             states.add_metric([name.removeprefix("NODE_STATE_").lower()], count)
         yield states
