@@ -112,7 +112,9 @@ class ClusterOperatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UncordonNode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """On a REMOVED node (not in the view) it forgets the node: its record and
+        stored cordon (a decommissioned node stops counting as removed).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
