@@ -353,10 +353,12 @@ async def _run(settings: dict[str, Any]) -> int:
              **({"driver": driver} if driver else {}))
     pinger.start()
     status = asyncio.create_task(_report_status(agent, notifier, backend.name))
+    reminders = asyncio.create_task(_remind_certificates(settings))
     try:
         await agent.run()
     finally:
         status.cancel()
+        reminders.cancel()
         await pinger.stop()
         backend.close()
     for ended, exit_code, status, reason in (
@@ -398,6 +400,53 @@ def _status(agent: Agent, backend: str, gpus: int) -> str:
 
 
 _READY_BOUND_S = 10.0
+
+#: how often (s) a running agent reads its certificate files' dates again
+CERTIFICATE_CHECK_S = 3600.0
+
+
+async def _remind_certificates(settings: dict[str, Any]) -> None:
+    """The start's warning again while the agent runs: a certificate that
+    enters its last 14 days weeks into a stream's life fails nothing until
+    the agent next connects (a coordinator restart, a network blip), and
+    then every handshake fails. Said once a day per file, from the files on
+    disk: a renewed file (taken at the next connection) ends it."""
+    from coordinator.certwatch import ExpiryReminder
+
+    files = [(option, settings[option]) for option in ("ca_file", "cert_file") if settings.get(option)]
+    if not files:
+        return
+    reminder = ExpiryReminder()
+    while True:
+        await asyncio.sleep(CERTIFICATE_CHECK_S)
+        remind_certificates(files, reminder)
+
+
+def remind_certificates(files: list[tuple[str, str]], reminder, now_s: float | None = None) -> list[str]:
+    """One check of ``files`` ((option, path) pairs): logs and returns the
+    warnings due now (``ExpiryReminder``) and the files that cannot be read."""
+    import time
+
+    from coordinator.security import certificate_validity
+
+    now_s = time.time() if now_s is None else now_s
+    said = []
+    for option, path in files:
+        try:
+            validity = certificate_validity(path)
+        except (ValueError, OSError) as exc:
+            detail = f"{option} {path}: cannot read the certificate: {exc}"
+            log.error("tls_credentials_unusable", error=detail, detail="the next connection to the coordinator fails")
+            said.append(detail)
+            continue
+        if validity is None:  # pragma: no cover - neither cryptography nor CPython's decoder
+            continue
+        warning = reminder.due(option, validity[1].timestamp(), now_s)
+        if warning is not None:
+            detail = f"{option} {path}: {'the CA certificate' if option == 'ca_file' else 'the certificate'} {warning}"
+            log.warning("tls_certificate_expires_soon", detail=detail)
+            said.append(detail)
+    return said
 
 
 def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator: bool, credentials: str | None = None) -> int:

@@ -96,6 +96,9 @@ class AgentSession:
     closing: asyncio.Event = field(default_factory=asyncio.Event)
     last_ack_s: float = 0.0
     close_status: tuple[grpc.StatusCode, str] | None = None
+    #: notAfter (epoch s) of the client certificate the agent connected with
+    #: (mTLS), None without one: the stream outlives it, its next handshake not
+    certificate_not_after: float | None = None
 
     def close(self, code: grpc.StatusCode, message: str) -> None:
         """End the stream from the coordinator's side with this status."""
@@ -142,7 +145,7 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                 validate_register(first.register)
             except RegistrationError as exc:
                 raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            self.coordinator.authorize_node(first.register.node_id, context)
+            certificate_not_after = self.coordinator.authorize_node(first.register.node_id, context)
             node_id = first.register.node_id
             now = self.clock()
             try:
@@ -151,7 +154,8 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                 raise StreamRefused(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
             previous = self.sessions.get(node_id)
             takeover = self._may_take_over(previous, first.register, now)
-            session = AgentSession(node_id=node_id, peer=context.peer(), session_id=first.register.session_id, last_seen_s=now)
+            session = AgentSession(node_id=node_id, peer=context.peer(), session_id=first.register.session_id, last_seen_s=now,
+                                   certificate_not_after=certificate_not_after)
             if previous is not None:
                 previous.superseded_by = takeover
                 previous.superseded.set()

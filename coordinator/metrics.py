@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
@@ -178,7 +178,39 @@ class _ViewCollector:
         streams = GaugeMetricFamily("gpulb_agent_streams", "Open agent telemetry streams")
         streams.add_metric([], len(c.gateway.sessions))
         yield streams
+        yield from self._certificate_families()
         yield from c.scheduler_metric_families()
+
+
+    def _certificate_families(self) -> Iterator:
+        """Expiry dates (the blackbox exporter's probe_ssl_earliest_cert_expiry
+        pattern: a timestamp, so an alert says `- time() < 14 days`) of the
+        certificates served, and of each connected agent's client certificate,
+        which its open stream outlives but its next connection does not."""
+        c = self.c
+        files = c.security.tls_files
+        if files is not None:
+            own = GaugeMetricFamily(
+                "gpulb_tls_certificate_expiry_timestamp_seconds",
+                "notAfter (Unix time) of the certificates the coordinator serves (tls_cert_file) and trusts for agents "
+                "(tls_client_ca_file), as loaded: renewed files are taken at the next handshake", labels=["option"])
+            for option, when in sorted(files.not_after.items()):
+                own.add_metric([option], when)
+            yield own
+            reloads = CounterMetricFamily(
+                "gpulb_tls_reloads", "Renewed TLS files taken (loaded) or refused (a key not the certificate's, "
+                "expired, unreadable: the certificate served before stays)", labels=["result"])
+            reloads.add_metric(["loaded"], files.reloads)
+            reloads.add_metric(["refused"], files.refusals)
+            yield reloads
+        agents = GaugeMetricFamily(
+            "gpulb_agent_certificate_expiry_timestamp_seconds",
+            "notAfter (Unix time) of the client certificate each connected agent presented (mTLS); its stream "
+            "goes on past it, its next connection is refused", labels=["node"])
+        for node_id, session in sorted(c.gateway.sessions.items()):
+            if session.certificate_not_after is not None:
+                agents.add_metric([node_id], session.certificate_not_after)
+        yield agents
 
 
 class CoordinatorMetrics:
@@ -310,5 +342,8 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_preemptions_total",
     "gpulb_big_cards",
     "gpulb_big_cards_need_limit_bytes",
+    "gpulb_tls_certificate_expiry_timestamp_seconds",
+    "gpulb_tls_reloads_total",
+    "gpulb_agent_certificate_expiry_timestamp_seconds",
     *ADVISOR_METRIC_NAMES,  # the rebalance advisor's and the speed predictor's
 )

@@ -893,6 +893,8 @@ class Security:
                 log.warning("tls_certificate_expires_soon", detail=warning)
         self.tokens = tokens
         self.tls = tls
+        #: the TLS files as served (coordinator.certwatch), once the ports are bound
+        self.tls_files = None
         self.insecure = insecure
         self.require_client_cert_for_agents = bool(tls and tls.require_client_cert_for_agents) and not insecure
         self.rate_limit = rate_limit
@@ -930,14 +932,18 @@ class Security:
             if agent_listen:
                 ports["agent_listen"] = bind(agent_listen, None)
             return ports
+        from coordinator.certwatch import ServerTlsFiles
+
+        # dynamic credentials: renewed files are served at the next handshake, no restart
+        self.tls_files = files = ServerTlsFiles(self.tls)
         if agent_listen:
-            ports["listen"] = bind(listen, self.tls.client_credentials())
-            ports["agent_listen"] = bind(agent_listen, self.tls.agent_credentials() if self.tls.client_ca_file else self.tls.client_credentials())
+            ports["listen"] = bind(listen, files.credentials(require_client_auth=False))
+            ports["agent_listen"] = bind(agent_listen, files.credentials(require_client_auth=bool(self.tls.client_ca_file)))
         elif self.require_client_cert_for_agents:
             log.info("tls_single_port", detail="one port for agents and clients: every caller needs a client certificate")
-            ports["listen"] = bind(listen, self.tls.agent_credentials())
+            ports["listen"] = bind(listen, files.credentials(require_client_auth=True))
         else:
-            ports["listen"] = bind(listen, self.tls.client_credentials())
+            ports["listen"] = bind(listen, files.credentials(require_client_auth=False))
         return ports
 
     def interceptor(self) -> "SecurityInterceptor":
@@ -961,6 +967,17 @@ class Security:
         if identity.nodes is not None and node_id not in identity.nodes:
             raise _denied(f"token {identity.name!r} may not register as node {node_id!r}")
         return identity
+
+    @staticmethod
+    def peer_certificate_not_after(context) -> float | None:
+        """notAfter (epoch s) of the client certificate the peer presented
+        (an agent's, over mTLS), None without one."""
+        pems = _values(context.auth_context(), "x509_pem_cert")
+        if not pems:
+            return None
+        from coordinator.certwatch import pem_not_after
+
+        return pem_not_after(pems[0])
 
     def tenant_spec(self, identity: Identity | None, spec: TaskSpec) -> TaskSpec:
         if identity is None:

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.advisor import ADVISOR_SERVICE_NAME, AdvisorRuntime, AdvisorService, CommandHook
 from coordinator.advisor import add_to_server as add_advisor_to_server
+from coordinator.certwatch import ExpiryReminder
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import gpu_messages, node_message
 from coordinator.gateway import AgentGateway, AgentSession, StreamRefused
@@ -195,6 +196,7 @@ class Coordinator:
         self.metrics_port: int | None = None
         self.rejected_envelopes = 0
         self.resync_requests = 0
+        self._expiry_reminder = ExpiryReminder()
 
     # ---- lifecycle ----------------------------------------------------------
     async def start(self) -> int:
@@ -264,6 +266,8 @@ class Coordinator:
         if self.store is not None:
             self._background.append(asyncio.create_task(self._prune_loop(), name="gpulb-prune"))
             self._background.append(asyncio.create_task(self._save_learned_loop(), name="gpulb-save-learned"))
+        if self.security.tls is not None:
+            self._background.append(asyncio.create_task(self._certificate_loop(), name="gpulb-certificates"))
         for name in ("",) + self.service_names():
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
         host = cfg.listen.rsplit(":", 1)[0]
@@ -413,6 +417,51 @@ class Coordinator:
             await asyncio.sleep(self._LEARNED_SAVE_S)
             self._save_learned()
 
+    #: how often (s) certificates are checked for renewal and for their last days
+    CERTIFICATE_CHECK_S = 3600.0
+
+    async def _certificate_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.CERTIFICATE_CHECK_S)
+            try:
+                self.check_certificates()
+            except Exception:
+                log.exception("certificate_check_failed")
+
+    def check_certificates(self, now_s: float | None = None) -> list[tuple[str, str]]:
+        """Take renewed TLS files (even with no handshake to ask for them), and
+        log the certificates in their last days, each once a day: the
+        coordinator's own (started with them, it would otherwise say nothing
+        until a handshake failed) and each connected agent's, whose stream
+        outlives it but whose next connection does not. Returns (what, warning)
+        pairs, what being a ``tls_*`` option or ``agent:NODE``."""
+        now_s = time.time() if now_s is None else now_s
+        said: list[tuple[str, str]] = []
+        files = self.security.tls_files
+        if files is not None:
+            files.refresh(force=True)
+            paths = files.files()
+            for option, not_after in sorted(files.not_after.items()):
+                warning = self._expiry_reminder.due(option, not_after, now_s)
+                if warning is not None:
+                    log.warning("tls_certificate_expires_soon", option=option, file=str(paths[option]), detail=warning)
+                    said.append((option, warning))
+        connected = set()
+        for node_id, session in sorted(self.gateway.sessions.items()):
+            if session.certificate_not_after is None:
+                continue
+            key = f"agent:{node_id}"
+            connected.add(key)
+            warning = self._expiry_reminder.due(key, session.certificate_not_after, now_s)
+            if warning is not None:
+                log.warning("agent_certificate_expires_soon", node_id=node_id, detail=warning,
+                            consequence="its stream goes on; its next connection is refused until the agent has a renewed --cert-file")
+                said.append((key, warning))
+        for key in self._expiry_reminder.keys():
+            if key.startswith("agent:") and key not in connected:
+                self._expiry_reminder.forget(key)  # said afresh if it comes back unrenewed
+        return said
+
     async def _prune_loop(self) -> None:
         while True:
             await asyncio.sleep(60)
@@ -492,11 +541,15 @@ class Coordinator:
         security interceptor) when the token is missing or lacks the role."""
         return self.security.authorize(context, admin=admin)
 
-    def authorize_node(self, node_id: str, context) -> None:
+    def authorize_node(self, node_id: str, context) -> float | None:
+        """Accept an agent stream registering as ``node_id`` or refuse it
+        (``StreamRefused``); returns the notAfter (epoch s) of the client
+        certificate the agent presented, None without one."""
         try:
             self.security.authorize_node(node_id, context)
         except AuthError as exc:
             raise StreamRefused(exc.code, exc.message) from None
+        return self.security.peer_certificate_not_after(context)
 
     def tenant_spec(self, identity, spec):
         """A tenant's token fixes the task's tenant."""
