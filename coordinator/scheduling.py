@@ -256,6 +256,9 @@ class Dispatcher:
             session.send(pb.CoordinatorMessage(release=pb.TaskRelease(task_id=task_id, reason="not leased on this node")))
         missing = [t for task_id, t in leased.items() if task_id not in running] if runs_tasks else []
         for task in missing:
+            # starting from nothing: its memory is in no reading yet (a lease
+            # restored as running, or one whose run the host lost, had faded)
+            self.engine.start_again(task.task_id)
             self._send_placement(task)
         if released or missing:
             log.info("node_tasks_reconciled", node_id=node_id, released=released,

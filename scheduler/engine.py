@@ -1325,6 +1325,24 @@ class Scheduler:
         self._flush()
         return copy.copy(task)
 
+    def start_again(self, task_id: str) -> bool:
+        """The leased task ``task_id`` is placed again on its GPUs because its
+        host does not run it (a placement lost while its stream was down, a
+        restarted host, or a lease restored after a coordinator restart whose
+        task had not started): its reservation counts in full until a
+        reading shows it, not as a running task's would (already in the
+        readings). False when the task holds no lease."""
+        task = self._tasks.get(task_id)
+        if task is None or task.state is not TaskState.LEASED or task.assignment is None:
+            return False
+        uuids = task.assignment.gpu_uuids
+        nan = [math.nan] * len(uuids)  # not in any reading yet, and those at hand may be from before
+        if not self._reservations.start_again(task.assignment.lease_id, nan, nan):
+            return False
+        if self._view is not None:
+            self._view.refresh(uuids)
+        return True
+
     def leased_on(self, node_id: str) -> list[Task]:
         """Copies of the tasks holding a lease on ``node_id``, by task id."""
         return [copy.copy(self._tasks[t]) for t in sorted(self._by_node.get(node_id, ()))]

@@ -68,6 +68,21 @@ class GpuReservation:
     util_pct: float = 0.0
     members: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (MiB, %)
     baseline_util_pct: float = math.inf  # Bu: inf until a fresh util reading is known
+    # MiB and % of the stack added, at an unknown reading, on top of leases
+    # "shown" (restored: B = -inf): not in any reading yet, so the first
+    # fresh reading sets B (Bu) to it less the rest of the stack (settle)
+    pending_mib: float = 0.0
+    pending_util_pct: float = 0.0
+
+    def settle(self, used_mib: float, util_now: float = math.nan) -> None:
+        """At a fresh, finite reading: the pending part is what it does not
+        show yet, the rest of the stack is what it shows."""
+        if self.pending_mib > 0 or self.pending_util_pct > 0:
+            self.baseline_mib = used_mib - (self.vram_mib - self.pending_mib)
+            self.pending_mib = 0.0
+            if self.pending_util_pct > 0 and math.isfinite(util_now):
+                self.baseline_util_pct = util_now - (self.util_pct - self.pending_util_pct)
+                self.pending_util_pct = 0.0
 
     def effective(self, used_mib: float, fresh: bool, util_now: float = math.nan) -> tuple[float, float]:
         """(effective VRAM MiB, effective util %) at readings ``used_mib`` and
@@ -76,6 +91,7 @@ class GpuReservation:
             return 0.0, 0.0
         if not fresh or not math.isfinite(used_mib):
             return self.vram_mib, self.util_pct
+        self.settle(used_mib, util_now)
         if used_mib < self.baseline_mib:
             self.baseline_mib = used_mib
         eff = min(self.vram_mib, max(0.0, self.baseline_mib + self.vram_mib - used_mib))
@@ -167,8 +183,14 @@ class Reservations:
             else:
                 if math.isfinite(used):
                     gpu.baseline_mib = max(gpu.baseline_mib, used - gpu.vram_mib)
+                elif gpu.baseline_mib == -math.inf or gpu.pending_mib > 0:
+                    # on shown leases (B = -inf) a reading unknown now: B stayed
+                    # -inf and this ask faded at once; it counts until a reading settles it
+                    gpu.pending_mib += vram_mib
                 if math.isfinite(util):
                     gpu.baseline_util_pct = max(gpu.baseline_util_pct, util - gpu.util_pct)
+                elif gpu.baseline_util_pct == -math.inf or gpu.pending_util_pct > 0:
+                    gpu.pending_util_pct += util_pct
             gpu.vram_mib += vram_mib
             gpu.util_pct += util_pct
             gpu.members[key] = (vram_mib, util_pct)
@@ -188,7 +210,23 @@ class Reservations:
                 continue
             gpu.vram_mib = max(0.0, gpu.vram_mib - vram)
             gpu.util_pct = max(0.0, gpu.util_pct - util)
+            gpu.pending_mib = min(gpu.pending_mib, gpu.vram_mib)
+            gpu.pending_util_pct = min(gpu.pending_util_pct, gpu.util_pct)
         return uuids
+
+    def start_again(self, key: str, used_mib: Sequence[float], util_now: Sequence[float] | None = None) -> bool:
+        """The task of reservation ``key`` is to start again, from nothing
+        (placed again on a host that had not started it, or had lost it):
+        its ask counts in full on top of what the GPUs read, until a reading
+        shows it, whatever the reservation was (restored ``shown``, or faded
+        against the run that ended). False when ``key`` is unknown."""
+        uuids = self._keys.get(key)
+        if uuids is None:
+            return False
+        vram, util = self._gpus[uuids[0]].members[key]
+        self.release(key)
+        self.add(key, uuids, vram, util, used_mib, util_now)
+        return True
 
     def columns(
         self,
@@ -208,9 +246,12 @@ class Reservations:
         cols = ReservedColumns.empty(used_mib.shape[0])
         rows: list[int] = []
         stacks: list[GpuReservation] = []
+        pending: list[int] = []  # stacks with asks made on shown leases at an unknown reading (rare)
         for gpu_uuid, gpu in self._gpus.items():
             row = row_of.get(gpu_uuid)
             if row is not None:
+                if gpu.pending_mib > 0 or gpu.pending_util_pct > 0:
+                    pending.append(len(rows))
                 rows.append(row)
                 stacks.append(gpu)
         if not rows:
@@ -223,6 +264,11 @@ class Reservations:
         leases = np.fromiter((len(g.members) for g in stacks), dtype=np.int32, count=n)
         used = np.asarray(used_mib, dtype=np.float64)[r]
         seen = np.asarray(fresh, dtype=bool)[r] & np.isfinite(used)
+        x_all = np.asarray(util_now, dtype=np.float64)[r] if util_now is not None else None
+        for i in pending:
+            if seen[i]:
+                stacks[i].settle(float(used[i]), float(x_all[i]) if x_all is not None else math.nan)
+                base[i] = stacks[i].baseline_mib
         lower = seen & (used < base)
         for i in np.flatnonzero(lower):
             stacks[i].baseline_mib = float(used[i])
@@ -232,7 +278,7 @@ class Reservations:
             eff = np.where(vram > 0, eff, 0.0)
             eff_util = np.where(vram > 0, util * eff / np.where(vram > 0, vram, 1.0), 0.0)
         if util_now is not None:
-            x = np.asarray(util_now, dtype=np.float64)[r]
+            x = x_all
             known = seen & np.isfinite(x)
             ubase = np.fromiter((g.baseline_util_pct for g in stacks), dtype=np.float64, count=n)
             lower_u = known & (x < ubase)

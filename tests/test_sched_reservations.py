@@ -132,6 +132,35 @@ def test_a_reading_below_the_baseline_lowers_it() -> None:
     assert gpu.effective(6_000.0, True)[0] == 0.0  # now "a" shows in full
 
 
+def test_a_restored_lease_that_must_start_again_counts_in_full_until_it_shows() -> None:
+    """A lease restored after a coordinator restart is taken as running
+    (``shown``); one whose host turns out not to run it starts again: its ask
+    counts in full above what the GPU reads, alone on its GPU or next to a
+    restored lease that does run, until the reading shows it. Before, on a
+    GPU with a running restored lease, it faded at the first reading."""
+    for running_neighbour in (False, True):
+        res = Reservations()
+        res.add("waits", ["g"], 6_000.0, 40.0, [NAN], shown=True)
+        if running_neighbour:
+            res.add("runs", ["g"], 4_000.0, 30.0, [NAN], shown=True)
+        assert res.gpu("g").effective(4_000.0 if running_neighbour else 0.0, True, 30.0)[0] == 0.0  # as restored
+        assert res.start_again("waits", [NAN], [NAN]) and not res.start_again("nope", [NAN])
+        reading = 4_000.0 if running_neighbour else 0.0  # the neighbour's 4 GB and 30 % only
+        util = 30.0 if running_neighbour else 0.0
+        assert res.gpu("g").effective(reading, False)[0] == 6_000.0 + (4_000.0 if running_neighbour else 0.0)  # stale: all
+        cols = res.columns({"g": 0}, np.array([reading]), np.array([True]), np.array([util]))
+        assert cols.vram_mib[0] == pytest.approx(6_000.0) and cols.util_pct[0] == pytest.approx(40.0)
+        assert cols.asked_mib[0] == (10_000.0 if running_neighbour else 6_000.0)
+        # the task starts: half, then all of it shows
+        assert res.gpu("g").effective(reading + 3_000.0, True, util + 20.0) == pytest.approx((3_000.0, 20.0))
+        assert res.gpu("g").effective(reading + 6_000.0, True, util + 40.0) == pytest.approx((0.0, 0.0))
+        # the scalar path settles as columns do
+        again = Reservations()
+        again.add("runs", ["g"], 4_000.0, 30.0, [NAN], shown=True)
+        again.add("new", ["g"], 6_000.0, 40.0, [NAN])
+        assert again.gpu("g").effective(4_000.0, True, 30.0) == pytest.approx((6_000.0, 40.0))
+
+
 def test_duplicate_key_is_refused() -> None:
     res = Reservations()
     res.add("a", ["g"], 1.0, 0.0, [0.0])

@@ -798,6 +798,37 @@ def test_a_restored_lease_is_not_reserved_again_on_top_of_the_memory_it_reads_as
     assert b.get("no-room-left").state == TaskState.QUEUED
 
 
+def test_a_restored_lease_whose_task_had_not_started_is_reserved_in_full_once_placed_again(tmp_path: Path) -> None:
+    """Two leases on one 24 GiB GPU restored after a restart; the host, on
+    reconnecting, runs only one (the other had been placed just before the
+    coordinator died, or the host restarted): the coordinator places it
+    again (``Scheduler.start_again``) and its 8 GiB stay reserved above the
+    8 GiB the GPU reads, so a 10 GiB task does not fit and a 4 GiB one does.
+    Taken as running, the second lease's memory had faded at the first
+    reading: the 10 GiB task was placed onto memory the restarted task needs."""
+    clock = Clock(100.0)
+    a = scheduler(clock, SchedulerConfig())
+    one = ClusterSnapshot.build([NodeFacts("n0", 1, memory_total_mib=24 * GIB)])
+    with TaskStore(tmp_path / "s.db", timebase=timebase(clock, WALL0)) as store:
+        a.add_listener(store.stage)
+        for name in ("runs", "not-started"):
+            a.submit(TaskSpec(task_id=name, vram_mib=8 * GIB, kind="training"), one)
+        a.dispatch(one)
+        assert {a.get(n).state for n in ("runs", "not-started")} == {TaskState.LEASED}
+        store.commit()
+        restored = store.load()
+    ids = (f"after-{i}" for i in itertools.count())
+    b = Scheduler(SchedulerConfig(), clock=Clock(5.0), lease_ids=lambda: next(ids))
+    restore_into(b, restored)
+    assert b.start_again("not-started") and not b.start_again("no-such-task")
+    reads = ClusterSnapshot.build([NodeFacts("n0", 1, memory_total_mib=24 * GIB)], memory_used_mib=[8 * GIB])
+    b.submit(TaskSpec(task_id="too-big", vram_mib=10 * GIB, kind="batch"), reads)
+    b.submit(TaskSpec(task_id="fits", vram_mib=4 * GIB, kind="batch"), reads)
+    b.dispatch(reads)
+    assert b.get("too-big").state == TaskState.QUEUED
+    assert b.get("fits").state == TaskState.LEASED, b.get("fits").reason
+
+
 def _damage(db: Path, table: str) -> None:
     """Overwrite the first page of ``table`` with garbage, as a bad sector would."""
     con = sqlite3.connect(db)
