@@ -86,6 +86,25 @@ def test_rules_use_only_exported_metrics() -> None:
     assert unknown_metrics(text) == set()
 
 
+def test_the_commands_the_rules_tell_an_operator_to_run_exist() -> None:
+    """Every `gpulb ...` in backticks or parentheses in alerts.yml parses
+    with the CLI as written (NODE standing for a node id): an alert that
+    sends the operator to `gpulb policies` or `gpulb processes NODE` (both
+    refused) costs minutes in an incident."""
+    from coordinator.cli import build_parser
+
+    # the annotations (not the comments), folded as YAML folds them
+    text = " ".join(line.strip() for line in RULES.read_text().splitlines() if not line.strip().startswith("#"))
+    commands = re.findall(r"[`(]gpulb ([a-z][^`()]*)[`)]", text)
+    assert len(commands) >= 5, commands
+    parser = build_parser()
+    for command in commands:
+        try:
+            parser.parse_args(command.replace("NODE", "gpu-01").split())
+        except SystemExit:
+            pytest.fail(f"alerts.yml tells the operator to run `gpulb {command}`, which gpulb refuses")
+
+
 def test_rules_cover_the_operational_cases() -> None:
     alerts = set(re.findall(r"^\s*- alert: (\w+)\s*$", RULES.read_text(), re.M))
     assert {
