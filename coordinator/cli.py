@@ -745,18 +745,38 @@ def _why_no_move(why) -> str:
     return ": " + "; ".join(parts)
 
 
+def _operator_command(args: argparse.Namespace, flag: str, text: str | None) -> list[str]:
+    """``--checkpoint`` / ``--restart`` as the argv they run as: no shell, so a
+    bare name is looked up on PATH only (``ckpt.sh`` in the working directory
+    is not found, and under systemd that directory is /). Checked before the
+    first plan: found only at a move, it skipped every move."""
+    import shlex
+    import shutil
+
+    try:
+        argv = shlex.split(text or "")
+    except ValueError as exc:
+        args.usage_error(f"argument {flag}: {exc} in {text!r}")
+    if argv and shutil.which(argv[0]) is None:
+        where = "is not an executable file" if os.sep in argv[0] else "is not an executable on PATH"
+        args.usage_error(f"argument {flag}: {argv[0]!r} {where} (the command runs without a shell: give its path, "
+                         f"e.g. ./{os.path.basename(argv[0])} or /usr/local/lib/gpulb/{os.path.basename(argv[0])}, "
+                         f"or 'sh -c \"...\"' for shell syntax)")
+    return argv
+
+
 def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.AdvisorStub) -> int:
     """``gpulb advisor execute``: carry out every plan from now on, or the one
     on stdin (``--stdin``: the coordinator's ``advisor_hook`` runs it per
     plan) (``coordinator.executor``); a line (or a JSON object) per move. Exit 0,
-    or 1 when a moved task's restart command failed (it holds a lease on its
-    new GPU and is not running: the operator's turn)."""
-    import shlex
-
+    or 1 when one of the operator's commands failed: a restart (the moved task
+    holds a lease on its new GPU and is not running: the operator's turn) or a
+    checkpoint (the move was skipped: while that command fails, nothing is
+    ever rebalanced). A move the coordinator refused is not a failure."""
     executor = PlanExecutor(
         tpb_grpc.SchedulerStub(ch),
-        checkpoint=shlex.split(args.checkpoint or ""),
-        restart=shlex.split(args.restart or ""),
+        checkpoint=_operator_command(args, "--checkpoint", args.checkpoint),
+        restart=_operator_command(args, "--restart", args.restart),
         command_timeout_s=args.command_timeout,
         rpc_timeout_s=args.timeout,
     )
@@ -774,7 +794,7 @@ def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.Ad
     seen = 0
     for plan in plans:
         for outcome in executor.execute(plan):
-            if outcome.outcome == "restart failed":
+            if outcome.outcome in ("restart failed", "skipped"):
                 status = 1
             if args.json:
                 print(json.dumps(outcome.to_dict()), flush=True)
@@ -929,10 +949,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     advisor = sub.add_parser("advisor", help="learned GPU speeds and memory growth, rebalance plans (predictions | plan | watch | execute)")
     advisor.add_argument("action", choices=("predictions", "plan", "watch", "execute"))
-    advisor.add_argument("--checkpoint", help="execute: command run before each move, the move in GPULB_* variables "
-                         "(coordinator/executor.py); a failure skips the move")
-    advisor.add_argument("--restart", help="execute: command run after each move (or in place when the move is refused)")
-    advisor.add_argument("--command-timeout", type=_TIMEOUT, default=600.0, help="execute: s a checkpoint or restart may take")
+    advisor.add_argument("--checkpoint", help="execute: command run before each move, without a shell (a path, or a name on "
+                         "PATH), the move in GPULB_* variables (GPULB_TO_*: where the task goes; coordinator/executor.py); "
+                         "a failure skips the move and the exit status is 1")
+    advisor.add_argument("--restart", help="execute: command run after each move, GPULB_TO_* the GPUs it now holds (or in "
+                         "place, GPULB_TO_* its old GPUs, when the move is refused); a failure: exit status 1")
+    advisor.add_argument("--command-timeout", type=_TIMEOUT, default=600.0,
+                         help="execute: s a checkpoint or restart may take (default 600; as the coordinator's advisor_hook, "
+                         "advisor_hook_timeout_s bounds the whole run)")
     advisor.add_argument("--plans", type=_number(int, 0), default=0, help="execute: stop after this many plans (0: run until stopped)")
     advisor.add_argument("--stdin", action="store_true",
                          help="execute: carry out the one plan on standard input (as the coordinator's advisor_hook gives it) "

@@ -3,8 +3,9 @@
 The advisor proposes; an executor moves. For each move of a plan, in order:
 
 1. the operator's *checkpoint* command, if any (the task's workload saves its
-   state and stops); when it fails the move is skipped and the task runs on
-   where it is;
+   state and stops; ``GPULB_TO_*`` names where it goes, so the command can
+   stage its data there); when it fails the move is skipped and the task
+   runs on where it is;
 2. ``MigrateTask``: the task's lease moves to the plan's destination GPU in
    one step (``Scheduler.migrate``). The coordinator may refuse it (the lease
    changed, the destination no longer fits): then the *restart* command runs
@@ -17,8 +18,9 @@ Each command runs without a shell, with the move in its environment:
 ``GPULB_TASK_ID``, ``GPULB_LEASE_ID`` (the lease to run under: the new one
 for a restart after a move), ``GPULB_FROM_NODE``, ``GPULB_FROM_GPU_INDEX``,
 ``GPULB_FROM_GPU_UUID``, ``GPULB_TO_NODE``, ``GPULB_TO_GPU_INDEX``,
-``GPULB_TO_GPU_UUID`` (where to restart; the first GPU of a multi-GPU
-task), ``GPULB_FROM_GPU_INDEXES``, ``GPULB_FROM_GPU_UUIDS``,
+``GPULB_TO_GPU_UUID`` (where the task goes, for the checkpoint; where it
+restarts, for the restart: the new GPU, or the old one after a refused move;
+the first GPU of a multi-GPU task), ``GPULB_FROM_GPU_INDEXES``, ``GPULB_FROM_GPU_UUIDS``,
 ``GPULB_TO_GPU_INDEXES``, ``GPULB_TO_GPU_UUIDS`` (every GPU, comma-separated:
 ready for ``CUDA_VISIBLE_DEVICES``), ``GPULB_PLAN_ID``. On a cluster of
 simulated agents no command is needed: the agents stop and start the task
@@ -130,9 +132,12 @@ class PlanExecutor:
             to_indexes, to_uuids = move_gpus(m, "to")
             src = f"{m.from_node_id}:{','.join(map(str, from_indexes))}"
             dst = f"{m.to_node_id}:{','.join(map(str, to_indexes))}"
+            # the checkpoint learns where the task goes; a restart in place (refused) where it was
+            going = move_env(plan.plan_id, m, lease_id=m.lease_id, to_node=m.to_node_id, to_indexes=to_indexes,
+                             to_uuids=to_uuids)
             here = move_env(plan.plan_id, m, lease_id=m.lease_id, to_node=m.from_node_id, to_indexes=from_indexes,
                             to_uuids=from_uuids)
-            failed = self._run(self.checkpoint, here)
+            failed = self._run(self.checkpoint, going)
             if failed:
                 out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "skipped", m.lease_id, f"checkpoint: {failed}"))
                 continue

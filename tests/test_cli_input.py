@@ -104,6 +104,44 @@ def test_a_bad_flag_is_an_argparse_error_naming_it_and_its_range(argv, needle, c
     assert "Traceback" not in err and "usage: gpulb" in err
 
 
+def test_executor_commands_are_checked_before_the_first_plan(tmp_path, monkeypatch, capsys):
+    """`--checkpoint ckpt.sh` (the README's old example) runs without a shell,
+    so a script in the working directory is not found: it skipped every move
+    with exit 0. Now exit 2 before any plan, naming the flag and the fix; a
+    path works."""
+    script = tmp_path / "ckpt.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    for flag, value, needle in (("--checkpoint", "ckpt.sh", "'ckpt.sh' is not an executable on PATH (the command runs without "
+                                 "a shell: give its path, e.g. ./ckpt.sh"),
+                                ("--restart", "./missing.sh --now", "'./missing.sh' is not an executable file"),
+                                ("--checkpoint", "sh -c 'unbalanced", "No closing quotation")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--coordinator", DEAD, "advisor", "execute", "--stdin", flag, value])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2, err
+        assert f"argument {flag}:" in err and needle in err, err
+
+
+def test_a_failing_checkpoint_skips_the_move_and_exits_1(tmp_path, monkeypatch, capsys):
+    """A checkpoint command that fails leaves the task where it is: no RPC
+    is made (nothing listens at DEAD), and the exit status says a command
+    failed, so the coordinator's hook outcome (and GpulbRebalanceExecutorFailing)
+    sees it; before, exit 0 hid a rebalancer that never moved anything."""
+    import io
+    import json
+
+    plan = {"plan_id": 7, "moves": [{"task_id": "t1", "lease_id": "L1", "from_node_id": "a", "from_gpu_index": 0,
+                                     "from_gpu_uuid": "GPU-a", "to_node_id": "b", "to_gpu_index": 1, "to_gpu_uuid": "GPU-b"}]}
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(plan)))
+    code = main(["--coordinator", DEAD, "advisor", "execute", "--stdin",
+                 "--checkpoint", f"{sys.executable} -c \"raise SystemExit('disk full')\""])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "plan 7: t1 a:0 -> b:1: skipped" in out and "disk full" in out
+
+
 def test_the_entry_point_exits_2_without_a_traceback():
     import subprocess
 

@@ -198,7 +198,10 @@ async def test_gpulb_advisor_execute_carries_a_plan_out_and_the_load_evens(tmp_p
         (before,) = [json.loads(x) for x in checkpoints.read_text().splitlines()]
         (after,) = [json.loads(x) for x in restarts.read_text().splitlines()]
         assert before["GPULB_TASK_ID"] == after["GPULB_TASK_ID"] == outcome["task_id"]
-        assert before["GPULB_TO_NODE"] == "sim-01" and after["GPULB_TO_NODE"] == "sim-02"
+        # the checkpoint is told where the task goes (to stage its data there), the restart where it is now
+        assert before["GPULB_TO_NODE"] == after["GPULB_TO_NODE"] == "sim-02"
+        assert before["GPULB_FROM_NODE"] == after["GPULB_FROM_NODE"] == "sim-01"
+        assert before["GPULB_TO_GPU_UUID"] == after["GPULB_TO_GPU_UUID"] != before["GPULB_FROM_GPU_UUID"]
         assert after["GPULB_LEASE_ID"] == outcome["lease_id"] != before["GPULB_LEASE_ID"]
 
         async def even() -> bool:
