@@ -1000,19 +1000,22 @@ def build_parser() -> argparse.ArgumentParser:
 _OFFLINE = {"simulate", "trace", "cluster"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _OFFLINE:
+def _offline(argv: list[str]) -> int:
+    if argv[0] in _OFFLINE:
         from scheduler.simulator import simulate_main, trace_main
 
         return simulate_main(argv[1:]) if argv[0] == "simulate" else trace_main(argv)
-    if argv and argv[0] == "set-search":  # the compiled set search: build it ahead of time, or say how it runs
-        from scheduler.setsearch import main as set_search_main
+    from scheduler.setsearch import main as set_search_main  # the compiled set search: build it ahead of time, or say how it runs
 
-        return set_search_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    return set_search_main(argv[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    offline = bool(argv) and (argv[0] in _OFFLINE or argv[0] == "set-search")
+    args = None if offline else build_parser().parse_args(argv)
     try:
-        status = COMMANDS[args.command](args)
+        status = _offline(argv) if args is None else COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
         return status
     except grpc.RpcError as exc:

@@ -290,3 +290,27 @@ def test_trace_convert_reads_a_bom(tmp_path, capsys):
     code, _, err = run_cli(trace_main, ["trace", "convert", "openb", str(pods), str(out_csv)], capsys)
     assert code == 0, err
     assert out_csv.read_text().splitlines()[1] == "p0,0,90,1,6553.6,0.5,P0,inference"
+
+
+def test_a_closed_pipe_ends_gpulb_simulate_quietly(tmp_path):
+    """`gpulb simulate ... | head` ended in a BrokenPipeError traceback; the
+    offline commands now leave as the others do (no traceback, the CLI's
+    broken-pipe status)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from coordinator.cli import EXIT_BROKEN_PIPE
+
+    t, c = files(tmp_path, HEADER + "\n" + GOOD_ROW + "\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "coordinator.cli", "simulate", "--trace", str(t), "--cluster", str(c),
+                               "--policy", "load_aware", "--memory", "asked", "--no-progress"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1])
+    finally:
+        os.close(write_end)
+    assert done.returncode == EXIT_BROKEN_PIPE and "Traceback" not in done.stderr, done.stderr
