@@ -180,6 +180,13 @@ class Scheduler:
         self._nominations: dict[str, Nomination] = {}
         self._nominated_rows: np.ndarray | None = None
         self._preempt_due: dict[str, float] = {}
+        # P0 task id -> _victim_version when an eviction for it found no victim
+        # that would make room: until lower-priority work is placed again it
+        # cannot evict, so it is not offered ahead of the other classes
+        # (``stuck``): a P0 backlog with nothing to evict had taken every
+        # freed GPU before the weighted rounds, starving P1-P3
+        self._no_victims: dict[str, int] = {}
+        self._victim_version = 0  # +1 per lease granted to work preemption may evict
         self._evicted: list[Task] = []
         self._evicted_at: float | None = None  # when the last eviction was (next_decision_at)
         self._evicted_for_growth: set[str] = set()  # queued P0 tasks that evicted for room to grow
@@ -425,8 +432,12 @@ class Scheduler:
 
         due = self._preempt_due
 
+        no_victims, version = self._no_victims, self._victim_version
+
         def stuck(task: Task) -> bool:  # a P0 task that may evict, or has: offered before the rounds
-            return task.task_id in self._nominations or (task.task_id in due and due[task.task_id] <= now)
+            task_id = task.task_id
+            return task_id in self._nominations or (
+                task_id in due and due[task_id] <= now and no_victims.get(task_id) != version)
 
         placed = self._queue.drain(
             lambda t, fenced: self._try_place(t, view, now, failed, fenced, held, fences, drains, kept_off),
@@ -790,6 +801,7 @@ class Scheduler:
                 if self._room_waits.pop(spec.task_id, None) is not None:
                     self.room_wait_counts["found" if with_room else "gave_up"] += 1
                 self._preempt_due.pop(spec.task_id, None)
+                self._no_victims.pop(spec.task_id, None)
                 kept = self._nominations.pop(spec.task_id, None)
                 if kept is not None:
                     there = set(placement.gpu_uuids) <= set(kept.gpu_uuids)
@@ -818,6 +830,8 @@ class Scheduler:
                     evicted = self._preempt(task, view, now, held)
                     if evicted is None:
                         failed[shape + ("preempt",)] = reason
+                if now >= due and evicted is None:
+                    self._no_victims[spec.task_id] = self._victim_version
                 if now >= due and evicted is None:
                     # the operator's next question: why did it not evict?
                     linked = " NVLink-connected" if spec.needs_nvlink and spec.num_gpus > 1 else ""
@@ -996,6 +1010,7 @@ class Scheduler:
         ``preempt_grace_s`` (counted as lapsed: their task may evict again)."""
         for task_id in [t for t in self._preempt_due if not self._is_queued(t)]:
             del self._preempt_due[task_id]
+            self._no_victims.pop(task_id, None)
         self._evicted_for_growth = {t for t in self._evicted_for_growth if self._is_queued(t)}
         for task_id, kept in list(self._nominations.items()):
             if not self._is_queued(task_id):
@@ -1003,6 +1018,7 @@ class Scheduler:
             elif kept.until <= now:
                 del self._nominations[task_id]
                 self._preempt_due[task_id] = now  # it may evict again, now
+                self._no_victims.pop(task_id, None)
                 self.preemption_counts["lapsed"] += 1
                 log.warning("preemption lapsed for %s: the memory of %s on node %s did not show free in time",
                             task_id, ", ".join(kept.victims), kept.node_id)
@@ -1219,6 +1235,8 @@ class Scheduler:
         neither a new placement nor an attempt: the retry rule counts attempts)."""
         spec = task.spec
         self._spec_shapes.pop(spec.task_id, None)
+        if int(spec.priority) >= self.config.preempt_min_victim_priority:
+            self._victim_version += 1  # a victim P0 tasks that found none may evict
         lease = self._leases.grant(spec.task_id, now, self.config.lease_s)
         # the readings the reservation fades against (stale ones too: see Reservations)
         used = [float(view.used[r]) for r in placement.rows]

@@ -321,9 +321,10 @@ class AgingQueue:
         (the engine: a node it could run on once gpulb's leases there end);
         one that cannot does not become the head, so the next barrier may.
         ``urgent(task)``: P0 tasks offered first, before the weighted rounds
-        (the engine: those stuck long enough to preempt, so that work of
-        other classes does not take, in the same pass, the room they would
-        otherwise evict it from). See the module docstring for the backfill rule.
+        (the engine: those stuck long enough to preempt that may evict, so
+        that work of other classes does not take, in the same pass, the room
+        they would otherwise evict it from), with the class-0 tasks queued
+        before them. See the module docstring for the backfill rule.
         """
         self.promote_due(now)
         placed: list[Task] = []
@@ -357,7 +358,13 @@ class AgingQueue:
 
         offered: set[str] = set()
         if urgent is not None:
-            for entry in [e for e in self._classes[0].values() if urgent(e.task)]:
+            # class 0 in its own order up to the last urgent task: ahead of the
+            # other classes, not of the class-0 tasks queued before them (tasks
+            # aged into P0 included: only the P0 work queued before an aged
+            # task may still go first, as the aging bound promises)
+            entries = list(self._classes[0].values())
+            last = max((i for i, e in enumerate(entries) if urgent(e.task)), default=-1)
+            for entry in entries[:last + 1]:
                 offered.add(entry.task.task_id)
                 if offer(entry) is Outcome.EXHAUSTED:
                     return placed

@@ -461,3 +461,33 @@ def test_an_nvlink_p0_task_does_not_clear_a_pair_whose_nvlink_is_busy():
     assert sched.dispatch(busy) == []
     kept = sched.nominations()["urgent"]
     assert sorted(kept.gpu_uuids) == ["GPU-n0-2", "GPU-n0-3"] and sorted(kept.victims) == ["batch2", "bg3"]
+
+
+def test_a_p0_backlog_with_nothing_to_evict_shares_freed_gpus_by_the_class_weights():
+    """Two GPUs busy with P0 work, a backlog of P0 tasks and of P1 tasks, all
+    whole-GPU. P1 leases may not be evicted, so the P0 tasks stuck past
+    preempt_after_s find no victim: they take their 8:4 share of the freed
+    GPUs, not all of them. Before, every stuck P0 task was offered ahead of
+    the weighted rounds at every dispatch, and the P1 work waited until the
+    P0 backlog was gone (QA: a P1 task queued 27 s behind a P0 stream)."""
+    sched, clock, _ = make()
+    whole = 18.0  # GiB: one task per 24 GiB card
+    truth = [0.0, 0.0]
+    for i, row in ((0, 0), (1, 1)):
+        put(sched, spec(f"running-{i}", whole, Priority.P0), row, truth)
+    full = cluster(truth)
+    for i in range(12):
+        sched.submit(spec(f"p0-{i:02d}", whole, Priority.P0), full)
+    for i in range(6):
+        sched.submit(spec(f"p1-{i}", whole, Priority.P1), full)
+    clock.now += 5.0  # every P0 task is past preempt_after_s (1 s)
+    assert sched.dispatch(full) == []
+    order = []
+    for _ in range(9):  # each round: the two leases end, two GPUs free
+        for task in [t for t in sched.tasks() if t.state == TaskState.LEASED]:
+            sched.complete(task.task_id, task.assignment.lease_id)
+        clock.now += 0.5  # younger than any P1 aging threshold
+        order += [t.task_id[:2] for t in sched.dispatch(cluster([0.0, 0.0]))]
+    first = order[:12]
+    assert first.count("p1") >= 3, order  # 8:4 of 12 placements is 4; P0-first gave 0
+    assert "p1" in order[:4], order

@@ -477,6 +477,27 @@ def test_urgent_p0_tasks_are_offered_before_the_weighted_rounds() -> None:
     assert "stuck" not in q and q.depths() == (10, 0, 2, 0)
 
 
+def test_urgent_p0_tasks_do_not_pass_the_class_0_tasks_queued_before_them() -> None:
+    """A P2 task aged into class 0 at t=30, then a P0 task stuck long enough to
+    preempt: offered first, the P0 task still comes after the aged one in
+    class 0, as the aging bound promises (only the P0 work queued before an
+    aged task may go first); both still go before the other classes. Before,
+    stuck P0 tasks were offered ahead of every class-0 task."""
+    q = AgingQueue(promote_after_s=(30.0, 30.0, 30.0))
+    q.push(make_task("aged", 1), now=0.0)  # P1 for 30 s: class 0 from then on
+    q.push(make_task("p1-later", 1), now=29.0)
+    q.promote_due(30.0)
+    q.push(make_task("stuck", 0, now=31.0), now=31.0)
+    offered = []
+
+    def try_place(task: Task, fenced: frozenset[str] = frozenset()) -> Outcome:
+        offered.append(task.task_id)
+        return Outcome.PLACED if len(offered) <= 2 else Outcome.BLOCKED
+
+    placed = [t.task_id for t in q.drain(try_place, now=31.0, urgent=lambda t: t.task_id == "stuck")]
+    assert placed == ["aged", "stuck"] and offered[:2] == ["aged", "stuck"]
+
+
 def test_push_front_puts_evicted_tasks_at_the_head_of_their_classes_in_the_order_given() -> None:
     q = AgingQueue()
     for i in range(3):
