@@ -53,5 +53,23 @@ def test_the_configuration_reference_gives_the_defaults_the_code_has():
     assert not wrong, wrong
 
 
+def test_the_configuration_reference_says_what_the_code_says():
+    """Each option's meaning in the README tables is its help text in the code
+    (which --print-config and systemd/coordinator.toml print), or a pointer to
+    the option it shares one with ("(as `preemption`)"): two texts of one
+    option drift apart (QA pass 23 found backfill_estimate_factor's)."""
+    drifted = []
+    for section in SECTIONS:
+        heading = re.search(r"^`\[" + section.name + r"\]` \(", README, re.M)
+        table = README[heading.start():]
+        table = table[: table.index("\n\n", table.index("|---"))]
+        for opt in options(section):
+            row = re.search(r"^\| `" + re.escape(opt.name) + r"` \| `[^`]*` \| [^|]* \| (.*) \|$", table, re.M)
+            text = row.group(1).replace("\\|", "|").strip() if row else None
+            if text != opt.help.strip() and not (text and re.fullmatch(r"\(as `\w+`\)", text)):
+                drifted.append(opt.key)
+    assert not drifted, f"README meaning differs from the code's help text: {drifted}"
+
+
 def test_ci_runs_the_readme_test_command():
     assert "scripts/test" in (ROOT / ".ci" / "run").read_text()
