@@ -374,6 +374,11 @@ class AdvisorRuntime:
         it was expected to run (``spec.duration_s``), and from every ended task
         whose peak memory was reported."""
         if not task.terminal:
+            if task.state in (TaskState.LOST, TaskState.PREEMPTED):
+                # that run ended and the task waits again (a re-queued LOST is
+                # not terminal): its start is not the next run's
+                self._started.pop(task.task_id, None)
+                self._actual.pop(task.task_id, None)
             return
         started = self._started.pop(task.task_id, None)
         actual = self._actual.pop(task.task_id, None)

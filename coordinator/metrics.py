@@ -330,6 +330,7 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_node_transitions_total",
     "gpulb_tasks_placed_total",
     "gpulb_tasks_finished_total",
+    "gpulb_tasks_requeued_total",
     "gpulb_tasks_migrated_total",
     "gpulb_p0_sla_misses_total",
     "gpulb_schedule_decision_seconds",

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 import grpc
@@ -103,7 +105,11 @@ class Dispatcher:
         self._last_view_dispatch = 0.0
         self._sla_misses_seen = 0
         self._gpu_facts_key: tuple[int, int] | None = None  # gpu_facts' cache: (reservations, version)
+        self._gpu_facts_snapshot: ClusterSnapshot | None = None  # and the snapshot its readings are of
         self._gpu_facts: dict[str, tuple[float, int]] = {}
+        self._row_of: tuple[list[str], dict[str, int]] | None = None  # (snapshot.gpu_uuid, uuid -> row)
+        # runs that ended with their task QUEUED again at once, by cause: not finished
+        self.requeued: Counter[str] = Counter()
         self._big_cards_key: tuple[int, float] | None = None  # big_cards' cache: (membership version, share)
         self._big_cards: tuple[int, float] = (0, 0.0)
         #: adds learned per-node/model slowdowns to the snapshot (the advisor runtime sets it)
@@ -227,6 +233,10 @@ class Dispatcher:
                      policy=a.score.policy, score=round(a.score.total, 4))
         if task.terminal:
             metrics.tasks_finished.labels(task.state.name.lower()).inc()
+        elif task.state == TaskState.LOST:  # Task.requeued: its node was removed, it waits again
+            self.requeued["node_removed"] += 1
+        elif task.state == TaskState.PREEMPTED:
+            self.requeued["preempted"] += 1
         if previous == TaskState.LEASED and task.state != TaskState.LEASED and a is not None:
             session = self.c.gateway.sessions.get(a.node_id)
             preempted = task.state == TaskState.PREEMPTED
@@ -389,19 +399,47 @@ class Dispatcher:
     # ---- facts for the operator API and metrics ------------------------------
     def gpu_facts(self) -> dict[str, tuple[float, int]]:
         """GPU uuid -> (reserved MiB, leases on it), for GPUs holding leases; do
-        not change it. Rebuilt only when a reservation was added or released:
-        ListGpus and ListNodes ask once per GPU or node, and rebuilding it each
-        time made them quadratic (3,200 GPUs, all leased: 627 ms)."""
+        not change it.
+
+        The reserved MiB are those the scheduler places with now: the part of
+        the leases' asks that the GPU's memory reading in the current
+        snapshot does not show yet (``GpuReservation.effective``, as a
+        placement view built now has it; the whole ask at a stale or unknown
+        reading), not the whole ask, which the reading shows once the tasks
+        allocate (ListGpus had a card 18.7 GiB used and 18 GiB reserved,
+        152 %, long after its readings showed the task).
+
+        Rebuilt only when a reservation was added or released or a new
+        snapshot was taken: ListGpus and ListNodes ask once per GPU or node,
+        and rebuilding it each time made them quadratic (3,200 GPUs, all
+        leased: 627 ms)."""
         reservations = self.engine.reservations
+        snapshot = self.snapshots.snapshot()
         key = (id(reservations), reservations.version)
-        if self._gpu_facts_key == key:
+        if self._gpu_facts_key == key and self._gpu_facts_snapshot is snapshot:
             return self._gpu_facts
+        uuids = snapshot.gpu_uuid
+        if self._row_of is None or self._row_of[0] is not uuids:  # nodes came or went
+            self._row_of = (uuids, {uuid: row for row, uuid in enumerate(uuids)})
+        row_of = self._row_of[1]
         out: dict[str, tuple[float, int]] = {}
-        for uuid in reservations.reserved_gpus():
-            gpu = reservations.gpu(uuid)
-            if gpu is not None and gpu.members:
-                out[uuid] = (gpu.vram_mib, len(gpu.members))
-        self._gpu_facts_key, self._gpu_facts = key, out
+        if len(reservations):
+            # as Python values at once: per-row numpy scalars cost more than the rest
+            used = snapshot.memory_used_mib.tolist()
+            fresh = (~snapshot.node_stale[snapshot.gpu_node]).tolist() if snapshot.gpu_count else []
+            for uuid in reservations.reserved_gpus():
+                gpu = reservations.gpu(uuid)
+                if gpu is None or not gpu.members:
+                    continue
+                row = row_of.get(uuid)
+                if row is None:
+                    reserved = gpu.vram_mib  # its node left the view: no reading shows it
+                else:
+                    # on a copy: effective() folds the reading into the stack (lowers
+                    # its baselines), which only the scheduler's own views may do
+                    reserved, _ = replace(gpu).effective(used[row], fresh[row])
+                out[uuid] = (reserved, len(gpu.members))
+        self._gpu_facts_key, self._gpu_facts_snapshot, self._gpu_facts = key, snapshot, out
         return out
 
     def big_cards(self) -> tuple[int, float]:
@@ -448,6 +486,15 @@ class Dispatcher:
         )
         for outcome in ("waited", "found", "gave_up"):
             room.add_metric([outcome], self.engine.room_wait_counts[outcome])
+        requeued = CounterMetricFamily(
+            "gpulb_tasks_requeued",
+            "Runs that ended with their task queued again at once, so not finished, by cause: its node was "
+            "removed (node_removed: the task's update says LOST, then QUEUED) or it was evicted for a P0 task "
+            "(preempted)",
+            labels=["cause"],
+        )
+        for cause in ("node_removed", "preempted"):
+            requeued.add_metric([cause], self.requeued[cause])
         preempt = CounterMetricFamily(
             "gpulb_preemptions",
             "Preemption for P0 tasks that fit nowhere: P0 tasks that evicted lower-priority leases "
@@ -473,7 +520,7 @@ class Dispatcher:
             "is at most this pays the big_cards term on the big cards (0 when no card is big)",
         )
         limit.add_metric([], small_mib * 1024 * 1024)
-        return [depth, oldest, tasks, mix, room, preempt, big, limit]
+        return [depth, oldest, tasks, mix, room, requeued, preempt, big, limit]
 
 
 def _time_out(future: asyncio.Future) -> None:

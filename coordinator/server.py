@@ -263,8 +263,9 @@ class Coordinator:
         self._smoother = asyncio.create_task(self._smoothing_loop(), name="gpulb-smoothing")
         self.dispatcher.start()
         self.advisor.start()
+        # finished tasks are kept finished_retention_s in memory too, state_dir or not
+        self._background.append(asyncio.create_task(self._prune_loop(), name="gpulb-prune"))
         if self.store is not None:
-            self._background.append(asyncio.create_task(self._prune_loop(), name="gpulb-prune"))
             self._background.append(asyncio.create_task(self._save_learned_loop(), name="gpulb-save-learned"))
         if self.security.tls is not None:
             self._background.append(asyncio.create_task(self._certificate_loop(), name="gpulb-certificates"))
@@ -462,11 +463,25 @@ class Coordinator:
                 self._expiry_reminder.forget(key)  # said afresh if it comes back unrenewed
         return said
 
+    #: finished tasks the prune loop forgets in one turn of the event loop
+    #: (5,000: ~2 ms); a backlog goes in slices, other work in between
+    PRUNE_SLICE = 5_000
+
     async def _prune_loop(self) -> None:
+        """Forget finished tasks older than finished_retention_s, by their
+        finish time, in the engine (GetTask, idempotent resubmission) and in
+        the store alike: a restart then changes neither answer. Every minute,
+        or as often as a shorter retention (at most once a second)."""
         while True:
-            await asyncio.sleep(60)
+            await asyncio.sleep(min(60.0, max(1.0, self.config.finished_retention_s)))
+            retention = self.config.finished_retention_s  # live: a reload may change it
             try:
-                await asyncio.to_thread(self.store.prune_finished, self.config.finished_retention_s)
+                now = self.clock()
+                engine = self.dispatcher.engine
+                while engine.prune_finished(retention, now=now, limit=self.PRUNE_SLICE) == self.PRUNE_SLICE:
+                    await asyncio.sleep(0)
+                if self.store is not None:
+                    await asyncio.to_thread(self.store.prune_finished, retention)
             except Exception:
                 log.exception("prune_failed")
 

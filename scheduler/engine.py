@@ -31,7 +31,9 @@ Retry rule for lost tasks: a task whose node is removed is re-queued (at its
 spec priority, aging restarting) when ``spec.movable`` is set or its ``kind``
 is one of ``config.retry_kinds`` (training, batch, background by default;
 inference is not retried because its caller has long given up), and it has
-had fewer than ``config.max_attempts`` placements. Otherwise it stays LOST.
+had fewer than ``config.max_attempts`` placements: its listeners see the
+run end as LOST with ``Task.requeued`` set (a passage, not an end, like
+PREEMPTED), then QUEUED. Otherwise it stays LOST, and that is its end.
 
 Never-fits rule: a task is REJECTED at submission when it cannot fit any node
 of the latest snapshot even if that node were empty (``filters.never_fits``).
@@ -1304,6 +1306,35 @@ class Scheduler:
                 del self._tasks[old]
         self._changed(task)
 
+    def prune_finished(self, older_than_s: float, *, now: float | None = None, limit: int | None = None) -> int:
+        """Forget finished tasks that finished more than ``older_than_s``
+        before ``now`` (default: the clock), oldest first: GetTask no longer
+        finds them and their ids may be submitted anew, as after a restart
+        whose store dropped them by the same rule (the coordinator's
+        ``finished_retention_s``). ``retain_finished`` bounds their count
+        besides. Returns how many were forgotten.
+
+        Incremental: tasks finish in clock order, so the walk stops at the
+        first one young enough to keep (one finished later at an earlier
+        ``now`` given to ``expire_leases`` waits for the ones before it) and
+        costs only what it drops. ``limit``: look at most at this many, so a
+        caller on an event loop can drop a backlog in slices.
+        """
+        cutoff = (self._clock() if now is None else now) - older_than_s
+        finished, tasks = self._finished, self._tasks
+        looked = forgotten = 0
+        while finished and (limit is None or looked < limit):
+            looked += 1
+            record = tasks.get(finished[0])
+            if record is not None and record.terminal:
+                # no finish time (never, from _finish): the oldest, as the restore orders them
+                if record.finished_at is not None and record.finished_at >= cutoff:
+                    break
+                del tasks[finished[0]]
+                forgotten += 1
+            finished.popleft()
+        return forgotten
+
     def _leased(self, task_id: str, lease_id: str, now: float) -> Task:
         """The task if ``lease_id`` is its live lease, else NotLeaseHolder."""
         self._expire_leases(now)
@@ -1531,6 +1562,9 @@ class Scheduler:
     def node_removed(self, node_id: str) -> list[Task]:
         """Tasks leased on the node become LOST, and QUEUED again when retryable.
 
+        A retryable task's listeners see its run end as LOST with
+        ``requeued`` set (not terminal: it has not ended, a watch goes on and
+        it is not counted as finished), then QUEUED; the others end LOST.
         Returns copies of the affected tasks in their final state.
         """
         now = self._clock()
@@ -1547,7 +1581,9 @@ class Scheduler:
             else:
                 task.state = TaskState.LOST
                 task.reason = f"node {node_id} was removed while the task ran"
+                task.requeued = True  # the run ended, the task did not: listeners must not take it as final
                 self._changed(task)  # watchers see the loss before the re-queue
+                task.requeued = False
                 task.state = TaskState.QUEUED
                 task.assignment = None
                 task.reason = f"re-queued after node {node_id} was removed"

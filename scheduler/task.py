@@ -62,7 +62,7 @@ class TaskState(IntEnum):
     COMPLETED = 3
     CANCELLED = 4
     EXPIRED = 5  # lease ran out, or the queue deadline passed before placement
-    LOST = 6  # its node was removed while it ran (and it was not re-queued)
+    LOST = 6  # its node was removed while it ran; final unless re-queued (``Task.requeued``)
     REJECTED = 7  # can never fit any current node
     FAILED = 8  # the lease holder reported failure
     PREEMPTED = 9  # evicted for a P0 task: the lease ended, and it is QUEUED again at once
@@ -229,6 +229,10 @@ class Task:
     attempts: int = 0  # placements so far
     sla_missed: bool = False
     finished_at: float | None = None
+    # True only on the LOST update listeners get when a retryable task's node
+    # is removed: that run was lost, but the task is QUEUED again at once (the
+    # retry rule), so it has not ended, as after PREEMPTED
+    requeued: bool = False
 
     @property
     def task_id(self) -> str:
@@ -236,7 +240,9 @@ class Task:
 
     @property
     def terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
+        """Whether the task has ended for good: a watch ends here, and it
+        counts as finished (not the LOST of a run whose task is re-queued)."""
+        return self.state in TERMINAL_STATES and not self.requeued
 
     def __copy__(self) -> "Task":
         # copy.copy's generic __reduce_ex__ route costs ~8 us; every state

@@ -200,6 +200,33 @@ def test_finished_tasks_are_forgotten_oldest_first_past_the_retention() -> None:
     assert sched.submit(spec("a"), snap).state == TaskState.QUEUED  # a new task now
 
 
+def test_finished_tasks_are_forgotten_past_the_retention_age_oldest_first() -> None:
+    """prune_finished (the coordinator's finished_retention_s): a task that
+    finished longer ago than the age is forgotten, by the store's rule
+    (strictly older), oldest first, at most ``limit`` at a time; queued tasks
+    stay, and a forgotten id may be submitted anew with another spec."""
+    sched, clock = make(SchedulerConfig(retain_finished=100))
+    snap = one_node()
+    for name in "abcd":  # finished at 1000, 1010, 1020, 1030
+        sched.submit(spec(name), snap)
+        sched.cancel(name)
+        clock.now += 10
+    sched.submit(spec("live"), snap)
+    assert clock.now == 1040.0
+    assert sched.prune_finished(25.0) == 2  # a, b: 40 and 30 s ago
+    assert sched.prune_finished(20.0) == 0  # c finished exactly 20 s ago: kept
+    assert [t.task_id for t in sched.tasks()] == ["c", "d", "live"]
+    assert sched.prune_finished(0.0, limit=1) == 1  # one at a time
+    assert [t.task_id for t in sched.tasks()] == ["d", "live"]
+    assert sched.prune_finished(0.0, now=1030.0) == 0  # d finished at 1030: not older than that
+    assert sched.prune_finished(0.0) == 1
+    assert [t.task_id for t in sched.tasks()] == ["live"]
+    with pytest.raises(UnknownTask):
+        sched.get("a")
+    again = sched.submit(spec("a", vram_mib=4 * GIB), snap)  # no conflict with the forgotten one
+    assert again.state == TaskState.QUEUED and again.spec.vram_mib == 4 * GIB
+
+
 def test_invalid_specs_are_refused_before_anything_changes() -> None:
     sched, _ = make()
     with pytest.raises(InvalidTask) as info:
@@ -323,6 +350,30 @@ def test_node_removal_loses_tasks_and_requeues_the_retryable() -> None:
     assert sched.get("train").attempts == 2
     again = {t.task_id: t for t in sched.node_removed("doomed")}
     assert again["train"].state == TaskState.LOST
+
+
+def test_a_requeued_tasks_lost_update_is_not_its_end() -> None:
+    """A retryable task whose node is removed: its listeners see that run's
+    LOST as not terminal (no finish time; QUEUED follows at once, so a watch
+    goes on and it is not counted finished, as after PREEMPTED). A task that
+    stays LOST, or a retryable one past the attempt limit, ends there."""
+    seen: list[tuple[str, TaskState, bool, float | None]] = []
+    sched, clock = make(SchedulerConfig(max_attempts=2),
+                        on_change=lambda t: seen.append((t.task_id, t.state, t.terminal, t.finished_at)))
+    snap = ClusterSnapshot.build([NodeFacts("doomed", 2), NodeFacts("other", 1, memory_total_mib=1.0)])
+    sched.submit(spec("train", kind="training"), snap)
+    sched.submit(spec("serve", kind="inference"), snap)
+    sched.dispatch(snap)
+    seen.clear()
+    sched.node_removed("doomed")
+    assert [s for s in seen if s[0] == "train"] == [("train", TaskState.LOST, False, None),
+                                                   ("train", TaskState.QUEUED, False, None)]
+    assert [s for s in seen if s[0] == "serve"] == [("serve", TaskState.LOST, True, clock.now)]
+    assert not sched.get("train").requeued and not sched.get("train").terminal
+    sched.dispatch(snap)
+    seen.clear()
+    sched.node_removed("doomed")  # its second placement lost: the attempt limit makes this LOST its end
+    assert seen == [("train", TaskState.LOST, True, clock.now)]
 
 
 # ---- policy ----------------------------------------------------------------------------------------

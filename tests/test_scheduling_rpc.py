@@ -61,7 +61,8 @@ async def test_hundred_concurrent_submissions_never_double_book_fifty_gpus():
                 assert sum(c.depth for c in queue.classes) == 50
                 # each leased GPU's facts for ListGpus and ListNodes: built once, kept until a lease changes
                 facts = coord.dispatcher.gpu_facts()
-                assert sorted(facts) == sorted(uuids) and all(f == (20 * GIB, 1) for f in facts.values())
+                # one lease each; reserved: what of its 20 GiB the readings do not show yet
+                assert sorted(facts) == sorted(uuids) and all(f[1] == 1 and 0 <= f[0] <= 20 * GIB for f in facts.values())
                 assert coord.dispatcher.gpu_facts() is facts
                 # the exposition's task counts (counted without copying every task)
                 exposition = text_string_to_metric_families(coord.metrics.exposition().decode())
@@ -218,15 +219,69 @@ async def test_node_removed_with_leases_loses_or_requeues_its_tasks():
                 watch = stub.WatchTask(tpb.WatchTaskRequest(task_id="infer"))
                 first = await watch.read()
                 assert first.state == tpb.TASK_STATE_LEASED
+                train_watch = stub.WatchTask(tpb.WatchTaskRequest(task_id="train"))
+                assert (await train_watch.read()).state == tpb.TASK_STATE_LEASED
                 await fleet.stop_agent("sim-01")
                 update = await asyncio.wait_for(watch.read(), 15)
                 assert update.state == tpb.TASK_STATE_LOST
-                assert "sim-01" in update.reason
+                assert "sim-01" in update.reason and update.finished_at_ns > 0
+                assert await asyncio.wait_for(watch.read(), 5) is grpc.aio.EOF  # its end: the watch ends
                 # the retryable training task is placed again on the surviving node
                 moved = await _until(lambda: _leased_on(stub, "train", "sim-02"), what="training task re-placed on sim-02")
                 assert moved.attempts == 2
                 assert "sim-01" not in coord.view.nodes
                 assert not set(coord.gpu_scheduler_facts()) & set(infer.assignment.gpu_uuid)
+                # its watch saw the run lost, the re-queue and the new placement: the LOST did not end it
+                states = []
+                while not states or states[-1] != tpb.TASK_STATE_LEASED:
+                    got = await asyncio.wait_for(train_watch.read(), 5)
+                    assert got is not grpc.aio.EOF, f"the watch ended after {states}"
+                    if not states or states[-1] != got.state:
+                        states.append(got.state)
+                        if got.state == tpb.TASK_STATE_LOST:
+                            assert "sim-01" in got.reason and got.finished_at_ns == 0
+                assert states == [tpb.TASK_STATE_LOST, tpb.TASK_STATE_QUEUED, tpb.TASK_STATE_LEASED]
+                assert got.assignment.node_id == "sim-02"
+                train_watch.cancel()
+                # one task finished lost (infer); the training task's lost run is a re-queue
+                samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                           for family in text_string_to_metric_families(coord.metrics.exposition().decode())
+                           for sample in family.samples}
+                assert samples[("gpulb_tasks_finished_total", (("state", "lost"),))] == 1
+                assert samples[("gpulb_tasks_requeued_total", (("cause", "node_removed"),))] == 1
+                assert samples[("gpulb_tasks", (("state", "lost"),))] == 1
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def _forgotten(stub, task_id: str) -> bool:
+    try:
+        await stub.GetTask(tpb.GetTaskRequest(task_id=task_id), timeout=5)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code() == grpc.StatusCode.NOT_FOUND
+    return False
+
+
+async def test_finished_tasks_are_forgotten_past_the_retention_without_a_state_dir():
+    """finished_retention_s holds for the coordinator's memory, state_dir or
+    not: a task that finished longer ago is NOT_FOUND and its id takes another
+    spec, as after a restart (the engine had kept it, by count alone: GetTask
+    found it and a new spec was ALREADY_EXISTS long after). Queued tasks stay."""
+    coord, port = await _start(finished_retention_s=0.5)
+    try:
+        assert coord.store is None
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = tpb_grpc.SchedulerStub(ch)
+            for task_id in ("done", "waiting"):  # no GPUs yet: both wait
+                await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(task_id), wait=False), timeout=5)
+            await stub.CancelTask(tpb.CancelTaskRequest(task_id="done"), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("done", vram_mib=4 * GIB), wait=False), timeout=5)
+            assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS  # within the retention: the same task
+            await _until(lambda: _forgotten(stub, "done"), timeout=10, what="the finished task forgotten")
+            again = (await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec("done", vram_mib=4 * GIB), wait=False), timeout=5)).task
+            assert again.state == tpb.TASK_STATE_QUEUED and again.spec.vram_mib == 4 * GIB
+            assert (await stub.GetTask(tpb.GetTaskRequest(task_id="waiting"), timeout=5)).state == tpb.TASK_STATE_QUEUED
     finally:
         await coord.stop(grace_s=0.1)
 

@@ -592,6 +592,49 @@ async def test_what_the_predictor_learned_survives_a_coordinator_restart(tmp_pat
     await run(from_priors)
 
 
+async def test_a_finished_task_past_the_retention_is_gone_from_memory_and_store_alike(tmp_path: Path) -> None:
+    """finished_retention_s, with a state directory: the prune loop forgets a
+    task that finished longer ago in the engine and the store by the same
+    rule, so GetTask says NOT_FOUND before a restart as after it (the engine
+    had kept it: found before the restart, gone after)."""
+    import grpc
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import Coordinator
+    from protos import tasks_pb2 as tpb
+    from protos import tasks_pb2_grpc as tpb_grpc
+    from waiting import until
+
+    state_dir = tmp_path / "state"
+    spec = tpb.TaskSpec(task_id="done", num_gpus=1, vram_mib=1024, gpu_share=0.5, kind="batch")
+
+    async def gone(stub) -> bool:
+        try:
+            await stub.GetTask(tpb.GetTaskRequest(task_id="done"), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() == grpc.StatusCode.NOT_FOUND
+        return False
+
+    for first in (True, False):
+        coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", insecure=True, finished_retention_s=0.5),
+                            store=open_state_dir(state_dir))
+        port = await coord.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = tpb_grpc.SchedulerStub(ch)
+                if first:
+                    await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec, wait=False), timeout=5)
+                    await stub.CancelTask(tpb.CancelTaskRequest(task_id="done"), timeout=5)
+                    assert not await gone(stub)
+                    await until(lambda: gone(stub), timeout=10, what="the finished task forgotten")
+                    await until(lambda: "done" not in {t.task_id for t in coord.store.load().tasks},
+                                timeout=10, what="the finished task pruned from the store")
+                else:
+                    assert await gone(stub)  # after the restart: the same answer
+        finally:
+            await coord.stop(grace_s=0.1)
+
+
 def test_a_preempted_task_is_stored_queued_and_one_stored_preempted_restores_queued(tmp_path: Path) -> None:
     """The engine passes a victim through PREEMPTED to QUEUED in one step, so
     the store holds QUEUED; a row left PREEMPTED (a write that stopped
