@@ -80,7 +80,7 @@ class CoordinatorConfig:
         choices=("NORMAL", "FULL"),
         ignore_case=True,
     )
-    finished_retention_s: float = _opt(86400.0, "finished tasks are kept this long for GetTask and idempotent resubmission", "s", ge=0)
+    finished_retention_s: float = _opt(86400.0, "finished tasks are kept this long (by finish time) for GetTask and idempotent resubmission, in memory and in state_dir alike (pruned every minute, or as often as a shorter retention, at most once a second); [scheduler] retain_finished bounds their number besides", "s", ge=0)
     advisor_interval_s: float = _opt(30.0, "period of the rebalance advisor's evaluation", "s", ge=0.1)
     advisor_hook: str = _opt("", "command run with each rebalance plan as JSON on stdin (the operator's executor, e.g. gpulb --coordinator 127.0.0.1:50051 advisor execute --stdin); empty = none")
     advisor_hook_timeout_s: float = _opt(60.0, "the advisor hook, and every process it started (its process group: the executor, its checkpoint command), is killed after this long; its moves not made leave the cool-down", "s", gt=0)
