@@ -19,6 +19,7 @@ import structlog
 from agent.backend import BackendUnavailable, GpuBackend, driver_version_of
 from agent.client import Agent, AgentConfig
 from coordinator.sdnotify import Notifier, WatchdogPinger
+from coordinator.view import _NODE_ID as NODE_ID  # the rule the coordinator registers node ids by
 from protos.runtime import LOG_LEVELS, configure_logging
 
 __all__ = ["main", "build_backend", "parse_args", "EXIT_USAGE", "EXIT_REFUSED"]
@@ -37,7 +38,7 @@ _EPILOG = (
     "exit status: 0 stopped (SIGTERM, SIGINT); 2 a bad flag or --config option, or the backend, the token file or "
     "the TLS files cannot be used (unreadable, a key that is not the certificate's, a certificate expired or not yet "
     "valid); 78 the coordinator refused the registration with INVALID_ARGUMENT, UNAUTHENTICATED or "
-    "PERMISSION_DENIED (a bad node id or label, a wrong token or certificate): the log line registration_refused "
+    "PERMISSION_DENIED (a label it refuses, a wrong token or certificate; a node id it would refuse exits 2 at start): the log line registration_refused "
     "says what to fix, and retrying would not help (systemd: RestartPreventExitStatus=78); 75 the GPUs read wrong "
     "through NVML (a GPU that fell off the bus or a driver not up yet: refused as register.gpus) 5 times in a row, "
     "so a new process (systemd restarts it) reads them again. A node id or GPU held "
@@ -59,6 +60,9 @@ _CHOICES = {
     "log_level": LOG_LEVELS,
     "log_format": ("auto", "json", "console"),
 }
+
+#: NODE_ID in words, as the coordinator's refusal (coordinator.view.validate_register) says it
+NODE_ID_RULE = "1-128 of [A-Za-z0-9._-], starting alphanumeric"
 
 
 def _range_text(kind: type, low, high) -> str:
@@ -118,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 epilog=_EPILOG)
     p.add_argument("--config", type=Path, help="TOML file; flags override it")
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator (default 127.0.0.1:50051)")
-    p.add_argument("--node-id", help="this node's cluster-unique name (default: the hostname)")
+    p.add_argument("--node-id", help=f"this node's cluster-unique name, {NODE_ID_RULE} (default: the hostname)")
     p.add_argument("--backend", choices=("nvml", "sim", "auto"), help="GPU backend (default auto: NVML, else simulate)")
     p.add_argument("--sim-gpus", type=_number_flag("sim_gpus"), help="simulated GPUs, 1..64 (sim backend, default 4)")
     p.add_argument("--sim-seed", type=_number_flag("sim_seed"),
@@ -190,6 +194,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             settings[key] = value
             where[key] = "--" + key.replace("_", "-")
     settings["labels"] = {**settings["labels"], **dict(args.label)}
+    _check_node_id(settings["node_id"], where["node_id"], args.config)
     if settings["interval_min"] > settings["interval_max"]:
         def said(key: str) -> str:
             value = f"{settings[key]:g} s"
@@ -197,6 +202,18 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
         _fail(f"{said('interval_min')} is above {said('interval_max')}: the fastest sampling period cannot exceed the slowest")
     return settings
+
+
+def _check_node_id(node_id: str, where: str, path: Path | None) -> None:
+    """Exit 2 at start on a node id the coordinator refuses at registration:
+    found there, it was exit 78 after connecting, and a failed systemd unit."""
+    if NODE_ID.match(node_id):
+        return
+    if where == "default":
+        _fail(f"the hostname {node_id!r} (node_id's default) is not a node id the coordinator accepts: it must be "
+              f"{NODE_ID_RULE}; give one with --node-id or node_id in --config")
+    said = "argument --node-id:" if where.startswith("--") else f"{path}: option 'node_id'"
+    _fail(f"{said} {node_id!r} is not a node id the coordinator accepts: it must be {NODE_ID_RULE}")
 
 
 def _checked_option(key: str, value: Any, path: Path) -> Any:

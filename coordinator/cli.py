@@ -469,6 +469,22 @@ def _not_placed(tasks, args: argparse.Namespace, waited: float) -> int:
     return status
 
 
+def _lease_line(task, now_ns: int) -> str:
+    """What ``gpulb submit`` says of a placed task's lease: the time it has left
+    (``now_ns``: the wall clock, as the task's ``*_at_ns`` fields are). A
+    resubmitted id returns the task as it is, which may have ended: then its
+    state, not a lease it no longer holds."""
+    a = task.assignment
+    gpus = f"GPU uuids {', '.join(a.gpu_uuid)}"
+    if task.state != tpb.TASK_STATE_LEASED:
+        ended = f", {(now_ns - task.finished_at_ns) / 1e9:.0f} s ago" if task.finished_at_ns else ""
+        reason = f" ({task.reason})" if task.reason else ""
+        return f"no lease: the task is {_task_state(task.state)}{ended}{reason}; it ran on {gpus}"
+    left = (a.lease_expires_at_ns - now_ns) / 1e9
+    expiry = f"expires in {left:.0f} s" if left >= 0 else f"expired {-left:.0f} s ago"
+    return f"lease {a.lease_id}, {expiry}; {gpus}"
+
+
 @command("submit")
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit a task; by default wait for its placement and print the assignment."""
@@ -520,8 +536,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(render_table(_TASK_HEADERS, _task_rows([task])))
         a = task.assignment
         if a.node_id:
-            print(f"lease {a.lease_id}, expires in {(a.lease_expires_at_ns - a.placed_at_ns) / 1e9:.0f} s; "
-                  f"GPU uuids {', '.join(a.gpu_uuid)}")
+            print(_lease_line(task, time.time_ns()))
             terms = ", ".join(f"{k}={v:.3f}" for k, v in sorted(a.score.terms.items()))
             print(f"chosen by {a.score.policy}: score {a.score.total:.3f} ({terms}) among {a.score.candidates} candidates")
     return 0 if args.no_wait else _not_placed([task], args, time.monotonic() - started)
@@ -772,7 +787,10 @@ def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.Ad
     or 1 when one of the operator's commands failed: a restart (the moved task
     holds a lease on its new GPU and is not running: the operator's turn) or a
     checkpoint (the move was skipped: while that command fails, nothing is
-    ever rebalanced). A move the coordinator refused is not a failure."""
+    ever rebalanced), or a move left out because GetTask failed ("unchecked":
+    the executor could not ask the coordinator, and nothing moves while it
+    cannot). A move the coordinator refused and one of a stale plan (the task
+    no longer holds the plan's lease) are not failures: nothing is wrong."""
     executor = PlanExecutor(
         tpb_grpc.SchedulerStub(ch),
         checkpoint=_operator_command(args, "--checkpoint", args.checkpoint),
@@ -794,14 +812,16 @@ def _execute_plans(args: argparse.Namespace, ch: grpc.Channel, stub: apb_grpc.Ad
     seen = 0
     for plan in plans:
         for outcome in executor.execute(plan):
-            if outcome.outcome in ("restart failed", "skipped"):
+            if outcome.outcome in ("restart failed", "skipped", "unchecked"):
                 status = 1
             if args.json:
                 print(json.dumps(outcome.to_dict()), flush=True)
             else:
                 detail = f" ({outcome.detail})" if outcome.detail else ""
+                # a task that ended holds no lease
+                lease = f"lease {outcome.lease_id}" if outcome.lease_id else "no lease"
                 print(f"plan {outcome.plan_id}: {outcome.task_id} {outcome.from_gpu} -> {outcome.to_gpu}: "
-                      f"{outcome.outcome}, lease {outcome.lease_id}{detail}", flush=True)
+                      f"{outcome.outcome}, {lease}{detail}", flush=True)
         seen += 1
         if args.plans and seen >= args.plans:
             break

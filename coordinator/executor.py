@@ -2,16 +2,27 @@
 
 The advisor proposes; an executor moves. For each move of a plan, in order:
 
-1. the operator's *checkpoint* command, if any (the task's workload saves its
+1. ``GetTask``: the plan may be stale (the task was cancelled, completed,
+   preempted or migrated since it was made). Unless the task is still LEASED
+   under the plan's lease on the plan's GPUs, the move is left out (outcome
+   "stale", the detail says the task's state or the lease it holds now):
+   nothing runs, for a checkpoint would stop a workload the move cannot take
+   and a restart would run it under a lease that is over. When ``GetTask``
+   fails, nothing runs either (outcome "unchecked");
+2. the operator's *checkpoint* command, if any (the task's workload saves its
    state and stops; ``GPULB_TO_*`` names where it goes, so the command can
    stage its data there); when it fails the move is skipped and the task
    runs on where it is;
-2. ``MigrateTask``: the task's lease moves to the plan's destination GPU in
+3. ``MigrateTask``: the task's lease moves to the plan's destination GPU in
    one step (``Scheduler.migrate``). The coordinator may refuse it (the lease
-   changed, the destination no longer fits): then the *restart* command runs
-   for the GPU the task came from, under its old lease, so the checkpointed
-   task resumes where it was;
-3. the operator's *restart* command, if any (the workload starts again from
+   changed, the destination no longer fits). Then ``GetTask`` again: only
+   when the task still holds the plan's lease on the GPUs it came from does
+   the *restart* command run there, under that lease, so the checkpointed
+   task resumes where it was. Otherwise (it ended or moved meanwhile, or
+   ``GetTask`` failed) nothing is restarted: a workload under a lease that is
+   over, or on GPUs another lease now holds, is one gpulb no longer accounts
+   for (double booking); the detail says "not restarted: ..." and why;
+4. the operator's *restart* command, if any (the workload starts again from
    its checkpoint on the new GPU, under the new lease).
 
 Each command runs without a shell, with the move in its environment:
@@ -52,9 +63,13 @@ class MoveOutcome:
     from_gpu: str  # NODE:INDEX
     to_gpu: str  # NODE:INDEX
     # "moved", "skipped" (checkpoint failed), "refused" (MigrateTask said no;
-    # restarted in place), "restart failed" (moved, but the restart command failed)
+    # restarted in place when the task still holds the plan's lease there, else
+    # the detail says "not restarted: ..."), "restart failed" (moved, but the
+    # restart command failed), "stale" (the task no longer holds the plan's
+    # lease: nothing ran), "unchecked" (GetTask failed before the checkpoint:
+    # nothing ran)
     outcome: str
-    lease_id: str  # the lease the task runs under now
+    lease_id: str  # the lease the task runs under now ("" when it holds none)
     detail: str = ""
 
     def to_dict(self) -> dict[str, object]:
@@ -125,6 +140,33 @@ class PlanExecutor:
             return f"{argv[0]} exited {done.returncode}: {tail[0]}".rstrip(": ")
         return ""
 
+    def _holds_plan_lease(self, move: apb.Migration) -> tuple[bool, str, str]:
+        """Whether the task still holds the plan's lease on the GPUs the move
+        takes it from, asked of the coordinator: (known, why not: '' when it
+        does, the lease it holds now: '' when none). ``known`` is False when
+        GetTask failed; the lease is then the plan's, the last one known."""
+        try:
+            task = self.scheduler.GetTask(tpb.GetTaskRequest(task_id=move.task_id), timeout=self.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # finished long ago and forgotten (retain_finished)
+                return True, f"the coordinator has no task {move.task_id!r} any more ({exc.details()})", ""
+            return False, (f"GetTask failed ({exc.code().name}: {exc.details()}), so whether the task still holds "
+                           f"lease {move.lease_id} is unknown"), move.lease_id
+        a = task.assignment
+        where = f"{a.node_id}:{','.join(map(str, a.gpu_index))}"
+        from_indexes, from_uuids = move_gpus(move, "from")
+        if task.state != tpb.TASK_STATE_LEASED:
+            state = tpb.TaskState.Name(task.state).removeprefix("TASK_STATE_").lower()
+            return True, f"the task is {state}" + (f" ({task.reason})" if task.reason else ""), ""
+        if a.lease_id != move.lease_id:
+            why = f"the task holds lease {a.lease_id} on {where} now, not the plan's lease {move.lease_id}"
+            return True, why, a.lease_id
+        # a plan from a coordinator before multi-GPU moves names only the first GPU
+        if a.node_id != move.from_node_id or list(a.gpu_uuid)[:len(from_uuids)] != from_uuids:
+            src = f"{move.from_node_id}:{','.join(map(str, from_indexes))}"
+            return True, f"the task runs on {where} now, not on the plan's {src}", a.lease_id
+        return True, "", a.lease_id
+
     def execute(self, plan: apb.RebalancePlan) -> list[MoveOutcome]:
         out = []
         for m in plan.moves:
@@ -137,6 +179,16 @@ class PlanExecutor:
                              to_uuids=to_uuids)
             here = move_env(plan.plan_id, m, lease_id=m.lease_id, to_node=m.from_node_id, to_indexes=from_indexes,
                             to_uuids=from_uuids)
+            # a stale plan's checkpoint would stop a workload the move cannot take
+            known, problem, lease_now = self._holds_plan_lease(m)
+            if not known:
+                out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "unchecked", m.lease_id,
+                                       f"{problem}; the move was not tried (no checkpoint, no MigrateTask)"))
+                continue
+            if problem:
+                out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "stale", lease_now,
+                                       f"stale plan: {problem}; nothing was run"))
+                continue
             failed = self._run(self.checkpoint, going)
             if failed:
                 out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "skipped", m.lease_id, f"checkpoint: {failed}"))
@@ -148,6 +200,13 @@ class PlanExecutor:
                 ).task
             except grpc.RpcError as exc:
                 why = f"{exc.code().name}: {exc.details()}"
+                # The task may have ended or moved since the check above: restarting it
+                # then would run a workload under a lease that is over (double booking)
+                known, problem, lease_now = self._holds_plan_lease(m)
+                if not known or problem:
+                    out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "refused", lease_now,
+                                           f"{why}; not restarted: {problem}"))
+                    continue
                 again = self._run(self.restart, here)
                 detail = why if not again else f"{why}; restart in place: {again}"
                 out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "refused", m.lease_id, detail))

@@ -21,7 +21,15 @@ import structlog
 
 from coordinator.config import LIVE_RELOADABLE
 from coordinator.sdnotify import Notifier, WatchdogPinger
-from coordinator.security import RateLimiter, Security, SecurityConfigError, ServerCredentialsConfig, TenantQuota, TokenAuth
+from coordinator.security import (
+    RateLimiter,
+    Security,
+    SecurityConfigError,
+    ServerCredentialsConfig,
+    TenantQuota,
+    TokenAuth,
+    token_problem,
+)
 from coordinator.server import Coordinator, ListenError
 from coordinator.state import StateError, open_state_dir
 from coordinator.settings import (
@@ -46,6 +54,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class TokenFileError(SecurityConfigError):
+    """The ``token_file`` (the bearer-token digests) cannot be used."""
+
+
+#: the CLI's client token file: exported for ``gpulb``, the coordinator reads it as ``token_file``
+_CLI_TOKEN_VARIABLE = "GPULB_TOKEN_FILE"
+
+
+def token_file_problem(exc: SecurityConfigError, settings: Settings) -> str:
+    """``exc`` (the token file refused) with where ``token_file`` came from,
+    and the likely mix-up behind it: ``GPULB_TOKEN_FILE`` is also the gpulb
+    CLI's client token file, so a shell that exported it for the CLI hands
+    the coordinator a client's bearer token as its digest file."""
+    source = settings.sources.get("coordinator.token_file", "default")
+    kind, _, detail = source.partition(":")
+    said = {"env": f"the environment variable {detail}", "flag": "the flag --token-file",
+            "file": f"token_file in the config file {detail}"}.get(kind, "token_file")
+    parts = [f"token_file (from {said}): {exc}"]
+    if _looks_like_a_client_token(settings.coordinator.token_file):
+        parts.append("the file looks like a client's bearer token (one line), not the coordinator's token digest "
+                     "file ([tokens.\"sha256:...\"] entries)")
+    if source == f"env:{_CLI_TOKEN_VARIABLE}":
+        parts.append(f"{_CLI_TOKEN_VARIABLE} is also the gpulb CLI's client token file: unset it for the coordinator "
+                     f"(e.g. `env -u {_CLI_TOKEN_VARIABLE} gpulb-coordinator ...`) and give the coordinator its digest "
+                     f"file as token_file in its config file, or with --token-file (which overrides the variable)")
+    return "; ".join(parts)
+
+
+def _looks_like_a_client_token(path: str) -> bool:
+    """One line of what a bearer token is made of (no spaces, none of TOML's
+    or JSON's ``=``, brackets or quotes: base64 padding aside)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(4096).strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return token_problem(text) is None and not any(c in text.rstrip("=") for c in "=[]{}\"'")
+
+
 def build_security(cfg) -> Security:
     """TLS, tokens and limits from the configuration. Without TLS and tokens the
     daemon refuses to start unless ``insecure`` was asked for."""
@@ -57,7 +104,10 @@ def build_security(cfg) -> Security:
             client_ca_file=cfg.tls_client_ca_file or None,
             require_client_cert_for_agents=bool(cfg.tls_client_ca_file),
         )
-    tokens = TokenAuth.from_file(cfg.token_file) if cfg.token_file else None
+    try:
+        tokens = TokenAuth.from_file(cfg.token_file) if cfg.token_file else None
+    except SecurityConfigError as exc:
+        raise TokenFileError(str(exc)) from None
     return Security(
         tokens=tokens,
         tls=tls,
@@ -179,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("config_warning", message=warning)
     try:
         security = build_security(settings.coordinator)
+    except TokenFileError as exc:
+        print(f"gpulb-coordinator: {token_file_problem(exc, settings)}", file=sys.stderr)
+        return 2
     except SecurityConfigError as exc:
         source = args.config or "flags/environment"
         print(f"gpulb-coordinator: {source}: {exc}", file=sys.stderr)

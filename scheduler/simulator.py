@@ -1818,12 +1818,24 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         return 2
     scheduler = None
     if args.scheduler_set:
+        from coordinator.settings import SECTIONS, options
+
         # the policy comes from --policy, and simulated leases never expire
-        fixed = [o for o in args.scheduler_set if o.partition("=")[0].strip() in ("policy", "lease_s")]
-        if fixed:
-            print(f"gpulb simulate: --scheduler-set: {fixed[0]!r}: set by the simulator (use --policy)",
-                  file=sys.stderr)
-            return 2
+        fixed = {"policy": "use --policy", "lease_s": "simulated leases never expire"}
+        # the [scheduler] table's own list would offer the fixed ones, then refuse them
+        settable = sorted(o.name for section in SECTIONS if section.name == "scheduler"
+                          for o in options(section) if o.name not in fixed)
+        for assignment in args.scheduler_set:
+            key, sep, _ = assignment.partition("=")
+            key = key.strip()
+            if key in fixed:
+                print(f"gpulb simulate: --scheduler-set: {assignment!r}: set by the simulator ({fixed[key]})",
+                      file=sys.stderr)
+                return 2
+            if not sep or key not in settable:
+                print(f"gpulb simulate: --scheduler-set: {assignment!r}: expected OPTION=VALUE with OPTION one of "
+                      f"{', '.join(settable)}", file=sys.stderr)
+                return 2
         try:
             scheduler = section_from_text("scheduler", args.scheduler_set)
         except ValueError as exc:

@@ -40,6 +40,13 @@ def _exit(argv: list[str], capsys) -> tuple[int, str]:
         (["--outage-buffer", "-1"], "argument --outage-buffer: must be an integer in 1..1000000, got -1"),
         (["--outage-buffer", "0"], "argument --outage-buffer: must be an integer in 1..1000000, got 0"),
         (["--check", "--check-rounds", "x"], "argument --check-rounds: invalid int value"),
+        # node ids the coordinator refuses at registration: exit 78 after connecting, before
+        (["--node-id", "gpu node 1"], "argument --node-id: 'gpu node 1' is not a node id the coordinator accepts: "
+                                      "it must be 1-128 of [A-Za-z0-9._-], starting alphanumeric"),
+        (["--node-id=-gpu1"], "argument --node-id: '-gpu1' is not a node id"),
+        (["--node-id", "n" * 129], "argument --node-id: 'nnn"),
+        (["--node-id", ""], "argument --node-id: '' is not a node id"),
+        (["--check", "--node-id", "gpu/1"], "argument --node-id: 'gpu/1' is not a node id"),
     ],
 )
 def test_a_bad_flag_exits_2_naming_the_flag_and_range(argv, needle, capsys):
@@ -61,6 +68,8 @@ def test_a_bad_flag_exits_2_naming_the_flag_and_range(argv, needle, capsys):
         ("backend = \"nvlm\"", "option 'backend' must be one of nvml, sim, auto, got 'nvlm'"),
         ("log_level = \"loud\"", "option 'log_level' must be one of"),
         ("node_id = 7", "option 'node_id' must be a string, got 7"),
+        ("node_id = \"rack 4/gpu-01\"", "option 'node_id' 'rack 4/gpu-01' is not a node id the coordinator accepts: "
+                                       "it must be 1-128 of [A-Za-z0-9._-], starting alphanumeric"),
         ("[agent.labels]\nrack = 1", "[agent.labels] must map names to strings"),
         ("sim_gpu = 2", "unknown option 'sim_gpu'"),
         ("sim_gpus = ", "--config {path}:"),  # not TOML
@@ -92,6 +101,18 @@ def test_in_range_values_are_taken():
         ["--sim-gpus", "64", "--sim-seed", "-5", "--interval-min", "0.01", "--interval-max", "60", "--outage-buffer", "1"]))
     assert (settings["sim_gpus"], settings["sim_seed"], settings["interval_min"], settings["interval_max"], settings["outage_buffer"]) == (
         64, -5, 0.01, 60.0, 1)
+
+
+def test_node_ids_are_checked_by_the_coordinators_rule(monkeypatch, capsys):
+    """What the coordinator registers is taken; a hostname it would refuse
+    (the default node id) is named as such, with the flag and option to set."""
+    for node_id in ("gpu-01.rack_4", "7", "n" * 128):
+        assert agent_main._settings(agent_main.parse_args(["--node-id", node_id]))["node_id"] == node_id
+    monkeypatch.setattr(agent_main.socket, "gethostname", lambda: "_build host")
+    code, err = _exit([], capsys)
+    assert code == 2 and ("the hostname '_build host' (node_id's default) is not a node id the coordinator accepts: "
+                          "it must be 1-128 of [A-Za-z0-9._-], starting alphanumeric; give one with --node-id or "
+                          "node_id in --config") in err, err
 
 
 def test_help_documents_the_exit_status():

@@ -124,22 +124,117 @@ def test_executor_commands_are_checked_before_the_first_plan(tmp_path, monkeypat
         assert f"argument {flag}:" in err and needle in err, err
 
 
+class _Scheduler:
+    """A Scheduler stub: GetTask answers ``task``; MigrateTask is not expected."""
+
+    def __init__(self, task) -> None:
+        self.task = task
+
+    def GetTask(self, request, timeout):
+        return self.task
+
+    def MigrateTask(self, request, timeout):
+        raise AssertionError("MigrateTask of a move that should not have been tried")
+
+
+_PLAN = {"plan_id": 7, "moves": [{"task_id": "t1", "lease_id": "L1", "from_node_id": "a", "from_gpu_index": 0,
+                                  "from_gpu_uuid": "GPU-a", "to_node_id": "b", "to_gpu_index": 1, "to_gpu_uuid": "GPU-b"}]}
+
+
 def test_a_failing_checkpoint_skips_the_move_and_exits_1(tmp_path, monkeypatch, capsys):
-    """A checkpoint command that fails leaves the task where it is: no RPC
-    is made (nothing listens at DEAD), and the exit status says a command
-    failed, so the coordinator's hook outcome (and GpulbRebalanceExecutorFailing)
-    sees it; before, exit 0 hid a rebalancer that never moved anything."""
+    """A checkpoint command that fails leaves the task where it is: no
+    MigrateTask is made, and the exit status says a command failed, so the
+    coordinator's hook outcome (and GpulbRebalanceExecutorFailing) sees it;
+    before, exit 0 hid a rebalancer that never moved anything."""
     import io
     import json
 
-    plan = {"plan_id": 7, "moves": [{"task_id": "t1", "lease_id": "L1", "from_node_id": "a", "from_gpu_index": 0,
-                                     "from_gpu_uuid": "GPU-a", "to_node_id": "b", "to_gpu_index": 1, "to_gpu_uuid": "GPU-b"}]}
-    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(plan)))
+    from coordinator import cli
+
+    leased = tpb.Task(spec=tpb.TaskSpec(task_id="t1"), state=tpb.TASK_STATE_LEASED,
+                      assignment=tpb.Assignment(node_id="a", gpu_index=[0], gpu_uuid=["GPU-a"], lease_id="L1"))
+    monkeypatch.setattr(cli.tpb_grpc, "SchedulerStub", lambda channel: _Scheduler(leased))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(_PLAN)))
     code = main(["--coordinator", DEAD, "advisor", "execute", "--stdin",
                  "--checkpoint", f"{sys.executable} -c \"raise SystemExit('disk full')\""])
     out = capsys.readouterr().out
     assert code == 1, out
     assert "plan 7: t1 a:0 -> b:1: skipped" in out and "disk full" in out
+
+
+def test_a_stale_plan_runs_nothing_and_is_no_failure(tmp_path, monkeypatch, capsys):
+    """A plan whose task completed since it was made: no checkpoint (it would
+    stop nothing gpulb runs), no MigrateTask, no restart; exit 0, for no
+    command failed."""
+    import io
+    import json
+
+    from coordinator import cli
+
+    done = tpb.Task(spec=tpb.TaskSpec(task_id="t1"), state=tpb.TASK_STATE_COMPLETED,
+                    assignment=tpb.Assignment(node_id="a", gpu_index=[0], gpu_uuid=["GPU-a"], lease_id="L1"))
+    monkeypatch.setattr(cli.tpb_grpc, "SchedulerStub", lambda channel: _Scheduler(done))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(_PLAN)))
+    ran = tmp_path / "ran"
+    touch = f"{sys.executable} -c \"open({str(ran)!r}, 'a').write('x')\""
+    code = main(["--coordinator", DEAD, "advisor", "execute", "--stdin", "--checkpoint", touch, "--restart", touch])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "plan 7: t1 a:0 -> b:1: stale, no lease (stale plan: the task is completed; nothing was run)" in out
+    assert not ran.exists()
+
+
+def test_a_move_the_executor_cannot_check_runs_nothing_and_exits_1(tmp_path, monkeypatch, capsys):
+    """Nothing listens at DEAD: GetTask fails, so whether the task still holds
+    the plan's lease is unknown; nothing runs ("unchecked"), and the exit
+    status says the executor is not working (as the hook, its outcome is
+    failed), where a stale plan is no failure."""
+    import io
+    import json
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(_PLAN)))
+    ran = tmp_path / "ran"
+    touch = f"{sys.executable} -c \"open({str(ran)!r}, 'a').write('x')\""
+    code = main(["--coordinator", DEAD, "--timeout", "2", "advisor", "execute", "--stdin", "--checkpoint", touch,
+                 "--restart", touch])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "plan 7: t1 a:0 -> b:1: unchecked" in out and "GetTask failed (UNAVAILABLE" in out
+    assert not ran.exists()
+
+
+def test_submit_says_the_time_a_lease_has_left_or_the_state_of_a_task_that_ended(monkeypatch, capsys):
+    """`gpulb submit` printed "expires in 300 s" from lease_expires_at_ns -
+    placed_at_ns (the lease's length), also for a resubmitted id whose task
+    had long completed: now the time left from the wall clock, and the state
+    of a task that holds no lease."""
+    from coordinator import cli
+
+    now = time.time_ns()
+
+    class Stub:
+        def __init__(self, channel) -> None:
+            pass
+
+        def ScheduleTask(self, request, timeout):
+            return tpb.ScheduleTaskResponse(task=answer)
+
+    def submitted(task) -> str:
+        nonlocal answer
+        answer = task
+        assert main(["--coordinator", DEAD, "submit", "--id", "t", "--vram-gib", "1"]) == 0
+        return capsys.readouterr().out
+
+    answer = None
+    monkeypatch.setattr(cli.tpb_grpc, "SchedulerStub", Stub)
+    placed = tpb.Assignment(node_id="n", gpu_index=[0], gpu_uuid=["GPU-0"], lease_id="L1",
+                            placed_at_ns=now - 200 * 10**9, lease_expires_at_ns=now + 100 * 10**9)
+    out = submitted(tpb.Task(spec=tpb.TaskSpec(task_id="t"), state=tpb.TASK_STATE_LEASED, assignment=placed))
+    assert "lease L1, expires in 100 s; GPU uuids GPU-0" in out or "lease L1, expires in 99 s" in out, out
+    out = submitted(tpb.Task(spec=tpb.TaskSpec(task_id="t"), state=tpb.TASK_STATE_COMPLETED, assignment=placed,
+                             finished_at_ns=now - 60 * 10**9))
+    assert "no lease: the task is completed, 60 s ago; it ran on GPU uuids GPU-0" in out, out
+    assert "expires" not in out and "lease L1" not in out
 
 
 def test_the_entry_point_exits_2_without_a_traceback():

@@ -211,44 +211,138 @@ async def test_gpulb_advisor_execute_carries_a_plan_out_and_the_load_evens(tmp_p
 
         await until(even, what="both GPUs near 45 %")
 
-        # the same move again, with the lease it no longer holds: refused,
-        # and the restart command is run in place, under the old lease
+        # the same move again, with the lease it no longer holds (a stale plan:
+        # the task runs on sim-02 under another lease): nothing runs, neither the
+        # checkpoint (it would stop the task) nor a restart on sim-01 under the
+        # lease that is over (before: restarted there, a second copy gpulb no
+        # longer accounted for)
         from coordinator.executor import PlanExecutor
         from protos import advisor_pb2 as apb
 
-        stale = apb.RebalancePlan(plan_id=99, moves=[apb.Migration(
-            task_id=outcome["task_id"], lease_id=before["GPULB_LEASE_ID"], from_node_id="sim-01", from_gpu_index=0,
-            from_gpu_uuid=before["GPULB_FROM_GPU_UUID"], to_node_id="sim-02", to_gpu_index=0,
-            to_gpu_uuid=after["GPULB_TO_GPU_UUID"])])
+        def move(plan_id: int, lease_id: str, src: tuple[str, str], dst: tuple[str, str]) -> apb.RebalancePlan:
+            return apb.RebalancePlan(plan_id=plan_id, moves=[apb.Migration(
+                task_id=outcome["task_id"], lease_id=lease_id, from_node_id=src[0], from_gpu_index=0,
+                from_gpu_uuid=src[1], to_node_id=dst[0], to_gpu_index=0, to_gpu_uuid=dst[1])])
 
-        def run(checkpoint: list[str]):
+        on_01, on_02 = ("sim-01", before["GPULB_FROM_GPU_UUID"]), ("sim-02", after["GPULB_TO_GPU_UUID"])
+        stale = move(99, before["GPULB_LEASE_ID"], on_01, on_02)
+
+        def run(plan: apb.RebalancePlan, checkpoint: list[str] | None = None, restart: list[str] | None = None):
+            ckpt = [sys.executable, "-c", record, str(checkpoints)] if checkpoint is None else checkpoint
+            again = [sys.executable, "-c", record, str(restarts)] if restart is None else restart
             with grpc.insecure_channel(target) as sync:
-                return PlanExecutor(tpb_grpc.SchedulerStub(sync), checkpoint=checkpoint,
-                                    restart=[sys.executable, "-c", record, str(restarts)]).execute(stale)
+                return PlanExecutor(tpb_grpc.SchedulerStub(sync), checkpoint=ckpt, restart=again).execute(plan)
 
-        (refused,) = await asyncio.to_thread(run, [])
-        assert refused.outcome == "refused" and "FAILED_PRECONDITION" in refused.detail
-        in_place = json.loads(restarts.read_text().splitlines()[-1])
-        assert in_place["GPULB_TO_NODE"] == "sim-01" and in_place["GPULB_LEASE_ID"] == before["GPULB_LEASE_ID"]
-        # a checkpoint that fails skips the move: nothing else runs
-        (skipped,) = await asyncio.to_thread(run, [sys.executable, "-c", "raise SystemExit('disk full')"])
+        def ran() -> tuple[int, int]:
+            return len(checkpoints.read_text().splitlines()), len(restarts.read_text().splitlines())
+
+        (skipped_stale,) = await asyncio.to_thread(run, stale)
+        assert skipped_stale.outcome == "stale", skipped_stale
+        assert (f"stale plan: the task holds lease {outcome['lease_id']} on sim-02:0 now, "
+                f"not the plan's lease {before['GPULB_LEASE_ID']}") in skipped_stale.detail
+        assert skipped_stale.lease_id == outcome["lease_id"] and ran() == (1, 1)
+        # a checkpoint that fails skips a current move: nothing else runs
+        current = move(101, outcome["lease_id"], on_02, on_01)
+        (skipped,) = await asyncio.to_thread(run, current, [sys.executable, "-c", "raise SystemExit('disk full')"])
         assert skipped.outcome == "skipped" and "exited 1: disk full" in skipped.detail
-        assert len(restarts.read_text().splitlines()) == 2
+        assert ran() == (1, 1)
+        # a current move the coordinator refuses (the destination is no GPU of it):
+        # the task still holds its lease on sim-02, so it restarts there, under that lease
+        (refused,) = await asyncio.to_thread(run, move(102, outcome["lease_id"], on_02, ("sim-01", "GPU-nowhere")))
+        assert refused.outcome == "refused" and "not restarted" not in refused.detail, refused
+        assert refused.lease_id == outcome["lease_id"] and ran() == (2, 2)
+        in_place = json.loads(restarts.read_text().splitlines()[-1])
+        assert in_place["GPULB_TO_NODE"] == "sim-02" and in_place["GPULB_LEASE_ID"] == outcome["lease_id"]
+        assert in_place["GPULB_TO_GPU_UUID"] == after["GPULB_TO_GPU_UUID"]
         # a move made whose restart fails: said so (the CLI exits 1 on it), the lease is on the new GPU
-        back = apb.RebalancePlan(plan_id=100, moves=[apb.Migration(
-            task_id=outcome["task_id"], lease_id=outcome["lease_id"], from_node_id="sim-02", from_gpu_index=0,
-            from_gpu_uuid=after["GPULB_TO_GPU_UUID"], to_node_id="sim-01", to_gpu_index=0,
-            to_gpu_uuid=before["GPULB_FROM_GPU_UUID"])])
-
-        def run_back():
-            with grpc.insecure_channel(target) as sync:
-                return PlanExecutor(tpb_grpc.SchedulerStub(sync),
-                                    restart=[sys.executable, "-c", "raise SystemExit(4)"]).execute(back)
-
-        (failed,) = await asyncio.to_thread(run_back)
+        (failed,) = await asyncio.to_thread(run, current, [], [sys.executable, "-c", "raise SystemExit(4)"])
         assert failed.outcome == "restart failed" and "exited 4" in failed.detail
         now = await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))
         assert now.assignment.node_id == "sim-01" and now.assignment.lease_id == failed.lease_id
+        # the task is cancelled while its checkpoint runs: MigrateTask refuses the
+        # move, and the task, which holds no lease now, is not restarted
+        cancel = (f"import subprocess, sys; subprocess.run([sys.executable, '-m', 'coordinator.cli', '--coordinator', "
+                  f"'{target}', 'cancel', '{outcome['task_id']}'], check=True)")
+        (gone,) = await asyncio.to_thread(run, move(103, failed.lease_id, on_01, on_02), [sys.executable, "-c", cancel])
+        assert gone.outcome == "refused" and "; not restarted: the task is cancelled" in gone.detail, gone
+        assert gone.lease_id == "" and ran() == (2, 2)
+        # ... and a plan made before the cancel is stale: nothing runs
+        (cancelled,) = await asyncio.to_thread(run, move(104, failed.lease_id, on_01, on_02))
+        assert cancelled.outcome == "stale" and "stale plan: the task is cancelled" in cancelled.detail, cancelled
+        assert cancelled.lease_id == "" and ran() == (2, 2)
+        assert (await sched.GetTask(tpb.GetTaskRequest(task_id=outcome["task_id"]))).state == tpb.TASK_STATE_CANCELLED
+
+
+class _Refusal(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Scheduler:
+    """A Scheduler stub answering GetTask from a script (a Task or an error
+    each call) and refusing every MigrateTask."""
+
+    def __init__(self, *answers) -> None:
+        self.answers = list(answers)
+        self.migrations = 0
+
+    def GetTask(self, request, timeout):
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def MigrateTask(self, request, timeout):
+        self.migrations += 1
+        raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, "destination no longer fits")
+
+
+def test_the_executor_never_checkpoints_or_restarts_on_doubt(tmp_path):
+    """GetTask failing, before the checkpoint or after a refusal, leaves the
+    task alone: no checkpoint of a task not known to hold the plan's lease, no
+    restart in place of one not known to hold it still."""
+    import sys
+
+    from coordinator.executor import PlanExecutor
+    from protos import advisor_pb2 as apb
+
+    plan = apb.RebalancePlan(plan_id=5, moves=[apb.Migration(
+        task_id="t1", lease_id="L1", from_node_id="a", from_gpu_index=0, from_gpu_uuid="GPU-a",
+        to_node_id="b", to_gpu_index=1, to_gpu_uuid="GPU-b")])
+    leased = tpb.Task(spec=tpb.TaskSpec(task_id="t1"), state=tpb.TASK_STATE_LEASED,
+                      assignment=tpb.Assignment(node_id="a", gpu_index=[0], gpu_uuid=["GPU-a"], lease_id="L1"))
+    down = _Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused")
+    ran = tmp_path / "ran"
+
+    def execute(stub: _Scheduler):
+        touch = [sys.executable, "-c", f"open({str(ran)!r}, 'a').write('x')"]
+        return PlanExecutor(stub, checkpoint=touch, restart=touch).execute(plan)
+
+    stub = _Scheduler(down)
+    (unchecked,) = execute(stub)
+    assert unchecked.outcome == "unchecked" and stub.migrations == 0 and not ran.exists(), unchecked
+    assert unchecked.detail.startswith("GetTask failed (UNAVAILABLE: connection refused), so whether the task "
+                                       "still holds lease L1 is unknown; the move was not tried")
+    # refused, then GetTask fails: the checkpoint ran (the task was leased), no restart
+    stub = _Scheduler(leased, down)
+    (refused,) = execute(stub)
+    assert refused.outcome == "refused" and stub.migrations == 1 and ran.read_text() == "x", refused
+    assert refused.detail == ("FAILED_PRECONDITION: destination no longer fits; not restarted: GetTask failed "
+                              "(UNAVAILABLE: connection refused), so whether the task still holds lease L1 is unknown")
+    # refused, and the task still holds the lease on its GPU: restarted in place
+    (in_place,) = execute(_Scheduler(leased, leased))
+    assert in_place.outcome == "refused" and in_place.detail == "FAILED_PRECONDITION: destination no longer fits"
+    assert ran.read_text() == "xxx" and in_place.lease_id == "L1"
+    # a task the coordinator forgot (finished long ago) is a stale plan
+    (forgotten,) = execute(_Scheduler(_Refusal(grpc.StatusCode.NOT_FOUND, "no task 't1'")))
+    assert forgotten.outcome == "stale" and "the coordinator has no task 't1' any more" in forgotten.detail
+    assert ran.read_text() == "xxx"
 
 
 async def test_a_two_gpu_task_moves_whole_to_the_idle_host(tmp_path, capsys):

@@ -268,8 +268,8 @@ async def test_an_agent_refused_with_invalid_argument_stops_instead_of_retrying(
 
 async def test_gpulb_agent_exits_78_naming_the_refused_field(coord):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agent.main", "--coordinator", f"127.0.0.1:{coord.port}", "--node-id", "bad id!",
-        "--backend", "sim", "--sim-gpus", "1", "--log-format", "json",
+        sys.executable, "-m", "agent.main", "--coordinator", f"127.0.0.1:{coord.port}", "--node-id", "good-id",
+        "--label", "bad key!=x", "--backend", "sim", "--sim-gpus", "1", "--log-format", "json",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
@@ -279,7 +279,8 @@ async def test_gpulb_agent_exits_78_naming_the_refused_field(coord):
             await proc.wait()
     text = out.decode()
     assert proc.returncode == 78, text
-    assert '"event": "registration_refused"' in text and "register.node_id" in text and "INVALID_ARGUMENT" in text
+    # a label the coordinator refuses (a bad node id is refused at start: exit 2, test_agent_flags.py)
+    assert '"event": "registration_refused"' in text and "register.labels" in text and "INVALID_ARGUMENT" in text
     assert '"exit_code": 78' in text
 
 

@@ -649,3 +649,42 @@ def test_sighup_reload_refuses_a_bad_value_and_keeps_the_running_one(tmp_path: P
     path.write_text("[coordinator]\nlisten = '127.0.0.1:0'\ndispatch_interval_s = 0.25\n")
     daemon.reload()  # and a good one applies (the test can tell the difference)
     assert dispatcher.interval_s == 0.25 and daemon.settings.coordinator.dispatch_interval_s == 0.25
+
+
+def test_a_token_file_the_coordinator_cannot_use_is_named_with_where_it_came_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPULB_TOKEN_FILE is the gpulb CLI's client token file and, as
+    GPULB_<OPTION>, the coordinator's token_file too: exported for the CLI, it
+    stopped `gpulb-coordinator --insecure` with "flags/environment:
+    alice.token: not valid TOML", naming neither the variable nor the mix-up."""
+    import os
+
+    from coordinator import main as coordinator_main
+
+    monkeypatch.setattr(coordinator_main, "configure_logging", lambda *a, **k: None)  # leave logging as the tests have it
+    for name in [n for n in os.environ if n.startswith("GPULB_")]:
+        monkeypatch.delenv(name)
+    client_token = _write(tmp_path, "gpulb_Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5MGFiY2RlZmdoaWo\n", "alice.token")
+
+    def refused(*argv: str) -> str:
+        assert coordinator_main.main(["--insecure", *argv]) == 2
+        return capsys.readouterr().err
+
+    monkeypatch.setenv("GPULB_TOKEN_FILE", str(client_token))
+    err = refused()
+    assert f"token_file (from the environment variable GPULB_TOKEN_FILE): {client_token}: not valid TOML" in err, err
+    assert "the file looks like a client's bearer token (one line), not the coordinator's token digest file" in err
+    assert "GPULB_TOKEN_FILE is also the gpulb CLI's client token file" in err and "--token-file" in err
+    assert "env -u GPULB_TOKEN_FILE gpulb-coordinator" in err and "flags/environment" not in err
+
+    monkeypatch.delenv("GPULB_TOKEN_FILE")
+    err = refused("--token-file", str(client_token))
+    assert f"token_file (from the flag --token-file): {client_token}: not valid TOML" in err, err
+    assert "looks like a client's bearer token" in err and "GPULB_TOKEN_FILE" not in err
+
+    digests = _write(tmp_path, '[tokens."sha256:00"]\nrole = "admin"\n', "tokens.toml")
+    config = _write(tmp_path, f'[coordinator]\ntoken_file = "{digests}"\n')
+    err = refused("--config", str(config))
+    assert f"token_file (from token_file in the config file {config}): {digests}: tokens." in err, err
+    assert "client's bearer token" not in err and "GPULB_TOKEN_FILE" not in err

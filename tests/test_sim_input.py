@@ -178,6 +178,22 @@ def test_bad_flags(tmp_path, capsys, flags, fragment):
     assert fragment in err
 
 
+def test_scheduler_set_offers_only_what_it_takes(tmp_path, capsys):
+    """An unknown --scheduler-set option listed the [scheduler] table's every
+    option, policy and lease_s among them, which it then refused as set by
+    the simulator: the list leaves them out, and each refusal says why."""
+    code, out, err = simulate(tmp_path, capsys, f"{HEADER}\n{GOOD_ROW}\n", "--scheduler-set", "nonsense=1")
+    assert code == 2 and out == ""
+    offered = err.split("expected OPTION=VALUE with OPTION one of ", 1)[1].strip().split(", ")
+    assert "growth_room_wait_s" in offered and "policy" not in offered and "lease_s" not in offered, err
+    for option, why in (("policy=binpack", "set by the simulator (use --policy)"),
+                        ("lease_s=60", "set by the simulator (simulated leases never expire)")):
+        code, out, err = simulate(tmp_path, capsys, f"{HEADER}\n{GOOD_ROW}\n", "--scheduler-set", option)
+        assert code == 2 and f"--scheduler-set: {option!r}: {why}" in err, err
+    code, out, err = simulate(tmp_path, capsys, f"{HEADER}\n{GOOD_ROW}\n", "--scheduler-set", "growth_room_wait_s")
+    assert code == 2 and "'growth_room_wait_s': expected OPTION=VALUE" in err, err
+
+
 def test_max_tasks_replays_that_many(tmp_path, capsys):
     rows = "\n".join(f"t{i},{i},10,1,1000,0.5,P2,batch" for i in range(5))
     code, out, _ = simulate(tmp_path, capsys, f"{HEADER}\n{rows}\n", "--max-tasks", "2", "--json")
