@@ -121,6 +121,8 @@ def build_security(cfg) -> Security:
 class _Daemon:
     def __init__(self, settings: Settings, config_path: str | None, overrides: dict, security: Security) -> None:
         self.settings = settings
+        #: the settings the process started with: options that need a restart keep these
+        self.started = settings
         self.config_path = config_path
         self.overrides = overrides
         self.notifier = Notifier.from_environ(os.environ)
@@ -155,14 +157,14 @@ class _Daemon:
             log.error("reload_rejected", error=str(exc), kept="the running configuration")
             self.notifier.ready(status=f"reload rejected: {exc}")
             return
-        changes = diff_settings(self.settings, new)
-        applied, needs_restart = [], []
-        for name, old, value in changes:
+        def live(name: str) -> bool:
             section, _, option = name.partition(".")
-            if section in ("scheduler", "advisor") or option in LIVE_RELOADABLE:
-                applied.append((name, old, value))
-            else:
-                needs_restart.append(name)
+            return section in ("scheduler", "advisor") or option in LIVE_RELOADABLE
+
+        applied = [(name, old, value) for name, old, value in diff_settings(self.settings, new) if live(name)]
+        # against what runs, not the last reload: a listen address changed two
+        # reloads ago still differs from the port bound, and is said again
+        needs_restart = [name for name, _, _ in diff_settings(self.started, new) if not live(name)]
         try:
             self.coordinator.apply_settings(new.coordinator, new.scheduler, [n for n, _, _ in applied], advisor_config=new.advisor)
         except Exception as exc:  # a value valid in the file but refused live

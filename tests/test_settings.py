@@ -651,6 +651,39 @@ def test_sighup_reload_refuses_a_bad_value_and_keeps_the_running_one(tmp_path: P
     assert dispatcher.interval_s == 0.25 and daemon.settings.coordinator.dispatch_interval_s == 0.25
 
 
+def test_a_reload_keeps_saying_what_still_needs_a_restart(tmp_path: Path) -> None:
+    """restart_needed_for compares the file with what runs, not with the last
+    reload: a listen address changed two reloads ago is still not the port
+    bound, and the second reload's log had dropped it (QA pass 23)."""
+    import structlog
+
+    from coordinator.main import _Daemon
+    from coordinator.security import Security
+
+    path = _write(tmp_path, "[coordinator]\nlisten = '127.0.0.1:0'\n")
+    daemon = _Daemon(load_settings(path, {}, {}), str(path), {}, Security(insecure=True))
+    saved = structlog.get_config()
+    try:
+        path.write_text("[coordinator]\nlisten = '127.0.0.1:1'\n")
+        with structlog.testing.capture_logs() as logs:
+            daemon.reload()
+        [first] = [e for e in logs if e["event"] == "configuration_reloaded"]
+        assert first["restart_needed_for"] == ["coordinator.listen"]
+        path.write_text("[coordinator]\nlisten = '127.0.0.1:1'\ngrace_s = 3.0\ndispatch_interval_s = 0.25\n")
+        with structlog.testing.capture_logs() as logs:
+            daemon.reload()
+        [second] = [e for e in logs if e["event"] == "configuration_reloaded"]
+        assert sorted(second["restart_needed_for"]) == ["coordinator.grace_s", "coordinator.listen"]
+        assert list(second["changed"]) == ["coordinator.dispatch_interval_s"]
+        path.write_text("[coordinator]\nlisten = '127.0.0.1:0'\ndispatch_interval_s = 0.25\n")
+        with structlog.testing.capture_logs() as logs:
+            daemon.reload()  # the file back to what runs: nothing waits for a restart
+        [third] = [e for e in logs if e["event"] == "configuration_reloaded"]
+        assert third["restart_needed_for"] is None
+    finally:
+        structlog.configure(**saved)
+
+
 def test_a_token_file_the_coordinator_cannot_use_is_named_with_where_it_came_from(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
