@@ -85,9 +85,14 @@ class AgentStats:
 
 
 class Backoff:
-    """Full-jitter exponential backoff: the n-th wait is uniform in
-    [0, min(cap, base * 2**n)], so a restarted coordinator is not hit by every
-    agent at the same instant."""
+    """Equal-jitter exponential backoff: with bound = min(cap, base * 2**n),
+    the n-th wait (n from 0, back to 0 on ``reset``) is uniform in
+    [bound / 2, bound]. The random half spreads the agents, so a restarted
+    coordinator is not hit by every agent at the same instant; the fixed
+    half keeps a wait from coming out near zero, so an agent does not retry
+    a coordinator that is down in a tight loop. Once at the cap, a wait is
+    cap / 2 to cap (15-30 s with the defaults), however short the outage
+    that preceded it."""
 
     def __init__(self, base_s: float, cap_s: float, rng: random.Random) -> None:
         self.base_s, self.cap_s, self.rng = base_s, cap_s, rng

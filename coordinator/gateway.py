@@ -264,11 +264,15 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"node {node.node_id} was removed after missing heartbeats; reconnect and register again",
                 )
+            # Any message is a sign of life, as liveness counts it: the agent
+            # sends a Heartbeat only after an interval with nothing else to
+            # send, which its refresh deltas (every staleness_s / 2) forestall.
+            node.last_heartbeat_ns = time.time_ns()
             body = msg.WhichOneof("body")
             if body == "telemetry":
                 self._telemetry(msg.telemetry, session, node, now)
             elif body == "heartbeat":
-                node.last_heartbeat_ns = time.time_ns()
+                pass  # its whole content is the time it arrived, taken above
             elif body == "task_event":
                 if msg.task_event.kind not in pb.TaskEventKind.values():
                     raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, f"task_event.kind: unknown kind {msg.task_event.kind}")

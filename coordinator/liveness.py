@@ -16,7 +16,8 @@ Two independent attributes per node:
       UNREACHABLE  --keyframe_applied (stream open)-->  HEALTHY
       any but REMOVED  --silent > remove_after_intervals * interval + grace-->  REMOVED
 
-  "Silent" counts from the last message of any kind. REMOVED is final for
+  "Silent" counts from the last message of any kind, less any time the
+  coordinator itself did not run (``coordinator_stalled``). REMOVED is final for
   that registration: messages on the old stream are ignored and the node
   must register again (starting at CONNECTING). A closed stream
   (``disconnected``) is UNREACHABLE at once, since placements travel on that
@@ -45,6 +46,17 @@ disconnect) or the clock caused it; a sweep that finds a node silent past
 both deadlines emits HEALTHY -> UNREACHABLE and UNREACHABLE -> REMOVED, so a
 consumer never misses the step it keys on. The REMOVED event carries the
 node id: the scheduler reports that node's leased tasks lost.
+
+A stall of the coordinator itself (a stopped process, a frozen or migrating
+VM, a long GC pause, swapping, a blocked event loop) is not silence from the
+agents: their messages wait in the sockets, and after the stall the sweep's
+timer may fire before the read loops take them in. ``LivenessSweeper``
+notices its own sleep overrunning and tells the tracker, which then leaves
+that much time out of every node's silence (``coordinator_stalled``).
+
+``version`` bumps whenever what ``state``/``nodes`` show could have changed
+(a liveness transition, a new or forgotten node, an operator state), so a
+watcher can tell without comparing snapshots.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator
 
@@ -152,6 +165,9 @@ class _Node:
     keyframed: bool  # a keyframe was applied since the last register
     last_seen_s: float
     since_s: float
+    # time since last_seen_s in which the coordinator did not run, so could
+    # not have read the node's messages: not counted as silence
+    excused_s: float = 0.0
 
 
 class NodeLiveness:
@@ -181,6 +197,7 @@ class NodeLiveness:
         self.grace_s = float(grace_s)
         self._nodes: dict[str, _Node] = {}
         self._events: list[LivenessEvent] = []
+        self.version = 0  # bumps when a node's state as shown may have changed
 
     # ------------------------------------------------------------ internals
     def _get(self, node_id: str) -> _Node:
@@ -194,6 +211,7 @@ class NodeLiveness:
             self._events.append(LivenessEvent(node_id, node.liveness, new, at))
             node.liveness = new
             node.since_s = at
+            self.version += 1
 
     def _snapshot(self, node_id: str, node: _Node) -> NodeState:
         return NodeState(
@@ -216,11 +234,13 @@ class NodeLiveness:
             node = _Node(Liveness.CONNECTING, Admin.ACTIVE, True, False, now, now)
             self._nodes[node_id] = node
             self._events.append(LivenessEvent(node_id, None, Liveness.CONNECTING, now))
+            self.version += 1
         else:
             self._move(node_id, node, Liveness.CONNECTING, now)
             node.connected = True
             node.keyframed = False
             node.last_seen_s = now
+            node.excused_s = 0.0
         return self._snapshot(node_id, node)
 
     def keyframe_applied(self, node_id: str) -> NodeState:
@@ -231,6 +251,7 @@ class NodeLiveness:
         now = self._clock()
         node.keyframed = True
         node.last_seen_s = now
+        node.excused_s = 0.0
         self._move(node_id, node, Liveness.HEALTHY, now)
         return self._snapshot(node_id, node)
 
@@ -246,6 +267,7 @@ class NodeLiveness:
             return node.liveness
         now = self._clock()
         node.last_seen_s = now
+        node.excused_s = 0.0
         if node.liveness is Liveness.UNREACHABLE:
             self._move(node_id, node, Liveness.HEALTHY if node.keyframed else Liveness.CONNECTING, now)
         return node.liveness
@@ -262,6 +284,7 @@ class NodeLiveness:
     def _admin(self, node_id: str, admin: Admin) -> NodeState:
         node = self._get(node_id)
         node.admin = admin
+        self.version += 1
         return self._snapshot(node_id, node)
 
     def cordon(self, node_id: str) -> NodeState:
@@ -295,9 +318,27 @@ class NodeLiveness:
                 node.admin = admin
             else:
                 self._nodes[node_id] = _Node(Liveness.REMOVED, admin, False, False, now, now)
+        self.version += 1
         return bad
 
     # ------------------------------------------------------------ time
+    def coordinator_stalled(self, seconds: float) -> int:
+        """The coordinator did not run for ``seconds`` (measured by the
+        sweeper): no message could be read in that time, and the ones sent
+        wait in the sockets, so it does not count as any node's silence.
+        Every deadline moves out by it, but a node is never excused more than
+        the whole time since its last message (silence does not go below
+        zero and earn credit against the next one). Returns how many nodes it excused (all but the REMOVED)."""
+        if seconds <= 0:
+            return 0
+        now = self._clock()
+        excused = 0
+        for node in self._nodes.values():
+            if node.liveness is not Liveness.REMOVED:
+                node.excused_s = min(node.excused_s + seconds, max(0.0, now - node.last_seen_s))
+                excused += 1
+        return excused
+
     def sweep(self) -> list[LivenessEvent]:
         """Apply the silence deadlines; return every transition since the last sweep."""
         now = self._clock()
@@ -306,7 +347,7 @@ class NodeLiveness:
         for node_id, node in self._nodes.items():
             if node.liveness is Liveness.REMOVED:
                 continue
-            silent = now - node.last_seen_s
+            silent = now - node.last_seen_s - node.excused_s
             if silent > unreachable_after:
                 self._move(node_id, node, Liveness.UNREACHABLE, now)
             if silent > remove_after:
@@ -339,6 +380,7 @@ class NodeLiveness:
         if node.liveness is not Liveness.REMOVED:
             raise ValueError(f"{node_id} is {node.liveness.value}; only a REMOVED node is forgotten")
         del self._nodes[node_id]
+        self.version += 1
 
 
 def _effective(liveness: Liveness, admin: Admin) -> EffectiveState:
@@ -361,14 +403,35 @@ class LivenessSweeper:
     coroutine function; an exception from it is logged and the loop goes on,
     since one failing consumer must not stop liveness tracking. Events are
     handed over only when there are some.
+
+    Each sweep measures how late it is: the time from the end of the last
+    sweep, less ``interval_s``. The agents' read loops run on the same event
+    loop, so a sweep that comes more than one interval late means the
+    coordinator did not run (stopped, frozen, paused, or its loop blocked)
+    and read nothing for that long; that lateness goes to
+    ``NodeLiveness.coordinator_stalled`` before the deadlines are applied, and
+    is logged once as ``coordinator_stalled``. Lateness up to one interval is
+    ordinary scheduling jitter, which the tracker's grace absorbs.
+    ``clock`` measures the lateness: real time by default, since a stall is
+    real time the process did not run (the tracker's clock may be a manual
+    one whose jumps are the passing of time under test, not stalls).
     """
 
-    def __init__(self, liveness: NodeLiveness, on_events: EventSink, interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        liveness: NodeLiveness,
+        on_events: EventSink,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
         self.liveness = liveness
         self.on_events = on_events
         self.interval_s = float(interval_s)
+        self.clock = clock
+        self._last_sweep_end: float | None = None  # on ``clock``
+        self.stalls = 0  # stalls detected, for tests and metrics
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -378,6 +441,7 @@ class LivenessSweeper:
     def start(self) -> None:
         if self._task is not None:
             raise RuntimeError("LivenessSweeper already started")
+        self._last_sweep_end = None  # time before the start is no stall
         self._task = asyncio.get_running_loop().create_task(self._run(), name="liveness-sweeper")
 
     async def stop(self) -> None:
@@ -397,16 +461,27 @@ class LivenessSweeper:
 
     async def sweep_once(self) -> list[LivenessEvent]:
         """One sweep and delivery, as the loop does it (also for tests)."""
-        events = self.liveness.sweep()
-        if events:
-            try:
-                result = self.on_events(events)
-                if inspect.isawaitable(result):
-                    await result
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("liveness_consumer_failed", events_dropped=len(events))
+        if self._last_sweep_end is not None:
+            late_s = self.clock() - self._last_sweep_end - self.interval_s
+            if late_s > self.interval_s:
+                self.stalls += 1
+                excused = self.liveness.coordinator_stalled(late_s)
+                log.warning("coordinator_stalled", stalled_s=round(late_s, 3), nodes_excused=excused)
+        try:
+            events = self.liveness.sweep()
+            if events:
+                try:
+                    result = self.on_events(events)
+                    if inspect.isawaitable(result):
+                        await result
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("liveness_consumer_failed", events_dropped=len(events))
+        finally:
+            # from the end of delivery: a consumer that awaits leaves the loop free
+            # to read the agents' messages, so its time is no stall
+            self._last_sweep_end = self.clock()
         return events
 
     async def _run(self) -> None:

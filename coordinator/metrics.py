@@ -100,10 +100,14 @@ class _ViewCollector:
             return smoothed[name][rows] if name in smoothed and rows.size else nan
 
         out: list[str] = []
+        # "/ 100.0", not "* 0.01": 0.01 is not exact in binary, so 57 * 0.01
+        # wrote 0.5700000000000001; a division is rounded once, to the double
+        # nearest util/100, which repr writes as 0.57 (whole percents on the
+        # wire). Same cost per column.
         for metric, doc, values in (
-            ("gpulb_gpu_utilization_ratio", "GPU busy share from the last reading (0-1)", column("util_gpu_pct") * 0.01),
+            ("gpulb_gpu_utilization_ratio", "GPU busy share from the last reading (0-1)", column("util_gpu_pct") / 100.0),
             ("gpulb_gpu_utilization_smoothed_ratio", "Anomaly-filtered EWMA of GPU busy share (0-1)",
-             kept("util_gpu_pct") * 0.01),
+             kept("util_gpu_pct") / 100.0),
             ("gpulb_gpu_memory_used_bytes", "Device memory in use, last reading", column("memory_used_mib") * _MIB),
             ("gpulb_gpu_memory_used_smoothed_bytes", "Anomaly-filtered EWMA of device memory in use",
              kept("memory_used_mib") * _MIB),

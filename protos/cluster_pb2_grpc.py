@@ -93,7 +93,10 @@ class ClusterOperatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchView(self, request, context):
-        """A snapshot now, then one update per interval while the view changes.
+        """A snapshot now, then an update (at most one per min_interval_ms) whenever
+        readings or a node's state change, and at least every
+        max(min_interval_ms, staleness_s / 2) though nothing does, so the ages and
+        stale flags shown keep moving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -379,3 +379,80 @@ def test_sweep_once_returns_what_it_delivered() -> None:
 
     returned, got = asyncio.run(scenario())
     assert moves(returned) == moves(got) == [("n1", None, C)]
+
+
+# ------------------------------------------------------------------ coordinator stalls
+def test_a_coordinator_stall_is_not_silence_and_the_deadlines_resume_after_it() -> None:
+    """Time the coordinator did not run moves every deadline out by as much:
+    a node heard just before a 35 s stall stays HEALTHY, and goes
+    UNREACHABLE only once it has been silent for an interval plus grace of
+    time the coordinator did run."""
+    clock, lv = make(grace_s=1.0)
+    healthy_node(lv, "n1")
+    clock.advance(35.0)
+    assert lv.coordinator_stalled(35.0) == 1
+    assert lv.sweep() == [] and lv.state("n1").liveness is H
+    clock.advance(11.0)  # 11 s of running time: exactly interval + grace
+    assert lv.sweep() == []
+    clock.advance(0.5)
+    assert moves(lv.sweep()) == [("n1", H, U)]
+
+
+def test_a_stall_excuses_no_more_than_a_nodes_silence_and_a_message_ends_the_excuse() -> None:
+    """An excuse is never credit against later silence: a node silent 5 s
+    when a 100 s stall is reported is owed 5 s, and a message clears it."""
+    clock, lv = make(grace_s=1.0)
+    healthy_node(lv, "short")
+    healthy_node(lv, "spoke")
+    clock.advance(5.0)
+    lv.coordinator_stalled(100.0)
+    clock.advance(11.5)
+    assert moves(lv.sweep()) == [("short", H, U), ("spoke", H, U)]
+    lv.seen("spoke")  # back to HEALTHY; its excuse is spent
+    assert [(e.node_id, e.new) for e in lv.sweep()] == [("spoke", H)]
+    clock.advance(11.5)
+    assert moves(lv.sweep()) == [("spoke", H, U)]
+
+
+def test_removed_nodes_are_not_excused_and_an_empty_stall_changes_nothing() -> None:
+    clock, lv = make()
+    healthy_node(lv, "gone")
+    clock.advance(31.0)
+    lv.sweep()
+    assert lv.coordinator_stalled(10.0) == 0 and lv.coordinator_stalled(0.0) == 0
+    assert lv.state("gone").liveness is R
+
+
+def test_sweeper_takes_its_own_lateness_for_a_stall_and_logs_it_once() -> None:
+    """The sweeper's sleep overran by 34 s (the process was stopped): the
+    node's messages wait in its socket, so the sweep on waking must not
+    find it silent. The stall is logged once; sweeps on time after it are
+    not stalls, and a node that really went quiet still times out."""
+    from structlog.testing import capture_logs
+
+    async def scenario() -> tuple[list, list, LivenessSweeper]:
+        clock, lv = make(grace_s=1.0)
+        got: list[LivenessEvent] = []
+        sweeper = LivenessSweeper(lv, got.extend, interval_s=1.0, clock=clock)
+        lv.register("n1")
+        lv.keyframe_applied("n1")
+        await sweeper.sweep_once()  # at 1000.0
+        got.clear()
+        with capture_logs() as logs:
+            clock.advance(35.0)  # stopped from 1001 to 1035: 34 s late
+            await sweeper.sweep_once()
+            assert got == [] and lv.state("n1").liveness is H
+            clock.advance(2.0)  # one interval late: scheduling jitter, no stall
+            await sweeper.sweep_once()
+            # no message after all: 1 s before the stall, 2 s after it so far
+            while not got:
+                clock.advance(1.0)
+                await sweeper.sweep_once()
+        return logs, got, sweeper
+
+    logs, got, sweeper = asyncio.run(scenario())
+    stalls = [entry for entry in logs if entry["event"] == "coordinator_stalled"]
+    assert [(s["stalled_s"], s["nodes_excused"], s["log_level"]) for s in stalls] == [(34.0, 1, "warning")]
+    assert sweeper.stalls == 1
+    # 1 + 2 s silent before the loop, then 9 s more: 12 s > interval + grace
+    assert moves(got) == [("n1", H, U)] and got[0].at == 1000.0 + 35.0 + 2.0 + 9.0

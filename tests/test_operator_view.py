@@ -298,6 +298,112 @@ async def test_liveness_transitions_through_the_server_on_a_fake_clock():
         await coord.stop(grace_s=0.1)
 
 
+async def _healthy_raw_node(ch, coord: Coordinator, node_id: str = "quiet"):
+    """A node on a raw agent stream, HEALTHY after its keyframe, that sends
+    nothing more unless the test writes to the returned call."""
+    import numpy as np
+
+    from protos.codec import LOWER, TelemetryEncoder
+
+    call = pb_grpc.AgentGatewayStub(ch).Connect()
+    await call.write(_register(node_id))
+    v = np.maximum(LOWER, 1)[None, :]
+    env, _ = TelemetryEncoder([0]).encode(v, np.ones_like(v, bool), now_s=0, sampled_at_ns=0)
+    await call.write(pb.AgentMessage(telemetry=env))
+    await _until(lambda: coord.node_state(node_id) == cpb.NODE_STATE_HEALTHY, what="HEALTHY after keyframe")
+    return call
+
+
+async def test_a_stalled_coordinator_does_not_take_its_own_stall_for_silence():
+    """The coordinator process stops for 35 s (SIGSTOP, a frozen VM) while
+    its agents keep sending. On waking, the sweep's timer fires before the
+    read loops take in the waiting messages: the node must still be
+    HEALTHY, in the view and on its stream when they are read, not REMOVED
+    with its stream refused. The stall is the sweeper's own lateness, here
+    measured on the same manual clock as the silence."""
+    clock = ManualClock(1000.0)
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", heartbeat_interval_s=10.0), clock=clock)
+    coord._sweeper.clock = clock
+    port = await coord.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = await _healthy_raw_node(ch, coord)
+            await coord._sweeper.sweep_once()  # a sweep on time, at 1000.0
+            clock.advance(35.0)  # stopped: more than the three intervals that remove a node
+            assert await coord._sweeper.sweep_once() == []  # the timer runs first on waking
+            assert coord._sweeper.stalls == 1
+            assert coord.node_state("quiet") == cpb.NODE_STATE_HEALTHY and "quiet" in coord.view.nodes
+            await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat()))  # what waited in the socket
+            await _until(lambda: coord.liveness.state("quiet").last_seen_s == 1035.0, what="the waiting message read")
+            assert coord.node_state("quiet") == cpb.NODE_STATE_HEALTHY
+            assert coord.gateway.sessions.get("quiet") is not None  # its stream was not refused
+            # Silence while the coordinator runs still counts: swept once a
+            # second (on this clock a jump is a stall), the node is
+            # UNREACHABLE after an interval and grace of it.
+            for _ in range(11):
+                clock.advance(1.0)
+                assert await coord._sweeper.sweep_once() == []
+            clock.advance(1.0)
+            events = await coord._sweeper.sweep_once()
+            assert [(e.node_id, e.new.name) for e in events] == [("quiet", "UNREACHABLE")]
+            assert coord._sweeper.stalls == 1
+            call.cancel()
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def test_a_watcher_sees_a_silent_node_go_unreachable():
+    """A node's state comes from the liveness tracker, not the view: when a
+    silent node goes UNREACHABLE no reading changes, yet a watcher must be
+    told. (The staleness bound is long, so the periodic refresh cannot be
+    what sends the update.)"""
+    clock = ManualClock(1000.0)
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", heartbeat_interval_s=10.0, staleness_s=600.0), clock=clock)
+    port = await coord.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = await _healthy_raw_node(ch, coord)
+            watch = cpb_grpc.ClusterOperatorStub(ch).WatchView(cpb.WatchViewRequest(min_interval_ms=200))
+            first = await watch.read()
+            assert [(n.node_id, n.state) for n in first.nodes] == [("quiet", cpb.NODE_STATE_HEALTHY)]
+            view_version = coord.view.version
+            clock.advance(11.5)  # silent past interval + grace
+            update = await asyncio.wait_for(watch.read(), 20)
+            assert [(n.node_id, n.state) for n in update.nodes] == [("quiet", cpb.NODE_STATE_UNREACHABLE)]
+            assert update.nodes[0].reading_age_s == pytest.approx(11.5)
+            assert coord.view.version == view_version  # no reading moved: the state alone
+            watch.cancel()
+            call.cancel()
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+async def test_a_watcher_of_a_quiet_node_sees_its_readings_age_and_go_stale():
+    """Nothing changes in the view or in any node's state, yet the ages and
+    stale flags a watcher shows must not freeze: an update at least every
+    half staleness bound (0.5 s here)."""
+    clock = ManualClock(1000.0)
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", heartbeat_interval_s=10.0, staleness_s=1.0), clock=clock)
+    port = await coord.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = await _healthy_raw_node(ch, coord)
+            watch = cpb_grpc.ClusterOperatorStub(ch).WatchView(cpb.WatchViewRequest(min_interval_ms=200))
+            first = await watch.read()
+            assert not first.nodes[0].stale and first.nodes[0].reading_age_s == pytest.approx(0.0)
+            versions = (coord.view.version, coord.liveness.version)
+            clock.advance(2.0)  # past the staleness bound, well within the heartbeat interval
+            update = await asyncio.wait_for(watch.read(), 20)
+            node = update.nodes[0]
+            assert (node.state, node.stale, node.reading_age_s) == (cpb.NODE_STATE_HEALTHY, True, pytest.approx(2.0))
+            assert all(g.stale for g in update.gpus)
+            assert (coord.view.version, coord.liveness.version) == versions
+            watch.cancel()
+            call.cancel()
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
 @contextlib.asynccontextmanager
 async def _nvml_host(nv):
     """A coordinator on a loopback port and one agent, "gpu-host", on the NVML
@@ -541,7 +647,8 @@ async def test_watchers_share_one_update():
     assert op.view_update("", False) == (version, first) and op.builds == 1
     clock.advance(op.SHARE_S)
     newer_version, newer = op.view_update("", False)
-    assert op.builds == 2 and newer_version == version + 1 and newer is not first and newer.at_ns >= first.at_ns
+    assert op.builds == 2 and newer_version == (version[0] + 1, version[1]) and newer is not first
+    assert newer.at_ns >= first.at_ns
     # other nodes or other values: their own update
     node_id = sorted(coord.view.nodes)[1]
     _, one_node = op.view_update(node_id, False)
@@ -552,6 +659,30 @@ async def test_watchers_share_one_update():
     coord.view.version += 1
     op.view_update("", False)
     assert set(op._updates) == {("", False)}
+
+
+async def test_a_watchers_update_is_rebuilt_when_a_node_changes_state_or_grows_old():
+    """A node's state is the liveness tracker's, not the view's: a change of
+    it makes a new update though no reading moved. And a watcher that asks
+    for one no older than max_age_s gets a new build once the shared one is
+    older, so the ages it shows do not freeze."""
+    coord = _populated(2)
+    clock = ManualClock(50.0)
+    op = type(coord.operator)(coord, clock=clock)
+    version, first = op.view_update("", False)
+    node_id = sorted(coord.view.nodes)[0]
+    clock.advance(op.SHARE_S)
+    coord.liveness.disconnected(node_id)  # its stream closed: UNREACHABLE, no reading changed
+    newer_version, newer = op.view_update("", False)
+    assert newer is not first and newer_version == (version[0], version[1] + 1)
+    assert {n.node_id: n.state for n in newer.nodes}[node_id] == cpb.NODE_STATE_UNREACHABLE
+    clock.advance(4.0)
+    assert op.view_update("", False)[1] is newer  # nothing changed, and no age limit asked
+    assert op.view_update("", False, max_age_s=5.0)[1] is newer  # 4 s old: young enough
+    clock.advance(1.0)
+    _, refreshed = op.view_update("", False, max_age_s=5.0)
+    assert refreshed is not newer and op.builds == 3
+    assert op.view_update("", False)[1] is refreshed  # shared with every watcher from then on
 
 
 async def test_concurrent_watchers_over_grpc_get_the_same_update():
@@ -642,6 +773,26 @@ async def test_per_gpu_values_are_written_as_the_text_format_reads_them():
     if shutil.which("promtool"):
         check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+async def test_utilization_ratio_is_written_as_the_percent_over_100_without_float_noise():
+    """Every whole percent on the wire goes out as its ratio and nothing
+    more: 57 % is "0.57", not 0.5700000000000001 (57 * 0.01)."""
+    from decimal import Decimal
+
+    from protos.fields import BY_NAME
+
+    coord = _populated(2)
+    rows = sorted(r for n in coord.view.nodes.values() for r in n.rows)
+    written: dict[int, set[str]] = {}
+    for pct in range(101):
+        coord.view.raw[rows, BY_NAME["util_gpu_pct"]] = pct
+        lines = [line for line in coord.metrics.exposition().decode().splitlines()
+                 if line.startswith("gpulb_gpu_utilization_ratio{")]
+        assert len(lines) == len(rows)
+        written[pct] = {line.rsplit(" ", 1)[1] for line in lines}
+    noisy = {pct: texts for pct, texts in written.items() if {Decimal(t) for t in texts} != {Decimal(pct) / 100}}
+    assert noisy == {}
 
 
 async def test_a_removed_node_stays_counted_as_removed_so_a_dead_agent_can_alert():

@@ -151,6 +151,37 @@ async def test_a_quiet_host_stays_fresh_though_its_readings_do_not_move():
         await coord.stop(grace_s=0.1)
 
 
+async def test_a_nodes_last_heartbeat_is_its_last_message_of_any_kind():
+    """Node.last_heartbeat_ns says when the node was last heard from, as
+    liveness counts it. With the default intervals a streaming agent never
+    needs a Heartbeat message (its telemetry comes more often), so any
+    message must set it, and each later one move it on."""
+    import time
+
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"))
+    port = await coord.start()
+    before_ns = time.time_ns()
+    agent = _agent("talker", port, seed=5, gpus=1)
+    task = asyncio.create_task(agent.run())
+
+    async def heard_ns(after_ns: int = 0):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            node = await cpb_grpc.ClusterOperatorStub(ch).GetNode(cpb.GetNodeRequest(node_id="talker"))
+        return node.last_heartbeat_ns if node.last_heartbeat_ns > after_ns else None
+
+    try:
+        await _eventually(lambda: _ready(port, 1), what="the GPU in the view")
+        first = await _eventually(heard_ns, what="last_heartbeat_ns set")
+        assert before_ns <= first <= time.time_ns()
+        later = await _eventually(lambda: heard_ns(first), what="last_heartbeat_ns moved on by a later message")
+        assert later <= time.time_ns()
+        assert agent.stats.heartbeats == 0  # telemetry alone set it
+    finally:
+        await agent.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await coord.stop(grace_s=0.1)
+
+
 async def _expect(value, wanted):
     got = await value
     return got if got == wanted else None
