@@ -853,6 +853,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """Help that says each option's default, where it has one worth saying
+    (not None, not a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and "%(default)" not in text
+                and action.default is not None and action.default is not False
+                and action.default is not argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="gpulb",
@@ -866,7 +879,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("GPULB_COORDINATOR", "127.0.0.1:50051"),
         help="HOST:PORT of the coordinator (env GPULB_COORDINATOR)",
     )
-    p.add_argument("--timeout", type=_TIMEOUT, default=10.0, help="RPC deadline, s (submit waits this long for a placement)")
+    p.add_argument("--timeout", type=_TIMEOUT, default=10.0, help="RPC deadline, s (submit waits this long for a placement; default 10)")
     p.add_argument("--ca-file", default=os.environ.get("GPULB_CA_FILE"), help="PEM CA of the coordinator's certificate: use TLS (env GPULB_CA_FILE)")
     p.add_argument("--token", default=os.environ.get("GPULB_TOKEN"), help="bearer token (env GPULB_TOKEN)")
     p.add_argument("--token-file", default=os.environ.get("GPULB_TOKEN_FILE"), help="file holding the bearer token (env GPULB_TOKEN_FILE)")
@@ -886,7 +899,8 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = sub.add_parser("nodes", help="list nodes")
     nodes.add_argument("--json", action="store_true")
 
-    top = sub.add_parser("top", help="a live, refreshing table of every GPU")
+    top = sub.add_parser("top", help="a live, refreshing table of every GPU",
+                         formatter_class=_ShowDefaults)
     top.add_argument("--node", help="only this node")
     top.add_argument("--interval", type=_number(float, 0, 86400, above=True), default=1.0, help="s between refreshes")
     top.add_argument("--iterations", type=_number(int, 0), default=0, help="stop after N refreshes (0 = until Ctrl-C)")
@@ -992,7 +1006,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("set-search", help="build the multi-GPU set search ahead of time (build [--out DIR]), or show how it runs (status)")
     add_demo_arguments(sub.add_parser("demo", help="run a coordinator and simulated agents on loopback, and balance a workload"))
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="benchmarks", formatter_class=_ShowDefaults)
     bench.add_argument(
         "what",
         choices=("wire", "ingest", "schedule"),

@@ -316,13 +316,18 @@ def write_cluster(nodes: Sequence[ClusterNode], out: str | os.PathLike[str] | IO
         emit(out)
 
 
+#: hosts in a generated cluster: ten times the largest cluster the benchmarks
+#: replay; 1e8 wrote rows for minutes before a replay could begin
+MAX_HOMOGENEOUS_HOSTS = 100_000
+
+
 def homogeneous(
     hosts: int, gpus: int, model: str = "RTX 4090", prefix: str = "node", nvlink: str = ""
 ) -> list[ClusterNode]:
     """``hosts`` nodes of ``gpus`` GPUs of one known model (e.g. 8 x 4 RTX 4090),
     with the ``nvlink`` of the cluster format on each (e.g. ``all``)."""
-    if hosts < 1 or not 1 <= gpus <= 64:
-        raise ValueError(f"need hosts >= 1 and 1..64 GPUs per host, got {hosts} x {gpus}")
+    if not 1 <= hosts <= MAX_HOMOGENEOUS_HOSTS or not 1 <= gpus <= 64:
+        raise ValueError(f"need 1..{MAX_HOMOGENEOUS_HOSTS:,} hosts and 1..64 GPUs per host, got {hosts} x {gpus}")
     m = lookup_model(model)
     if m is None:
         raise ValueError(f"unknown model {model!r}; known: {', '.join(KNOWN_MODELS)}")

@@ -1947,9 +1947,9 @@ def trace_main(argv: Sequence[str] | None = None) -> int:
     cconv.add_argument("--no-normalize-speed", action="store_true",
                        help="keep the table speeds (RTX 4090 = 1.0) instead of a mean of 1.0")
     homo = cl_sub.add_parser("homogeneous", help="N identical hosts")
-    homo.add_argument("--hosts", type=int, default=8)
-    homo.add_argument("--gpus", type=int, default=4)
-    homo.add_argument("--model", default="RTX 4090")
+    homo.add_argument("--hosts", type=int, default=8, help="hosts, 1..100,000 (default 8)")
+    homo.add_argument("--gpus", type=int, default=4, help="GPUs per host, 1..64 (default 4)")
+    homo.add_argument("--model", default="RTX 4090", help="a known GPU model (default RTX 4090)")
     homo.add_argument("--nvlink", default="", metavar="none|all|pairs|0-1;2-3",
                       help="each host's NVLink (the cluster format's nvlink column; default none)")
     homo.add_argument("out_csv")

@@ -410,3 +410,18 @@ def test_the_tasks_table_cuts_long_reasons_unless_wide():
     short = cli._task_rows([task], wide=False)[0][-1]
     assert len(short) == cli.REASON_COLUMN and short.endswith("…") and reason.startswith(short[:-1])
     assert cli._task_rows([task], wide=True)[0][-1] == reason
+
+
+def test_help_says_the_defaults_of_top_and_bench(capsys):
+    """`gpulb bench --help` listed --samples, --hosts, --duration... with no
+    default, and `gpulb cluster homogeneous` wrote 8 x 4 RTX 4090 unasked."""
+    for argv, needles in ((["top", "--help"], ["(default: 1.0)", "(default: 0)"]),
+                          (["bench", "--help"], ["(default: 600)", "(default: 2500)", "(default: 40.0)"]),
+                          (["--help"], ["default 10"]),
+                          (["cluster", "homogeneous", "--help"], ["(default 8)", "(default 4)", "(default RTX 4090)"])):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = " ".join(capsys.readouterr().out.split())
+        for needle in needles:
+            assert needle in out, (argv, needle)
+        assert "(default: None)" not in out and "(default: False)" not in out
