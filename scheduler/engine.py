@@ -132,6 +132,16 @@ class PolicyInfo:
     available: tuple[str, ...]
 
 
+
+def _kept_reason(node_id: str) -> str:
+    """The end of a barrier's reason while its node is held for it."""
+    return f"; node {node_id} is kept for it while gpulb's tasks there end"
+
+
+def _waits_reason(node_id: str) -> str:
+    """The end of a barrier's reason while a more urgent barrier holds a node."""
+    return f"; node {node_id} is chosen for it, to be kept once no more urgent task is waiting for a node"
+
 class Scheduler:
     """Queue, place, lease and track tasks (see module docstring)."""
 
@@ -447,6 +457,7 @@ class Scheduler:
             can_hold,
             stuck if self.config.preemption and (due or self._nominations) else None,
         )
+        self._say_which_node_is_kept()
         # at the head of their classes, in the order they were first submitted
         # (as Kubernetes re-queues a preempted pod by its first attempt)
         self._queue.push_front(sorted(self._evicted, key=lambda t: t.submitted_at), now)
@@ -846,11 +857,33 @@ class Scheduler:
         kept_for_it = self._held_nodes.get(task.task_id)
         if kept_for_it is not None:
             # why that node is quiet, for the operator reading the queue
-            reason = f"{reason}; node {kept_for_it} is kept for it while gpulb's tasks there end"
+            # as the last drain left it (_say_which_node_is_kept puts it right after this one)
+            last_head = self._queue.head_barrier
+            held = _kept_reason if last_head is None or last_head == task.task_id else _waits_reason
+            reason = f"{reason}{held(kept_for_it)}"
         if task.reason != reason:
             task.reason = reason
             self._changed(task)
         return Outcome.BLOCKED if view.any_room() else Outcome.EXHAUSTED
+
+    def _say_which_node_is_kept(self) -> None:
+        """Only the most urgent barrier of a drain holds its node; the others
+        keep their choice for when they are the most urgent. Their reasons,
+        written when offered, said "is kept for it" of a node another task was
+        then placed on (QA): say it of the head alone."""
+        head = self._queue.head_barrier
+        for task_id, node_id in self._held_nodes.items():
+            task = self._tasks.get(task_id)
+            if task is None or task.state is not TaskState.QUEUED:
+                continue
+            kept, waits = _kept_reason(node_id), _waits_reason(node_id)
+            base = task.reason
+            for said in (kept, waits):
+                base = base.removesuffix(said)
+            reason = base + (kept if task_id == head else waits)
+            if reason != task.reason:
+                task.reason = reason
+                self._changed(task)
 
     def next_decision_at(self) -> float | None:
         """When the next decision that waits on time alone falls due (the

@@ -113,6 +113,9 @@ class AgingQueue:
         if len(promote_after_s) != CLASSES - 1 or any(not t > 0 for t in promote_after_s):
             raise ValueError("promote_after_s: one threshold > 0 for each of P1, P2, P3")
         self._weights = tuple(int(w) for w in weights)
+        #: the barrier that held a node at the end of the last drain (only the
+        #: most urgent one met does), None when none did
+        self.head_barrier: str | None = None
         # index = class; P0 never promotes
         self._promote_after = (math.inf, *(float(t) for t in promote_after_s))
         self._sla_s = float(sla_s)
@@ -367,6 +370,7 @@ class AgingQueue:
             for entry in entries[:last + 1]:
                 offered.add(entry.task.task_id)
                 if offer(entry) is Outcome.EXHAUSTED:
+                    self.head_barrier = head[1] if head is not None else None
                     return placed
         lists = [list(d.values()) for d in self._classes]
         pos = [0] * CLASSES
@@ -384,6 +388,7 @@ class AgingQueue:
                 continue
             if offer(entry) is Outcome.EXHAUSTED:
                 break
+        self.head_barrier = head[1] if head is not None else None
         return placed
 
     def is_barrier(self, task_id: str, now: float) -> bool:

@@ -441,3 +441,37 @@ def test_a_kind_whose_runs_scatter_around_their_estimates_gets_a_wider_margin():
     # a kind learned on other GPUs only (NaN here) keeps the factor's margin
     placed, _ = _backfill_eval_and_batch("gpu_overrun", eval=np.nan)
     assert placed == ["eval-400", "batch-400"]
+
+
+def test_only_the_most_urgent_barrier_is_said_to_have_its_node_kept():
+    """A P3 task past the backfill bound holds n0; then a P1 one, more
+    urgent, holds n1, and from then on only it fences its node (the queue
+    keeps one). The P3 task's reason had gone on saying "node n0 is kept for
+    it" while other work was placed on n0 (QA); it now says the node is
+    chosen for it, to be kept once no more urgent task waits, and says
+    "kept" again once it is the most urgent barrier."""
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(backfill_max_head_wait_s=10.0, backfill_max_skips=10_000,
+                                      promote_after_s=(1e6, 1e6, 1e6)), clock=clock)
+    snapshot = ClusterSnapshot.build([NodeFacts(f"n{i}", 1, labels={"host": f"n{i}"}) for i in range(2)])
+    for i in range(2):
+        sched.submit(_pinned(f"busy{i}", f"n{i}", vram_mib=16_384), snapshot)
+    assert len(sched.dispatch(snapshot)) == 2
+    whole = dict(kind="batch", vram_mib=16_384, gpu_share=1.0)
+    sched.submit(TaskSpec(task_id="bg", priority=Priority.P3, **whole), snapshot)
+    assert sched.dispatch(snapshot) == []
+    clock.now = 11.0
+    sched.dispatch(snapshot)
+    bg_node = sched._held_nodes["bg"]
+    assert sched.get("bg").reason.endswith(f"; node {bg_node} is kept for it while gpulb's tasks there end")
+    sched.submit(TaskSpec(task_id="urgent", priority=Priority.P1, **whole), snapshot)
+    sched.dispatch(snapshot)
+    clock.now = 22.0
+    sched.dispatch(snapshot)
+    assert sched._queue.head_barrier == "urgent" and "urgent" in sched._held_nodes
+    assert sched.get("urgent").reason.endswith(" is kept for it while gpulb's tasks there end")
+    assert sched.get("bg").reason.endswith(
+        f"; node {bg_node} is chosen for it, to be kept once no more urgent task is waiting for a node")
+    sched.cancel("urgent")
+    sched.dispatch(snapshot)
+    assert sched.get("bg").reason.endswith(f"; node {bg_node} is kept for it while gpulb's tasks there end")
