@@ -7,9 +7,12 @@ Definitions (every figure is computed from ``SimResult`` alone):
   memory queues again); over every task placed at least once, per spec
   priority class and overall: mean, p50, p95, p99.
 * **response time / JCT**: completion minus submission, completed tasks only.
-* **slowdown**: JCT / max(duration_s, 10 s), the reference duration being the
-  task alone on a speed-1.0 GPU; the 10 s floor keeps a 4-second task that
-  waited a minute from dominating the mean (the usual bounded slowdown).
+* **slowdown**: max(JCT, 10 s) / max(duration_s, 10 s), the reference
+  duration being the task alone on a speed-1.0 GPU: the bounded slowdown,
+  whose 10 s floor keeps a 4-second task that waited a minute from
+  dominating the mean, and applied to both terms, so a task shorter than it
+  that neither waited nor shared reads 1 (it read duration / 10 s), while
+  a task that a faster card finished sooner still reads below 1.
 * **utilisation**: true per-GPU utilisation, time-weighted over the run's
   window (``SimResult.window_s``, see ``scheduler.simulator``). ``util_mean``
   is the mean over GPUs; ``util_var`` / ``util_std`` the variance and standard
@@ -17,7 +20,7 @@ Definitions (every figure is computed from ``SimResult`` alone):
   time-mean of the instantaneous standard deviation across GPUs (imbalance
   at each moment, which per-GPU means average away).
 * **hottest**: the GPU (node) with the highest window-mean utilisation, and
-  the largest share of the window any GPU spent at 90 % or more.
+  the share of the window that GPU spent at 90 % or more.
 * **spread**: the largest load difference between GPUs, hottest minus
   coolest at each heat-map sample (``SimConfig.heatmap_samples`` evenly over
   the window); ``util_spread`` its mean over the samples, ``util_spread_p95``
@@ -29,10 +32,11 @@ Definitions (every figure is computed from ``SimResult`` alone):
   before it was learned from, over its last completions).
 * **oom_kills** (``oom_kills_alone``: of those, tasks alone on their GPUs,
   which outgrew the card by themselves: no placement among the cards they
-  fit on avoids those, only a bigger card; ``oom_kills_idle_room``: runs
-  that outgrew their own GPU while, when they were placed, some idle GPU
-  had the memory they went on to reach: the kills a placement knowing each
-  task's peak could have avoided without sharing a GPU; ``room_waits``:
+  fit on avoids those, only a bigger card; ``oom_kills_idle_room``: of
+  runs that outgrew their own GPU by themselves (a co-tenant's memory not
+  counted), those for which, when they were placed, some idle GPU had the
+  memory they went on to reach: the kills a placement knowing each task's
+  peak could have avoided without sharing a GPU; ``room_waits``:
   tasks that waited for a GPU with room for their kind's largest growth,
   ``room_waits_found``: of those, placed with it), **sla_misses** (P0
   tasks queued past the SLA, from the scheduler's own counter),
@@ -106,6 +110,10 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+#: s: the bounded slowdown's floor on both terms (module docstring)
+_SLOWDOWN_FLOOR_S = 10.0
+
+
 def figures(r: SimResult) -> dict[str, Any]:
     """Every figure of one run as a flat-ish dict (see the module docstring)."""
     recs = r.records
@@ -115,7 +123,7 @@ def figures(r: SimResult) -> dict[str, Any]:
     for c, name in enumerate(_CLASSES):
         wait[name] = _stats([x.wait_s for x in placed if x.priority == c])
     jct = _stats([x.jct_s for x in done])
-    slowdown = _stats([x.jct_s / max(x.duration_s, 10.0) for x in done])
+    slowdown = _stats([max(x.jct_s, _SLOWDOWN_FLOOR_S) / max(x.duration_s, _SLOWDOWN_FLOOR_S) for x in done])
     util = np.asarray(r.gpu_mean_util, dtype=np.float64)
     node_util = (
         np.bincount(r.gpu_node, weights=util, minlength=r.nodes) / np.maximum(np.bincount(r.gpu_node, minlength=r.nodes), 1)
@@ -143,7 +151,9 @@ def figures(r: SimResult) -> dict[str, Any]:
         "util_std_inst": r.util_std_time_mean,
         "hottest_gpu_util": float(util.max()) if util.size else math.nan,
         "hottest_node_util": float(node_util.max()) if node_util.size else math.nan,
-        "hottest_gpu_time_above_90": float(np.max(r.gpu_hot_share)) if r.gpu_hot_share.size else math.nan,
+        # the hottest GPU's (by its mean), as the row under it says, not any GPU's largest
+        "hottest_gpu_time_above_90": float(r.gpu_hot_share[int(np.argmax(util))]) if util.size and r.gpu_hot_share.size
+        else math.nan,
         "util_spread": float(spread.mean()) if spread.size else math.nan,
         "util_spread_p95": _pct(spread, 95),
         "util_spread_means": float(util.max() - util.min()) if util.size else math.nan,
@@ -428,7 +438,7 @@ def render(results: Sequence[SimResult], meta: dict | None = None) -> str:
     row("hottest GPU time >= 90 %", [fmt(100 * f["hottest_gpu_time_above_90"], 1, "%") for f in figs])
     row("OOM kills", [fmt(f["oom_kills"]) for f in figs])
     row("  of which alone on the GPU", [fmt(f["oom_kills_alone"]) for f in figs])
-    row("  an idle GPU had room when placed", [fmt(f["oom_kills_idle_room"]) for f in figs])
+    row("  outgrew its GPU, an idle one had room", [fmt(f["oom_kills_idle_room"]) for f in figs])
     if any(f["room_waits"] for f in figs):
         row("waits for room to grow / found it", [f"{f['room_waits']}/{f['room_waits_found']}" for f in figs])
     row("P0 SLA misses", [fmt(f["sla_misses"]) for f in figs])

@@ -96,8 +96,9 @@ utilisation over the *arrival window*: from the submission of the task at the
 first percentile (openb's first 1 % of tasks trickle in over 115 days, before
 the 34 busy ones) to the last submission (while the trace offers load; the
 drain-out after it says more about the trace's longest task than about
-placement). When every task is submitted at time 0 the window is
-``[0, makespan]``.
+placement). When the submissions have no spread (every task at time 0, or a
+burst at one instant T) the window runs from the first submission to the
+last completion. The makespan counts from the first submission too.
 
 Saturation (``saturate``). The FGD paper's measure: tasks arrive one after the
 other in trace order (cycling through the trace when it runs out) and never
@@ -725,10 +726,16 @@ class Simulation:
         self._visible_pending: set[float] = set()
         self._wakes: set[float] = set()  # times of pending _WAKE events
         last_submit = self.tasks[-1].submit_s if self.tasks else 0.0
-        self._window_end = last_submit if last_submit > 0 else None
         # the window opens at the first percentile of submissions (module docstring)
         first = self.tasks[len(self.tasks) // 100].submit_s if self.tasks else 0.0
-        self._window_start = first if self._window_end is not None and first < last_submit else 0.0
+        if first < last_submit:
+            self._window_start, self._window_end = first, last_submit
+        else:
+            # the load arrives at one instant (a burst, at 0 or later): from the
+            # first submission to the makespan. [0, T] for a burst at T held no
+            # work at all, and every utilisation figure read 0
+            self._window_start = self.tasks[0].submit_s if self.tasks else 0.0
+            self._window_end = None
         self._window_frozen: tuple | None = None
         self._window_opened: tuple | None = None
         self._heat_t: list[float] = []
@@ -763,10 +770,18 @@ class Simulation:
         for i, t in enumerate(self.tasks):
             self._push(t.submit_s, _SUBMIT, i)
         horizon = cfg.horizon_s if cfg.horizon_s is not None else math.inf
+        self._heat_step = 0.0  # while the window's end is the makespan, unknown yet
         if self._window_end is not None and cfg.heatmap_samples > 0:
             step = (self._window_end - self._window_start) / cfg.heatmap_samples
             for k in range(cfg.heatmap_samples + 1):
                 self._push(self._window_start + k * step, _SAMPLE, None)
+        elif self.tasks and cfg.heatmap_samples > 0:
+            # sampled on until the last task ends, at a step from a guess of
+            # the span (the longest task, or the work over the cluster's GPUs)
+            work = sum(t.duration_s * t.num_gpus for t in self.tasks) / max(self.G, 1)
+            span = max(max(t.duration_s for t in self.tasks), work) / max(min(self._speed, default=1.0), 1e-9)
+            self._heat_step = max(span / cfg.heatmap_samples, 1e-6)
+            self._push(self._window_start, _SAMPLE, None)
         if self.advisor is not None and self.tasks:
             self._push(self.tasks[0].submit_s + cfg.advisor_interval_s, _ADVISE, None)
         heap = self._heap
@@ -801,6 +816,8 @@ class Simulation:
                         self._push(t + cfg.advisor_interval_s, _ADVISE, None)
                 else:
                     self._sample()
+                    if self._heat_step > 0 and self._remaining > 0:
+                        self._push(t + self._heat_step, _SAMPLE, None)
             if need and self._queued:
                 self._dispatch()
             if self._progress is not None:
@@ -817,9 +834,13 @@ class Simulation:
         for run_id, (idx, _, _) in self._queued.items():
             if self.records[idx].state == "pending":
                 self.records[idx].state = "unfinished"
-        makespan = max((r.finish_s for r in self.records if r.finish_s == r.finish_s), default=0.0)
+        # from the first submission: a slice of a trace that starts late is not
+        # charged the time before its first task
+        last_finish = max((r.finish_s for r in self.records if r.finish_s == r.finish_s), default=0.0)
+        first_submit = self.tasks[0].submit_s if self.tasks else 0.0
+        makespan = max(0.0, last_finish - first_submit) if last_finish > 0 else 0.0
         if self._window_frozen is None:
-            self._freeze_window(self._window_end if self._window_end is not None else (makespan or end))
+            self._freeze_window(self._window_end if self._window_end is not None else (last_finish or end))
         win, mean_u, hot, std_mean = self._window_frozen  # type: ignore[misc]
         return SimResult(
             policy=self.policy,
@@ -1325,7 +1346,9 @@ class Simulation:
         gpus = len(run.rows)
         if self.tasks[run.idx].is_movable:
             self._resume[run.run_id] = (left, run.util)
-            self.preempted_work_s += self.cfg.migration_cost_s * gpus
+            # the restart redoes migration_cost_s at its GPU's speed: reference
+            # seconds, as run.done (the other branch) is
+            self.preempted_work_s += self.cfg.migration_cost_s * run.speed * gpus
         else:
             self.preempted_work_s += run.done * gpus
         self._queued[run.run_id] = (run.idx, run.ask, now)

@@ -83,12 +83,15 @@ into this format. Every mapping choice:
 * **gpu_milli -> gpu_share**: ``gpu_milli / 1000`` for single-GPU pods (values
   below 1000 are GPU sharing); multi-GPU pods always take whole GPUs
   (``gpu_milli`` is 1000 for all of them in openb), share 1.0.
-* **vram_mib** = ``gpu_share * 0.8 * 16384`` MiB per GPU. openb has no memory
+* **vram_mib** = ``gpu_share * 0.8 * 15360`` MiB per GPU. openb has no memory
   column and its GPU sharing splits a GPU's memory with its compute, so the
-  ask follows the share. The reference card is 16 GiB, the smallest in the
-  openb cluster (P100, T4, V100M16), so an unconstrained task fits every GPU
-  of that cluster; the factor 0.8 keeps a whole-GPU task (13,107 MiB) under
-  the scheduler's 85 % memory reject threshold of that card. On larger cards
+  ask follows the share. The reference card is the smallest in the openb
+  cluster, the T4 (15,360 MiB as NVML reports it; the P100 and V100M16 have
+  16,280 and 16,160), so an unconstrained task fits every GPU of that
+  cluster; the factor 0.8 keeps a whole-GPU task (12,288 MiB) under the
+  scheduler's 85 % memory reject threshold of that card. Until round 23 the
+  reference was 16 GiB (a whole-GPU ask of 13,107 MiB): 85.3 % of a T4, just
+  past the threshold, so openb's 808 T4s took only fractional tasks. On larger cards
   the memory filter alone would let two whole-GPU tasks share a GPU; the
   load-aware score is what keeps them apart while free GPUs exist. What a
   task *really* uses differs from this ask: the simulator draws it from the
@@ -166,7 +169,7 @@ OPENB_QOS: dict[str, tuple[Priority, str]] = {
     "Burstable": (Priority.P2, "batch"),
     "BE": (Priority.P3, "background"),
 }
-OPENB_REFERENCE_VRAM_MIB = 16_384.0  # smallest card of the openb cluster
+OPENB_REFERENCE_VRAM_MIB = 15_360.0  # the smallest card of the openb cluster: the T4
 OPENB_VRAM_FRACTION = 0.8  # of the reference card for a whole-GPU task
 _MOVABLE_KINDS = frozenset({"training", "batch", "background"})
 _TRUE = frozenset({"true", "1", "yes", "y", "t"})

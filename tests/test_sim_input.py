@@ -305,7 +305,7 @@ def test_trace_convert_reads_a_bom(tmp_path, capsys):
     out_csv = tmp_path / "trace.csv"
     code, _, err = run_cli(trace_main, ["trace", "convert", "openb", str(pods), str(out_csv)], capsys)
     assert code == 0, err
-    assert out_csv.read_text().splitlines()[1] == "p0,0,90,1,6553.6,0.5,P0,inference"
+    assert out_csv.read_text().splitlines()[1] == "p0,0,90,1,6144,0.5,P0,inference"
 
 
 def test_a_closed_pipe_ends_gpulb_simulate_quietly(tmp_path):

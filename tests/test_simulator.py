@@ -37,7 +37,7 @@ from scheduler.simulator import (
 )
 from scheduler.snapshot import NodeFacts
 from scheduler.task import Priority
-from scheduler.traces import TraceTask, convert_openb, scale_trace, write_trace
+from scheduler.traces import TraceTask, convert_openb, read_trace, scale_trace, write_trace
 
 VISIBLE = 2.4  # s from a release to the view showing it (see the module docstring)
 
@@ -563,7 +563,7 @@ def test_cluster_convert_and_trace_convert_commands(tmp_path):
     )
     trace = tmp_path / "trace.csv"
     assert trace_main(["trace", "convert", "openb", str(pods), str(trace), "--time-scale", "10"]) == 0
-    assert trace.read_text().splitlines()[1] == "p0,0,9,1,6553.6,0.5,P0,inference"
+    assert trace.read_text().splitlines()[1] == "p0,0,9,1,6144,0.5,P0,inference"  # 0.5 x 0.8 x 15,360 MiB (a T4)
     assert trace_main(["trace", "convert", "openb", str(tmp_path / "missing.csv"), str(trace)]) == 2
 
 
@@ -730,3 +730,71 @@ def test_a_p0_task_preempts_a_background_task_which_resumes_after_it():
     # preemption off: U waits for B's end
     r = run(tasks, ONE_4090, scheduler=SchedulerConfig(preemption=False))
     assert rec(r, "U").first_start_s == pytest.approx(1000 + VISIBLE) and r.preemptions == 0 and r.sla_misses == 1
+
+
+# ---- QA pass 23: figures checked against hand calculations ---------------------------------------
+
+
+def test_a_burst_after_time_zero_is_measured_from_its_submission_to_the_makespan():
+    """Both tasks at 5 s (a job array): the window was [0, 5], when nothing
+    ran, and every utilisation figure read 0. Now [5, 105]: GPU 0 at 50 % for
+    100 s, GPU 1 at 100 % for 50 s, both means 50 %; the heat map is sampled
+    over the run (the largest difference at each moment: 50 then 50 points)."""
+    tasks = [task("a", 5, 100, 1_000, share=0.5), task("b", 5, 50, 1_000, share=1.0)]
+    r = run(tasks, TWO_4090, policy="round_robin")
+    f = figures(r)
+    assert r.window_s == pytest.approx(100.0)
+    assert f["util_mean"] == pytest.approx(50.0, abs=0.5) and f["hottest_gpu_util"] == pytest.approx(50.0, abs=0.5)
+    assert f["makespan_s"] == pytest.approx(100.0)  # from the first submission, not from 0
+    assert f["throughput_per_h"] == pytest.approx(2 / (100.0 / 3600))
+    assert f["util_spread"] == pytest.approx(50.0, abs=3.0)  # was "-": no samples when every task came at once
+    assert len(r.heatmap) >= 10
+
+
+def test_the_hottest_gpus_time_above_90_is_that_gpus():
+    """GPU 0: 95 % for 50 s then idle (mean 47.5); GPU 1: 80 % for 100 s (mean
+    80, the hottest). The row under "hottest GPU mean util" is GPU 1's time at
+    90 % or more, 0; it printed GPU 0's 50 %."""
+    tasks = [task("u", 0, 50, 1_000, util=95.0), task("v", 0, 100, 1_000, util=80.0)]
+    r = run(tasks, TWO_4090, policy="round_robin")
+    f = figures(r)
+    assert f["hottest_gpu_util"] == pytest.approx(80.0, abs=0.5)
+    assert f["hottest_gpu_time_above_90"] == pytest.approx(0.0)
+
+
+def test_bounded_slowdown_is_1_for_a_short_task_that_neither_waited_nor_shared():
+    """A 4 s task alone on a speed-1 GPU read 0.4 (4 / max(4, 10)); a 60 s one
+    that waited 30 s behind another on the only GPU still reads (60 + 30 + the
+    2.4 s the view takes to see the GPU free) / 60."""
+    r = run([task("short", 0, 4, 1_000)], ONE_4090)
+    assert figures(r)["slowdown"]["mean"] == pytest.approx(1.0)
+    r = run([task("first", 0, 30, 15_000), task("then", 0, 60, 15_000)], ONE_4090, policy="round_robin")
+    waited = rec(r, "then")
+    assert waited.jct_s == pytest.approx(90 + VISIBLE)
+    assert figures(r)["slowdown"]["p95"] > 1.4
+
+
+def test_the_work_a_checkpointed_victim_redoes_is_in_reference_seconds():
+    """On a speed-2 GPU the 30 s restart redoes 60 reference-seconds of work
+    (as the run's own timing charges it); the figure said 30."""
+    fast = [ClusterNode("fast", 1, "NVIDIA GeForce RTX 4090", 24_564.0, 2.0)]
+    tasks = [task("B", 0, 1000, 15_000, priority=Priority.P3, kind="background"),
+             task("U", 10, 50, 15_000, priority=Priority.P0, kind="inference")]
+    r = run(tasks, fast)
+    assert r.preemptions == 1 and r.preempted_work_s == pytest.approx(60.0)
+
+
+def test_an_openb_whole_gpu_task_fits_every_openb_card_the_t4_too(tmp_path):
+    """The conversion's reference card is the smallest of the openb cluster,
+    the T4 (15,360 MiB): a whole-GPU ask is 12,288 MiB, 80 %, under the 85 %
+    memory threshold. At 16 GiB it was 13,107 MiB, 85.3 % of a T4: the 808 T4s
+    took only fractional tasks."""
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
+                    "p0,1000,1000,1,1000,,BE,Succeeded,0,100,0\n")
+    out = tmp_path / "trace.csv"
+    convert_openb(pods, out)
+    [converted] = read_trace(out)
+    assert converted.vram_mib == pytest.approx(12_288.0)
+    r = run([converted], homogeneous(1, 1, "T4"), policy="round_robin")
+    assert rec(r, "p0").state == "completed"
