@@ -532,6 +532,10 @@ class Agent:
                     self.config.heartbeat_interval_s = ack.heartbeat_interval_ms / 1000
                 if ack.refresh_interval_ms:
                     self.encoder.refresh_interval_s = ack.refresh_interval_ms / 1000
+                # One comes again when a reload changes the intervals: a round
+                # now sends the refresh or heartbeat the new ones make due,
+                # rather than after the rest of a wait timed by the old ones.
+                self._wake.set()
             elif body == "place":
                 place = getattr(self.backend, "place", None)
                 p = msg.place

@@ -45,6 +45,22 @@ _RESYNC_RETRY_S = 2.0
 _ACK_EVERY_S = 5.0
 
 
+def register_ack(config) -> pb.CoordinatorMessage:
+    """The intervals an agent runs by, from the coordinator's configuration
+    (``heartbeat_interval_s``, ``keyframe_interval_s``, ``staleness_s``): sent
+    when a stream registers and again on every open stream when a reload
+    changes one (``AgentGateway.send_register_acks``), so that what agents do
+    and the deadlines the coordinator holds them to come from one place."""
+    return pb.CoordinatorMessage(
+        register_ack=pb.RegisterAck(
+            heartbeat_interval_ms=int(config.heartbeat_interval_s * 1000),
+            keyframe_interval_ms=int(config.keyframe_interval_s * 1000),
+            # twice per staleness bound, so one late envelope is not "stale"
+            refresh_interval_ms=max(100, int(config.staleness_s * 500)),
+        )
+    )
+
+
 async def _cancel(task: asyncio.Task | None) -> None:
     if task is None or task.done():
         return
@@ -161,16 +177,7 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                 previous.superseded.set()
             self.sessions[node_id] = session
             node = self.coordinator.node_registered(first.register, session)
-            session.send(
-                pb.CoordinatorMessage(
-                    register_ack=pb.RegisterAck(
-                        heartbeat_interval_ms=int(self.coordinator.config.heartbeat_interval_s * 1000),
-                        keyframe_interval_ms=int(self.coordinator.config.keyframe_interval_s * 1000),
-                        # twice per staleness bound, so one late envelope is not "stale"
-                        refresh_interval_ms=max(100, int(self.coordinator.config.staleness_s * 500)),
-                    )
-                )
-            )
+            session.send(register_ack(self.coordinator.config))
             # what the host runs against what is leased there: a release or
             # placement sent while its stream was down is not lost
             self.coordinator.dispatcher.reconcile_node(node_id, set(first.register.running_task_ids),
@@ -207,6 +214,15 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
             if session is not None and self.sessions.get(session.node_id) is session:
                 del self.sessions[session.node_id]
                 self.coordinator.node_disconnected(session.node_id)
+
+    def send_register_acks(self) -> int:
+        """Tell every open stream the intervals of the configuration as it is
+        now (a reload changed one): an agent applies a RegisterAck whenever
+        one comes, not only at registration. Returns the streams told; one
+        whose outbox is full is not (it is stuck, and its node goes
+        UNREACHABLE on its own)."""
+        message = register_ack(self.coordinator.config)
+        return sum(session.send(message) for session in list(self.sessions.values()))
 
     def alive_window_s(self) -> float:
         """A stream heard from within this long is alive: the heartbeat

@@ -18,6 +18,11 @@ the same node in the tick; the node's stream is closed with a status naming
 the field, and nothing of those envelopes is applied. Keyframes are applied
 at once (after flushing what is pending, to keep order), validated before
 they replace anything.
+
+A round replayed from an agent's outage buffer (``sampled_s`` given) updates
+values like any other, but its readings go to the filter at the time it was
+sampled (``ClusterView.queue_replayed``), and it vouches for its node only as
+of that time, once the stream's clock is known (``ClusterView.settle_replay``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class _Pending:
     rows: np.ndarray  # view rows, in the batch's gpu_index order
     columns: Columns  # the batch's checked columns (``extract_columns``)
     arrived_s: float
+    sampled_s: float | None = None  # agent wall clock, s: a replayed round; None: live
 
 
 @dataclass
@@ -62,32 +68,45 @@ class TelemetryIngest:
     def __init__(self, view: "ClusterView") -> None:
         self.view = view
         self._pending: list[_Pending] = []
+        self._replayed = 0  # replayed rounds queued since the last flush (an upper bound)
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
     def add_delta(
-        self, node: "NodeRecord", decoder_rows: np.ndarray, batch: pb.MetricBatch, arrived_s: float, columns: Columns | None = None
+        self,
+        node: "NodeRecord",
+        decoder_rows: np.ndarray,
+        batch: pb.MetricBatch,
+        arrived_s: float,
+        columns: Columns | None = None,
+        sampled_s: float | None = None,
     ) -> None:
         """Queue an admitted delta for the next flush. ``columns`` are the
         batch's columns as ``TelemetryDecoder.admit`` extracted them (walked
-        here again when not given)."""
+        here again when not given); ``sampled_s`` is given for a replayed round."""
         if columns is None:
             columns = extract_columns(batch, len(decoder_rows))
         if columns[0]:
-            self._pending.append(_Pending(node, node.rows[decoder_rows], columns, arrived_s))
-        else:
+            self._pending.append(_Pending(node, node.rows[decoder_rows], columns, arrived_s, sampled_s))
+            if sampled_s is not None:
+                self._replayed += 1
+        elif sampled_s is None:
             # nothing moved: it vouches for the node's readings (``_vouch``)
             self._vouch([node.rows], np.asarray([arrived_s]))
+        # (an empty replayed round vouches with the rest of its replay: ClusterView.settle_replay)
 
     def forget_node(self, node_id: str) -> None:
         self._pending = [p for p in self._pending if p.node.node_id != node_id]
 
-    def apply_keyframe(self, node: "NodeRecord", decoder_rows: np.ndarray, batch: pb.MetricBatch, arrived_s: float) -> FlushResult:
+    def apply_keyframe(
+        self, node: "NodeRecord", decoder_rows: np.ndarray, batch: pb.MetricBatch, arrived_s: float, sampled_s: float | None = None
+    ) -> FlushResult:
         """Flush what is pending (it came first), then replace the node's
         values with the keyframe's. Raises ValueError-free: an out-of-range
-        keyframe comes back as a rejection and changes nothing."""
+        keyframe comes back as a rejection and changes nothing. ``sampled_s``
+        is given for a replayed round."""
         result = self.flush()
         rows = node.rows[decoder_rows]
         cell_rows, cell_cols, values, _ = batch_cells([(rows, batch)])
@@ -99,10 +118,15 @@ class TelemetryIngest:
         view = self.view
         view.raw[node.rows] = np.nan
         view.raw[cell_rows, cell_cols] = values
-        view.reading_at_s[node.rows] = arrived_s
         view.version += 1
-        # everything in a keyframe is a fresh reading
-        view.queue_signals(node.rows, view.raw[node.rows][:, view.signal_field_columns], arrived_s)
+        readings = view.raw[node.rows][:, view.signal_field_columns]
+        if sampled_s is None:
+            view.reading_at_s[node.rows] = arrived_s
+            # everything in a keyframe is a fresh reading
+            view.queue_signals(node.rows, readings, arrived_s)
+        else:
+            # values from before the stream: not fresh, readings of their own time
+            view.queue_replayed(node, node.rows, readings, sampled_s, arrived_s)
         result.arrivals.append(arrived_s)
         return result
 
@@ -119,6 +143,7 @@ class TelemetryIngest:
             bad_nodes = {r.node_id for r in rejected}
             self._pending = [p for p in pending if p.node.node_id not in bad_nodes]
             result.arrivals.clear()
+        self._replayed = 0
         return result
 
     def _vouch(self, node_rows: list[np.ndarray], arrived: np.ndarray) -> None:
@@ -135,6 +160,23 @@ class TelemetryIngest:
         # a row repeated: the last (latest) assignment wins
         view.reading_at_s[rows] = np.fmax(view.reading_at_s[rows], at)
 
+    def _queue_with_replayed(self, pending: list[_Pending], replayed: np.ndarray, pair_rows: np.ndarray, pair_items: np.ndarray,
+                             matrix: np.ndarray, arrived: np.ndarray) -> None:
+        """``queue_signals`` for a flush that holds replayed rounds. Their
+        readings go first: a node's replay precedes its live batches, so a
+        row's readings stay in order. ``pair_items`` is sorted."""
+        view = self.view
+        items = np.flatnonzero(replayed)
+        starts = np.searchsorted(pair_items, items, "left")
+        ends = np.searchsorted(pair_items, items, "right")
+        for item, start, end in zip(items.tolist(), starts.tolist(), ends.tolist()):
+            if start < end:
+                p = pending[item]
+                view.queue_replayed(p.node, pair_rows[start:end], matrix[start:end], p.sampled_s, p.arrived_s)
+        live = ~replayed[pair_items]
+        if live.any():
+            view.queue_signals(pair_rows[live], matrix[live], arrived[pair_items[live]])
+
     def _rejection(self, node: "NodeRecord", row: int, column: int, value: float) -> Rejection:
         spec = FIELDS[column]
         gpu = int(self.view.row_gpu_index[row])
@@ -143,8 +185,14 @@ class TelemetryIngest:
     def _apply(self, pending: list[_Pending], result: FlushResult) -> list[Rejection]:
         view = self.view
         rows, cols, deltas, items = column_cells([(p.rows, p.columns) for p in pending])
+        # replayed rounds (rare: after a reconnect) vouch and reach the filter apart
+        replayed = np.asarray([p.sampled_s is not None for p in pending]) if self._replayed else None
+        if replayed is not None and not replayed.any():
+            replayed = None
         if rows.size == 0:
-            self._vouch([p.node.rows for p in pending], np.asarray([p.arrived_s for p in pending]))
+            live = pending if replayed is None else [p for p, r in zip(pending, replayed) if not r]
+            if live:
+                self._vouch([p.node.rows for p in live], np.asarray([p.arrived_s for p in live]))
             result.arrivals.extend(p.arrived_s for p in pending)
             return []
         key = rows * FIELD_COUNT + cols
@@ -184,7 +232,12 @@ class TelemetryIngest:
         new = new.astype(np.float64)
         arrived = np.asarray([p.arrived_s for p in pending])
         # every envelope vouches for its whole node (covers the rows it carries)
-        self._vouch([p.node.rows for p in pending], arrived)
+        if replayed is None:
+            self._vouch([p.node.rows for p in pending], arrived)
+        else:
+            live = np.flatnonzero(~replayed)
+            if live.size:
+                self._vouch([pending[i].node.rows for i in live], arrived[live])
         view.version += 1
         # Readings for the anomaly filter: one row of signals per (envelope, GPU),
         # holding the value after that envelope.
@@ -200,6 +253,9 @@ class TelemetryIngest:
             matrix[inverse, signal_index[selected]] = new_in_order[selected]
             pair_rows = (pairs % capacity).astype(np.intp)
             pair_items = pairs // capacity
-            view.queue_signals(pair_rows, matrix, arrived[pair_items])
+            if replayed is None:
+                view.queue_signals(pair_rows, matrix, arrived[pair_items])
+            else:
+                self._queue_with_replayed(pending, replayed, pair_rows, pair_items, matrix, arrived)
         result.arrivals.extend(arrived.tolist())
         return []

@@ -190,6 +190,8 @@ class Coordinator:
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._sweeper = LivenessSweeper(self.liveness, self._on_liveness_events, interval_s=min(1.0, cfg.heartbeat_interval_s / 4))
         self._smoother: asyncio.Task | None = None
+        # shorter agent deadlines of a reload, waiting for agents to adapt (_hold_agents_to)
+        self._deadline_changes: dict[str, asyncio.TimerHandle] = {}
         self._anomalies_seen = self.view.signals.anomaly_counts.copy()
         self._shifts_seen = self.view.signals.shift_counts.copy()
         self.port: int | None = None
@@ -538,17 +540,62 @@ class Coordinator:
         for option in live:
             setattr(self.config, option, getattr(config, option))
         if "staleness_s" in live:
-            self.dispatcher.snapshots.staleness_s = config.staleness_s
+            # the scheduler's bound; agents refresh at half of it (RegisterAck below)
+            snapshots = self.dispatcher.snapshots
+            self._hold_agents_to("staleness_s", snapshots.staleness_s, config.staleness_s,
+                                 wait_s=snapshots.staleness_s, apply=lambda value: setattr(snapshots, "staleness_s", value))
         if "dispatch_interval_s" in live:
             self.dispatcher.interval_s = config.dispatch_interval_s
         if "heartbeat_interval_s" in live:
-            self.liveness.heartbeat_interval_s = config.heartbeat_interval_s
+            liveness = self.liveness
+            self._hold_agents_to("heartbeat_interval_s", liveness.heartbeat_interval_s, config.heartbeat_interval_s,
+                                 wait_s=liveness.heartbeat_interval_s + liveness.grace_s,
+                                 apply=lambda value: setattr(liveness, "heartbeat_interval_s", value))
+        if live & {"heartbeat_interval_s", "staleness_s", "keyframe_interval_s"}:
+            # Connected agents learn these intervals only from a RegisterAck:
+            # without a new one they keep the old heartbeat and refresh
+            # periods, and an idle node flaps UNREACHABLE and stale against
+            # shorter deadlines.
+            told = self.gateway.send_register_acks()
+            log.info("agents_told_intervals", streams=told, of=len(self.gateway.sessions),
+                     heartbeat_interval_s=self.config.heartbeat_interval_s, staleness_s=self.config.staleness_s)
         if "remove_after_intervals" in live:
             self.liveness.remove_after_intervals = config.remove_after_intervals
         if "max_queued_per_tenant" in live and self.security.quota is not None:
             self.security.quota.limit = config.max_queued_per_tenant or None
         self.dispatcher.snapshots.liveness_changed()
         self.dispatcher.request()
+
+    def _hold_agents_to(self, name: str, current: float, new: float, *, wait_s: float, apply: Callable[[float], None]) -> None:
+        """Change a deadline the coordinator holds agents to (``apply(new)``).
+
+        A longer one applies at once, before the agents are told to slow down.
+        A shorter one applies only after ``wait_s``, one old interval: an agent
+        learns the new interval from the RegisterAck sent with the reload, but
+        the one that had just spoken may wait out its old period before its
+        next message, and a shorter deadline at once would count that ordinary
+        silence against it (UNREACHABLE or stale, then back, on every reload
+        that shortens). Another reload before then replaces the pending
+        change. Timed in real time, as the agents are."""
+        pending = self._deadline_changes.pop(name, None)
+        if pending is not None:
+            pending.cancel()
+        if new >= current:
+            apply(new)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not serving (embedded, a test): no agent to wait for
+            apply(new)
+            return
+
+        def due() -> None:
+            self._deadline_changes.pop(name, None)
+            apply(new)
+            self.dispatcher.snapshots.liveness_changed()
+            log.info("agent_deadline_applied", option=name, value=new)
+
+        self._deadline_changes[name] = loop.call_later(wait_s, due)
 
     # ---- security and durability hooks ---------------------------------------
     def authorize(self, context, *, admin: bool):
@@ -625,8 +672,9 @@ class Coordinator:
 
     def batch_applied(self, node: NodeRecord, result: DecodeResult, batch: pb.MetricBatch, now_s: float) -> None:
         """An admitted envelope: keyframes apply now, deltas at the next tick."""
+        sampled_s = self._replayed_round(node, batch, now_s) if node.replaying else None
         if batch.keyframe:
-            outcome = self.ingest.apply_keyframe(node, result.rows, batch, now_s)
+            outcome = self.ingest.apply_keyframe(node, result.rows, batch, now_s, sampled_s)
             self._after_ingest(outcome)
             if any(r.node_id == node.node_id for r in outcome.rejected):
                 return
@@ -641,7 +689,7 @@ class Coordinator:
                 if self.dispatcher.engine.queued() > 0:
                     self.dispatcher.request()
         else:
-            self.ingest.add_delta(node, result.rows, batch, now_s, result.columns)
+            self.ingest.add_delta(node, result.rows, batch, now_s, result.columns, sampled_s)
         if batch.HasField("host_io"):
             io = batch.host_io
             node.disk_await_ms = io.disk_await_us / 1000 if io.HasField("disk_await_us") else None
@@ -655,6 +703,26 @@ class Coordinator:
         self._envelopes_applied += 1
         # the dispatcher hears of the new readings once per tick, after they
         # are in the view (smooth_now), not once per envelope
+
+    def _replayed_round(self, node: NodeRecord, batch: pb.MetricBatch, now_s: float) -> float | None:
+        """Until a stream's first live batch: a batch that says no sampling
+        period but its sample time is a round the agent sampled while no
+        stream was open, replayed from its outage buffer; returns that time
+        (s, agent wall clock). The first live batch (a period said; the agent
+        sends one right after the replay) fixes the stream's clock offset
+        from its own arrival, and so the replay's times on this coordinator's
+        clock, whatever the agent's clock is set to. Returns None for it. A
+        batch without a sample time is timed by its arrival."""
+        if not batch.sample_interval_ms and batch.sampled_at_ns > 0:
+            sampled_s = batch.sampled_at_ns * 1e-9
+            self.view.replay_batch(node, sampled_s, now_s)
+            return sampled_s
+        offset_s = now_s - batch.sampled_at_ns * 1e-9 if batch.sampled_at_ns > 0 else None
+        self.view.settle_replay(node, offset_s)
+        if node.clock_offset_s is not None and node.clock_offset_s != offset_s:
+            log.info("replay_timed_by_its_newest_round", node_id=node.node_id,
+                     detail="the first live batch says no sample time: the replay is timed as if its newest round were live")
+        return None
 
     def task_event(self, node_id: str, event: pb.TaskEvent) -> None:
         log.info("task_event", node_id=node_id, task_id=event.task_id, kind=pb.TaskEventKind.Name(event.kind))

@@ -11,6 +11,7 @@ by the coordinator's event loop: no locks.
 from __future__ import annotations
 
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -142,6 +143,15 @@ class NodeRecord:
     sample_interval_ms: int = 0
     agent_version: str = ""
     driver_version: str = ""  # "580.159.04, CUDA 13.0"; "" for the sim or when NVML cannot tell
+    #: True until the stream's first live batch: batches before it that say
+    #: no sampling period (0) are rounds the agent sampled while no stream was
+    #: open, replayed from its outage buffer (``ClusterView.replay_batch``)
+    replaying: bool = True
+    #: this coordinator's clock minus the agent's wall clock, in s, measured
+    #: on the stream's first live batch (None until then): how a replayed
+    #: round's sampled_at_ns maps to coordinator time, whatever the agent's
+    #: clock is set to
+    clock_offset_s: float | None = None
 
     @property
     def model(self) -> str:
@@ -152,8 +162,40 @@ class NodeRecord:
         return [(l.gpu_a, l.gpu_b) for l in self.topology if l.kind == pb.LINK_KIND_NVLINK]
 
 
+#: How long a stream's replayed rounds wait for its first live batch, which
+#: the agent sends right after its outage buffer; past this (a client that
+#: never says its sampling period) they are timed as if the newest were live.
+REPLAY_HOLD_S = 2.0
+#: replayed rounds kept per stream while waiting: older ones would have left
+#: the anomaly window (30 readings by default) before the live round anyway
+_REPLAY_KEPT = 1024
+
+
+@dataclass
+class _Replay:
+    """A stream's replayed rounds whose readings wait for its clock offset."""
+
+    node: NodeRecord
+    first_arrived_s: float
+    #: smallest arrival minus sample time: the offset if the newest round were live
+    min_lag_s: float = float("inf")
+    newest_sampled_s: float = float("-inf")
+    newest_arrived_s: float = float("-inf")
+    #: (view rows, signal values, agent sample time s, arrival s), oldest first
+    readings: deque = field(default_factory=lambda: deque(maxlen=_REPLAY_KEPT))
+
+
 class ClusterView:
-    """Nodes plus per-GPU columns. Columns grow by doubling; freed rows are reused."""
+    """Nodes plus per-GPU columns. Columns grow by doubling; freed rows are reused.
+
+    Readings reach the anomaly filter, EWMA and trend with the time they
+    were taken. A live batch's is its arrival: the agent sends a round as it
+    samples it, and its clock is not trusted. Rounds the agent sampled while
+    no stream was open (its outage buffer, replayed first on a reconnect)
+    carry minutes of history that arrive in milliseconds: they keep their
+    sample times, mapped to this coordinator's clock by the offset the
+    stream's first live batch shows (``replay_batch``, ``settle_replay``).
+    """
 
     def __init__(self, capacity: int = 64, signals: SignalSettings | None = None) -> None:
         self.nodes: dict[str, NodeRecord] = {}
@@ -188,6 +230,8 @@ class ClusterView:
         self.version = 0  # bumps on every change, for watchers
         self.membership_version = 0  # bumps when nodes or their GPU rows come and go
         self._last_reread_s = float("-inf")
+        # node id -> its stream's replayed rounds waiting for the clock offset
+        self._replays: dict[str, _Replay] = {}
 
     # ---- rows -------------------------------------------------------------
     @property
@@ -249,6 +293,7 @@ class ClusterView:
         The gateway checks ``check_gpu_uuids`` first; this does not."""
         indices = [g.index for g in reg.gpus]
         existing = self.nodes.get(reg.node_id)
+        self._replays.pop(reg.node_id, None)  # the old stream's: its clock offset died with it
         if existing is not None:
             self._disown(existing)
         for gpu in reg.gpus:
@@ -290,6 +335,7 @@ class ClusterView:
 
     def remove(self, node_id: str) -> NodeRecord | None:
         record = self.nodes.pop(node_id, None)
+        self._replays.pop(node_id, None)
         if record is not None:
             self._disown(record)
             self._release(record.rows)
@@ -359,6 +405,10 @@ class ClusterView:
         with np.errstate(invalid="ignore"):
             due = (now_s - bank.last_reading_s) >= quiet_for[:, None]
         due &= self.row_used[:, None]
+        for replay in self._replays.values():
+            # its raw values are history until the stream's clock is known:
+            # fed again now, an old value would count as a reading taken now
+            due[replay.node.rows] = False
         rows, sigs = np.nonzero(due)
         if rows.size == 0:
             return
@@ -379,6 +429,57 @@ class ClusterView:
         self._pending_values.append(values)
         self._pending_at.append(np.full(unique_rows.size, now_s))
 
+    # ---- replayed rounds ----------------------------------------------------
+    def replay_batch(self, node: NodeRecord, sampled_s: float, arrived_s: float) -> None:
+        """A round of ``node``'s outage buffer was admitted: sampled at
+        ``sampled_s`` on the agent's wall clock, arrived at ``arrived_s``. Its
+        readings wait (``queue_replayed``) until the stream's clock offset is
+        known. A replay arrives in one burst, so no round of it can tell how
+        old it is; the live round the agent sends right after it can."""
+        replay = self._replays.get(node.node_id)
+        if replay is None or replay.node is not node:
+            replay = self._replays[node.node_id] = _Replay(node, arrived_s)
+        replay.min_lag_s = min(replay.min_lag_s, arrived_s - sampled_s)
+        if sampled_s >= replay.newest_sampled_s:
+            replay.newest_sampled_s, replay.newest_arrived_s = sampled_s, arrived_s
+
+    def queue_replayed(self, node: NodeRecord, view_rows: np.ndarray, signal_values: np.ndarray, sampled_s: float, arrived_s: float) -> None:
+        """``queue_signals`` for a replayed round: held until the stream's
+        clock offset is known, then queued at its sample time."""
+        if node.clock_offset_s is None:
+            replay = self._replays.get(node.node_id)
+            if replay is not None and replay.node is node:
+                replay.readings.append((view_rows, signal_values, sampled_s, arrived_s))
+            return
+        self._queue(view_rows, signal_values, self._replayed_at(node, view_rows, sampled_s, arrived_s))
+
+    def settle_replay(self, node: NodeRecord, offset_s: float | None) -> None:
+        """The stream's clock offset is known (its first live batch; None:
+        none said, time the replay by its newest round): feed the readings
+        that waited, oldest first, and let them vouch for the node as of the
+        newest one's sample time. Later batches are live."""
+        node.replaying = False
+        replay = self._replays.pop(node.node_id, None)
+        if replay is not None and replay.node is not node:
+            replay = None
+        if offset_s is None and replay is not None:
+            offset_s = replay.min_lag_s
+        node.clock_offset_s = offset_s
+        if replay is None or offset_s is None:
+            return
+        for view_rows, values, sampled_s, arrived_s in replay.readings:
+            self._queue(view_rows, values, self._replayed_at(node, view_rows, sampled_s, arrived_s))
+        at = min(replay.newest_sampled_s + offset_s, replay.newest_arrived_s)
+        self.reading_at_s[node.rows] = np.fmax(self.reading_at_s[node.rows], at)
+
+    def _replayed_at(self, node: NodeRecord, view_rows: np.ndarray, sampled_s: float, arrived_s: float) -> np.ndarray:
+        """Coordinator time of a replayed reading, per row: its sample time
+        through the stream's offset, never later than it arrived nor earlier
+        than the row's last reading already filtered (an agent clock stepped
+        during the outage must not reorder the row's history)."""
+        at = np.full(len(view_rows), min(sampled_s + node.clock_offset_s, arrived_s))
+        return np.fmax(at, self.signals.last_update_s[view_rows])
+
     def set_sample_interval(self, node: NodeRecord, interval_ms: int) -> None:
         if interval_ms > 0:
             self.sample_interval_s[node.rows] = interval_ms / 1000.0
@@ -386,6 +487,10 @@ class ClusterView:
     def flush_signals(self, now_s: float | None = None) -> int:
         """Run the anomaly filter and EWMA over every queued reading in one
         vectorised pass. Returns how many readings were applied."""
+        if now_s is not None and self._replays:
+            # replays whose live round never came (a client that says no period)
+            for replay in [r for r in self._replays.values() if now_s - r.first_arrived_s >= REPLAY_HOLD_S]:
+                self.settle_replay(replay.node, None)
         # The re-read scans every row; its own threshold is >= 0.2 s, so
         # scanning more often than that finds nothing new.
         if now_s is not None and now_s - self._last_reread_s >= 0.2:
