@@ -18,7 +18,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from coordinator.executor import PlanExecutor, move_gpus
-from coordinator.tables import fmt, render_table
+from coordinator.tables import fmt, render_table, safe_text
 from coordinator.taskconvert import MAX_VRAM_MIB
 from protos import advisor_pb2 as apb
 from protos import advisor_pb2_grpc as apb_grpc
@@ -478,7 +478,7 @@ def _lease_line(task, now_ns: int) -> str:
     gpus = f"GPU uuids {', '.join(a.gpu_uuid)}"
     if task.state != tpb.TASK_STATE_LEASED:
         ended = f", {(now_ns - task.finished_at_ns) / 1e9:.0f} s ago" if task.finished_at_ns else ""
-        reason = f" ({task.reason})" if task.reason else ""
+        reason = f" ({safe_text(task.reason)})" if task.reason else ""
         return f"no lease: the task is {_task_state(task.state)}{ended}{reason}; it ran on {gpus}"
     left = (a.lease_expires_at_ns - now_ns) / 1e9
     expiry = f"expires in {left:.0f} s" if left >= 0 else f"expired {-left:.0f} s ago"
@@ -657,7 +657,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     with _channel(args) as ch:
         for task in tpb_grpc.SchedulerStub(ch).WatchTask(tpb.WatchTaskRequest(task_id=args.task)):
             where = f" on {task.assignment.node_id}:{','.join(map(str, task.assignment.gpu_index))}" if task.assignment.node_id else ""
-            print(f"{task.spec.task_id}: {_task_state(task.state)}{where} {task.reason}".rstrip(), flush=True)
+            print(f"{task.spec.task_id}: {_task_state(task.state)}{where} {safe_text(task.reason)}".rstrip(), flush=True)
     return 0
 
 

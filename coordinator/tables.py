@@ -5,7 +5,20 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["render_table", "fmt"]
+__all__ = ["render_table", "fmt", "safe_text"]
+
+
+def safe_text(text: str) -> str:
+    """``text`` with every character a terminal would act on written as its
+    escape (``\\x1b``, ``\\n``, ``\\u202e``): control characters, line breaks,
+    bidi overrides and other format characters. What an agent reports (a GPU
+    model, a label, a driver string) and what a tenant writes (a cancel
+    reason) reach an operator's terminal through these tables: raw, an ESC
+    sequence set the window title or cleared the screen, and a newline added
+    fake rows."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def fmt(value, digits: int = 1, unit: str = "") -> str:
@@ -27,7 +40,8 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, al
     ``align`` is one character per column ('l' or 'r'); by default a column is
     right-aligned when every non-empty cell in it looks numeric.
     """
-    cells = [[str(c) for c in row] for row in rows]
+    cells = [[safe_text(str(c)) for c in row] for row in rows]
+    headers = [safe_text(str(h)) for h in headers]
     widths = [len(h) for h in headers]
     for row in cells:
         for i, c in enumerate(row):

@@ -425,3 +425,19 @@ def test_help_says_the_defaults_of_top_and_bench(capsys):
         for needle in needles:
             assert needle in out, (argv, needle)
         assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_what_agents_and_tenants_write_cannot_drive_the_operators_terminal():
+    """A GPU model, label or driver string an agent reports and a reason a
+    tenant gives were printed raw: an ESC sequence set the window title or
+    cleared the screen, a newline added a fake row (QA pass 23). Tables and
+    the watch line write such characters as escapes; ordinary text, emoji
+    included, is untouched."""
+    from coordinator.tables import render_table, safe_text
+
+    hostile = "\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED\nfake-node  HEALTHY\x00\u202eevil\u200f"
+    table = render_table(["NODE", "LABELS"], [["gpu-01", hostile], ["gpu-02", "rack=r2 🚀"]])
+    assert "\x1b" not in table and "\x00" not in table and "\u202e" not in table and "\u200f" not in table
+    assert len(table.splitlines()) == 4  # header, rule, two rows: no injected row
+    assert "\\x1b]0;PWNED\\x07" in table and "\\n" in table and "\\u202e" in table
+    assert "rack=r2 🚀" in table and safe_text("plain text, é") == "plain text, é"
