@@ -42,6 +42,12 @@ MAX_TENANT_LEN = 128
 MAX_LABELS = 64
 MAX_LABEL_KEY_LEN = 128
 MAX_LABEL_VALUE_LEN = 256
+# characters of keys and values of the three label maps together: each may
+# hold 64 entries of 128 + 256, and a task at all three limits kept ~159 KiB
+# of memory (and its row in the state file) for as long as it is retained,
+# a day and up to 100,000 finished tasks by default: one client could pin
+# gigabytes (QA pass 23). 8,192 is a few dozen labels of ordinary length.
+MAX_LABEL_TEXT = 8192
 MAX_GPUS = 64
 
 
@@ -158,6 +164,7 @@ class TaskSpec:
             parse_gpu_spec(self.gpu_spec)
         except ValueError as exc:
             raise InvalidTask("gpu_spec", str(exc)) from None
+        text = 0
         for name in ("labels", "required_node_labels", "preferred_node_labels"):
             entries = getattr(self, name)
             if len(entries) > MAX_LABELS:
@@ -169,6 +176,10 @@ class TaskSpec:
                     raise InvalidTask(name, f"key {key[:32]!r}... longer than {MAX_LABEL_KEY_LEN} characters")
                 if len(value) > MAX_LABEL_VALUE_LEN:
                     raise InvalidTask(f"{name}[{key}]", f"longer than {MAX_LABEL_VALUE_LEN} characters ({len(value)})")
+                text += len(key) + len(value)
+            if text > MAX_LABEL_TEXT:
+                raise InvalidTask(name, f"labels, required_node_labels and preferred_node_labels hold {text:,} characters "
+                                        f"of keys and values together so far; at most {MAX_LABEL_TEXT:,}")
         return self
 
     def differing_fields(self, other: "TaskSpec") -> list[str]:

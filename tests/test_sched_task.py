@@ -69,6 +69,9 @@ def spec(**changes) -> TaskSpec:
         (dict(labels={f"k{i}": "v" for i in range(MAX_LABELS + 1)}), "labels"),
         (dict(labels={"k" * (MAX_LABEL_KEY_LEN + 1): "v"}), "labels"),
         (dict(preferred_node_labels={"zone": "z" * (MAX_LABEL_VALUE_LEN + 1)}), "preferred_node_labels[zone]"),
+        # the three maps together: at their per-map limits a task pinned ~159 KiB while retained
+        (dict(labels={f"k{i:02d}": "v" * 200 for i in range(30)},
+              preferred_node_labels={f"p{i:02d}": "v" * 200 for i in range(15)}), "preferred_node_labels"),
     ],
 )
 def test_validate_names_the_bad_field(changes: dict, field: str) -> None:
@@ -92,7 +95,8 @@ def test_validate_names_the_bad_field(changes: dict, field: str) -> None:
         dict(gpu_spec="V100M16|V100M32"),
         dict(gpu_spec="RTX 4090"),
         dict(kind="k" * MAX_KIND_LEN, tenant="t" * MAX_TENANT_LEN),
-        dict(labels={f"k{i}": "v" * MAX_LABEL_VALUE_LEN for i in range(MAX_LABELS)}),
+        dict(labels={f"k{i}": "v" * 100 for i in range(MAX_LABELS)}),  # 64 entries, 6,592 characters
+        dict(labels={"k": "v" * MAX_LABEL_VALUE_LEN}, required_node_labels={"r" * MAX_LABEL_KEY_LEN: "x"}),
     ],
 )
 def test_valid_specs_pass(changes: dict) -> None:
