@@ -36,6 +36,8 @@ import grpc
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from coordinator.config import CoordinatorConfig
+from coordinator.security import StreamSlot, StreamSlots, client_key
 from coordinator.shutdown import or_shutdown
 from protos import advisor_pb2 as apb
 from protos import advisor_pb2_grpc as apb_grpc
@@ -670,10 +672,19 @@ class AdvisorService(apb_grpc.AdvisorServicer):
     every tenant's tasks) to admins."""
 
     def __init__(self, runtime: AdvisorRuntime, authorize: Callable[..., object] | None = None,
-                 stopping: asyncio.Event | None = None) -> None:
+                 stopping: asyncio.Event | None = None, admit_watch: Callable[..., StreamSlot] | None = None) -> None:
         self.r = runtime
         self._authorize = authorize or (lambda context, admin: None)
         self.stopping = stopping if stopping is not None else asyncio.Event()  # set: watches end (coordinator.shutdown)
+        # a WatchPlans stream's slot among the coordinator's watch streams
+        # (``Security.admit_watch`` with its configuration, shared with
+        # WatchTask and WatchView); given none, plan watches are capped on
+        # their own at the options' defaults, so they are never unbounded
+        if admit_watch is None:
+            own, limits = StreamSlots(), CoordinatorConfig()
+            admit_watch = lambda context: own.admit(  # noqa: E731
+                client_key(context), per_client=limits.max_watch_streams_per_client, total=limits.max_watch_streams)
+        self.admit_watch = admit_watch
 
     async def GetPredictions(self, request: apb.GetPredictionsRequest, context) -> apb.GetPredictionsResponse:
         self._authorize(context, admin=False)
@@ -722,15 +733,18 @@ class AdvisorService(apb_grpc.AdvisorServicer):
 
     async def WatchPlans(self, request: apb.WatchPlansRequest, context):
         self._authorize(context, admin=True)
-        queue, unsubscribe = self.r.watch()
-        try:
-            if request.include_latest and self.r.last_plan is not None:
-                yield plan_to_proto(self.r.last_plan, self.r.unix_ns)
-            while True:
-                plan = await or_shutdown(queue.get(), self.stopping, context)
-                yield plan_to_proto(plan, self.r.unix_ns)
-        finally:
-            unsubscribe()
+        # the slot goes back however the stream ends: the client cancels,
+        # the coordinator stops (or_shutdown aborts), an error
+        with self.admit_watch(context):
+            queue, unsubscribe = self.r.watch()
+            try:
+                if request.include_latest and self.r.last_plan is not None:
+                    yield plan_to_proto(self.r.last_plan, self.r.unix_ns)
+                while True:
+                    plan = await or_shutdown(queue.get(), self.stopping, context)
+                    yield plan_to_proto(plan, self.r.unix_ns)
+            finally:
+                unsubscribe()
 
 
 def add_to_server(service: AdvisorService, server: grpc.aio.Server) -> None:

@@ -49,6 +49,22 @@ def _opt(
 class CoordinatorConfig:
     listen: str = _opt("127.0.0.1:50051", "HOST:PORT of the gRPC server; port 0 picks a free one (logged)")
     metrics_listen: str = _opt("", "HOST:PORT of the Prometheus endpoint (GET /metrics); empty = off")
+    metrics_max_connections: int = _opt(
+        8,
+        "metrics connections served at once (a Prometheus server holds one per scrape); more are answered 503 and "
+        "closed at once, so unauthenticated clients cannot hold the coordinator's memory or file descriptors",
+        "connections",
+        ge=1,
+        le=10_000,
+    )
+    metrics_timeout_s: float = _opt(
+        10.0,
+        "a metrics client has this long to send its request, then this long again to read the whole reply "
+        "(Prometheus' default scrape_timeout); past it the connection is closed and its unsent reply dropped",
+        "s",
+        gt=0,
+        le=3600,
+    )
     state_dir: str = _opt("", "directory for durable state (SQLite); empty = in memory only")
     heartbeat_interval_s: float = _opt(10.0, "a node silent this long is UNREACHABLE (no new tasks)", "s", ge=0.1, le=1e6)
     remove_after_intervals: int = _opt(3, "heartbeat intervals of silence before a node is REMOVED", "intervals", ge=1)
@@ -74,6 +90,22 @@ class CoordinatorConfig:
     stream_message_rate_per_s: float = _opt(0.0, "per-stream agent message rate limit; 0 = off", "messages/s", ge=0)
     stream_message_burst: float = _opt(500.0, "per-stream agent message burst", "messages", ge=1)
     max_queued_per_tenant: int = _opt(0, "queued tasks a tenant may have at once; 0 = unlimited", "tasks", ge=0)
+    max_watch_streams_per_client: int = _opt(
+        256,
+        "WatchTask, WatchView and WatchPlans streams one client (its token, else its certificate name, else its "
+        "host) may have open at once; more are refused with RESOURCE_EXHAUSTED",
+        "streams",
+        ge=1,
+        le=1_000_000,
+    )
+    max_watch_streams: int = _opt(
+        4096,
+        "WatchTask, WatchView and WatchPlans streams open at once from all clients together (~27 KiB of "
+        "coordinator memory each); more are refused with RESOURCE_EXHAUSTED",
+        "streams",
+        ge=1,
+        le=1_000_000,
+    )
     state_synchronous: str = _opt(
         "NORMAL",
         "SQLite synchronous mode: NORMAL survives process crashes, FULL also power loss",

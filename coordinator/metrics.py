@@ -265,13 +265,52 @@ class CoordinatorMetrics:
 
 
 class MetricsServer:
-    """A minimal HTTP/1.1 server for ``GET /metrics`` (and ``/healthz``)."""
+    """A minimal HTTP/1.1 server for ``GET /metrics`` (and ``/healthz``).
 
-    def __init__(self, metrics: CoordinatorMetrics, host: str, port: int) -> None:
+    It answers anyone who reaches it, and a reply is the whole exposition
+    (MiBs on a large cluster), so it is bounded: at most ``max_connections``
+    are served at once, and more are answered 503 and closed without being
+    read; each has ``timeout_s`` to send its request, then ``timeout_s`` again
+    to take the whole reply, and is then aborted, which frees its file
+    descriptor and drops the part of the reply still buffered. Without that
+    (QA pass 23), 150 clients that sent GET /metrics and never read held
+    1.4 GiB, and 1,000 idle ones used up the process's 1,024 descriptors so
+    that new gRPC clients and agents waited up to 14 s. A Prometheus server
+    holds one connection per scrape, every scrape interval.
+
+    ``max_connections`` and ``timeout_s`` default to the coordinator's
+    ``metrics_max_connections`` and ``metrics_timeout_s``.
+    """
+
+    def __init__(self, metrics: CoordinatorMetrics, host: str, port: int, *,
+                 max_connections: int | None = None, timeout_s: float | None = None) -> None:
         self.metrics = metrics
         self.host = host
         self.port = port
+        config = self._coordinator_config(metrics)
+        self.max_connections = config.metrics_max_connections if max_connections is None else max_connections
+        self.timeout_s = config.metrics_timeout_s if timeout_s is None else timeout_s
         self._server: asyncio.base_events.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()  # connections being served
+        self.refused = 0  # connections answered 503: max_connections were being served
+        self.timed_out = 0  # connections aborted at timeout_s (a request not sent, a reply not read)
+
+    @staticmethod
+    def _coordinator_config(metrics: CoordinatorMetrics):
+        """The configuration of the coordinator whose metrics these are (the
+        defaults for metrics not tied to one)."""
+        collector = getattr(metrics, "_view_collector", None)
+        config = getattr(getattr(collector, "c", None), "config", None)
+        if config is None:
+            from coordinator.config import CoordinatorConfig
+
+            config = CoordinatorConfig()
+        return config
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return len(self._open)
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
@@ -281,12 +320,33 @@ class MetricsServer:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._open):
+                writer.transport.abort()  # a slow reader does not hold the stop
             await self._server.wait_closed()
             self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        transport = writer.transport
+        if len(self._open) >= self.max_connections:
+            self.refused += 1
+            # not read: the request would cost a wait. The reply fits the
+            # socket's buffer at once, so abort frees the descriptor now
+            # (it drops only what is still in this process, nothing here)
+            body = f"{self.max_connections} metrics connections are being served (metrics_max_connections)\n".encode()
+            transport.write(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\n"
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+            )
+            transport.abort()
+            return
+        self._open.add(writer)
+        # drain() then waits until the whole reply is in the kernel, not only
+        # below the default 64 KiB mark: a close() with bytes still buffered
+        # here waits for the peer to read them, for ever if it never does
+        transport.set_write_buffer_limits(high=0)
+        done = False
         try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=self.timeout_s)
             line = request.split(b"\r\n", 1)[0].decode("latin-1")
             parts = line.split()
             path, _, query = (parts[1] if len(parts) >= 2 else "").partition("?")
@@ -300,12 +360,22 @@ class MetricsServer:
             else:
                 status, body, ctype = "404 Not Found", b"see /metrics\n", "text/plain"
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            writer.write(head.encode() + (body if parts and parts[0] != "HEAD" else b""))
-            await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            writer.write(head.encode())
+            if parts and parts[0] != "HEAD":
+                writer.write(body)  # two writes: head + body would copy the exposition once more
+            del body  # what the socket did not take is in the transport's buffer now
+            await asyncio.wait_for(writer.drain(), timeout=self.timeout_s)
+            done = True
+        except asyncio.TimeoutError:
+            self.timed_out += 1
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         finally:
-            writer.close()
+            self._open.discard(writer)
+            if done:
+                writer.close()
+            else:
+                transport.abort()  # drops a reply not taken; close() would wait for the reader
 
 
 #: every metric family name the coordinator exports (for rules/dashboard checks)

@@ -107,14 +107,18 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
         if interval_ms < 200:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_interval_ms: {interval_ms} is below the 200 ms floor")
         smoothed = request.values == cpb.VALUE_VIEW_SMOOTHED
-        last = None
-        while True:
-            refresh_s = max(interval_ms / 1000, self.c.config.staleness_s / 2)  # staleness_s may change on SIGHUP
-            _, update = self.view_update(request.node_id, smoothed, max_age_s=refresh_s)
-            if update is not last:  # a new build: something changed, or the last one got old
-                last = update
-                yield update
-            await or_shutdown(asyncio.sleep(interval_ms / 1000), self.c.stopping, context)
+        # admitted once the request is known good (a refused one holds no
+        # slot); the slot goes back however the stream ends: the client
+        # cancels, the coordinator stops (or_shutdown aborts), an error
+        with self.c.security.admit_watch(context, self.c.config):
+            last = None
+            while True:
+                refresh_s = max(interval_ms / 1000, self.c.config.staleness_s / 2)  # staleness_s may change on SIGHUP
+                _, update = self.view_update(request.node_id, smoothed, max_age_s=refresh_s)
+                if update is not last:  # a new build: something changed, or the last one got old
+                    last = update
+                    yield update
+                await or_shutdown(asyncio.sleep(interval_ms / 1000), self.c.stopping, context)
 
     def view_update(self, node_id: str, smoothed: bool,
                     max_age_s: float = math.inf) -> tuple[tuple[int, int], cpb.ViewUpdate]:

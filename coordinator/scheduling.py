@@ -652,18 +652,22 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         except SchedulerError as exc:
             await self._fail(context, exc)
         await self.c.check_owner(identity, task, context)
-        queue, unsubscribe = self.d.watch(request.task_id)
-        try:
-            yield self._proto(self.d.engine.get(request.task_id))
-            if task.terminal:
-                return
-            while True:
-                update = await or_shutdown(queue.get(), self.c.stopping, context)
-                yield self._proto(update)
-                if update.terminal:
+        # admitted once the request is known good (a refused one holds no
+        # slot); the slot goes back however the stream ends: the task ends,
+        # the client cancels, the coordinator stops (or_shutdown aborts)
+        with self.c.security.admit_watch(context, self.c.config):
+            queue, unsubscribe = self.d.watch(request.task_id)
+            try:
+                yield self._proto(self.d.engine.get(request.task_id))
+                if task.terminal:
                     return
-        finally:
-            unsubscribe()
+                while True:
+                    update = await or_shutdown(queue.get(), self.c.stopping, context)
+                    yield self._proto(update)
+                    if update.terminal:
+                        return
+            finally:
+                unsubscribe()
 
     async def _owned(self, identity, task_id: str, context) -> Task:
         try:

@@ -106,6 +106,8 @@ __all__ = [
     "MessageRateLimit",
     "TenantQuota",
     "check_queued_limit",
+    "StreamSlots",
+    "StreamSlot",
     "client_key",
     "Security",
     "SecurityInterceptor",
@@ -837,6 +839,83 @@ class TenantQuota:
             new[spec.tenant] += 1
 
 
+class StreamSlot:
+    """One admitted stream's place in its ``StreamSlots``; ``release()`` (or
+    leaving it as a context manager) gives it back, once however often it is
+    called, so every way a stream ends may call it."""
+
+    __slots__ = ("_slots", "key")
+
+    def __init__(self, slots: "StreamSlots", key: str) -> None:
+        self._slots: StreamSlots | None = slots
+        self.key = key
+
+    def release(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots._release(self.key)
+
+    def __enter__(self) -> "StreamSlot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class StreamSlots:
+    """Long-lived server-streaming calls (the watches: WatchTask, WatchView,
+    WatchPlans) open per client and in all, and the caps on them.
+
+    Each open watch holds ~27 KiB of coordinator memory for as long as its
+    client keeps it; without a cap one client opened 15,000 (QA pass 23, +400
+    MiB). The limits are given at each admission (the coordinator passes its
+    configuration's), so the counts are the only state here.
+    """
+
+    PER_CLIENT_OPTION = "max_watch_streams_per_client"
+    TOTAL_OPTION = "max_watch_streams"
+
+    def __init__(self) -> None:
+        self._per_client: collections.Counter[str] = collections.Counter()
+        self.open = 0
+        self.refused = 0
+
+    def __len__(self) -> int:
+        """Clients with a stream open (a client's count goes when its last stream ends)."""
+        return len(self._per_client)
+
+    def open_by(self, key: str) -> int:
+        return self._per_client[key]
+
+    def admit(self, key: str, *, per_client: int, total: int) -> StreamSlot:
+        """A slot for one more stream of client ``key``, or RESOURCE_EXHAUSTED
+        (``AuthError``) naming the limit reached and the option that sets it."""
+        held = self._per_client[key]
+        if held >= per_client:
+            self.refused += 1
+            raise _exhausted(
+                f"watch streams: {key} has {held} open, the most one client may have is {per_client} "
+                f"({self.PER_CLIENT_OPTION}); end one before opening another"
+            )
+        if self.open >= total:
+            self.refused += 1
+            raise _exhausted(
+                f"watch streams: {self.open} open, the most the coordinator serves is {total} "
+                f"({self.TOTAL_OPTION}); retry later"
+            )
+        self._per_client[key] = held + 1
+        self.open += 1
+        return StreamSlot(self, key)
+
+    def _release(self, key: str) -> None:
+        left = self._per_client[key] - 1
+        if left > 0:
+            self._per_client[key] = left
+        else:
+            del self._per_client[key]  # a client that has gone leaves no entry behind
+        self.open -= 1
+
+
 def _peer_host(peer: str) -> str:
     # "ipv4:10.0.0.1:5555", "ipv6:[::1]:5555", "unix:/path"
     if peer.startswith(("ipv4:", "ipv6:")):
@@ -901,6 +980,8 @@ class Security:
         self.stream_rate = stream_rate
         self.stream_max_throttled_s = stream_max_throttled_s
         self.quota = quota
+        #: open watch streams, per client and in all (admit_watch)
+        self.watch_streams = StreamSlots()
         self.public_methods = tuple(public_methods)
         if insecure:
             gaps = []
@@ -1002,6 +1083,15 @@ class Security:
 
     def client_key(self, context) -> str:
         return client_key(context, self.tokens)
+
+    def admit_watch(self, context, config) -> StreamSlot:
+        """A slot for one more watch stream of the caller, within ``config``'s
+        ``max_watch_streams_per_client`` and ``max_watch_streams`` (the
+        coordinator's configuration), or ``AuthError`` RESOURCE_EXHAUSTED.
+        The caller releases it however its stream ends."""
+        return self.watch_streams.admit(
+            self.client_key(context), per_client=config.max_watch_streams_per_client, total=config.max_watch_streams
+        )
 
 
 # ---- interceptor -------------------------------------------------------------------------------

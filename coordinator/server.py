@@ -175,9 +175,11 @@ class Coordinator:
         self.dispatcher.annotate = self.advisor.annotate
         # set when stop() begins: waiting and streaming calls end at once (coordinator.shutdown)
         self.stopping = asyncio.Event()
-        self.advisor_service = AdvisorService(self.advisor, authorize=lambda context, admin: self.authorize(context, admin=admin),
-                                              stopping=self.stopping)
         self.security = security or Security(insecure=True)
+        # WatchPlans counts against the same watch-stream limits as WatchTask and WatchView
+        self.advisor_service = AdvisorService(self.advisor, authorize=lambda context, admin: self.authorize(context, admin=admin),
+                                              stopping=self.stopping,
+                                              admit_watch=lambda context: self.security.admit_watch(context, self.config))
         if self.security.quota is not None:
             self.dispatcher.engine.add_listener(self.security.quota.changed)
         self.store = store

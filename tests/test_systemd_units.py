@@ -144,6 +144,17 @@ def test_coordinator_unit() -> None:
     assert "GPULB_STATE_DIR" in env_names()
 
 
+def test_coordinator_unit_allows_the_descriptors_its_connections_need() -> None:
+    """systemd's default soft limit (1,024) was used up by 1,000 idle
+    connections and new gRPC clients then waited up to 14 s (QA pass 23):
+    the unit leaves room for 10,000 agent streams besides every watch stream
+    and metrics connection the defaults allow, each on its own connection."""
+    soft = service("gpulb-coordinator.service")["LimitNOFILE"][-1].split(":")[0]
+    defaults = CoordinatorConfig()
+    needed = 10_000 + defaults.max_watch_streams + defaults.metrics_max_connections + 1_000  # SQLite, the loop's own, clients
+    assert soft != "infinity" and int(soft) >= needed
+
+
 def test_agent_unit_reaches_nvidia_devices_and_nothing_else() -> None:
     svc = service("gpulb-agent.service")
     assert svc["ExecStart"] == ["/usr/local/bin/gpulb-agent --config /etc/gpulb/agent.toml $GPULB_AGENT_ARGS"]
