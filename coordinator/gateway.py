@@ -1,10 +1,21 @@
 """The agent gateway: the servicer end of each agent's telemetry stream.
 
 One coroutine per stream reads the agent's messages and applies them to the
-view; a writer drains the stream's outbox (acks, resync requests, sampling
-hints, task placements). Bad input ends only that stream, with a status that
-names the field; every other stream keeps flowing and nothing already applied
-is touched.
+view; a writer drains the stream's outbox. Bad input ends only that stream,
+with a status that names the field; every other stream keeps flowing and
+nothing already applied is touched.
+
+The outbox has two parts. What the agent must act on - task placements and
+releases, and RegisterAcks - is never dropped: a ScheduleTasks call of 1,000
+tasks for one host queues 1,000 placements at once, and each that went
+missing would be a lease whose task never runs. Their number is bounded by
+the node's leases (a place and a release per lease), and by time: an agent
+that leaves a message unwritten past the heartbeat timeout is not reading its
+stream, and the stream is closed (RESOURCE_EXHAUSTED) so that it reconnects
+and ``Dispatcher.reconcile_node`` sets its tasks right. What only helps -
+Acks, resync requests (asked again after 2 s), sampling hints (an identical
+one waiting already covers a new one) - is kept up to ``CHATTER_KEPT`` and
+dropped past that, counted and logged.
 
 A node id is held by one agent at a time. A second stream for a connected node
 id wins, and the older one is closed with ABORTED, when it comes from the same
@@ -21,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -31,6 +43,7 @@ from coordinator.view import RegistrationConflict, RegistrationError, validate_r
 from protos import telemetry_pb2 as pb
 from protos import telemetry_pb2_grpc as pb_grpc
 from protos.codec import CodecError, CorruptEnvelope, DecodeOutcome, InvalidReading, PayloadTooLarge
+from scheduler.task import MAX_REASON_LEN, MAX_TASK_ID_LEN
 
 if TYPE_CHECKING:
     from coordinator.server import Coordinator
@@ -41,8 +54,21 @@ log = structlog.get_logger("gpulb.gateway")
 
 #: how long to wait for a requested keyframe before asking again
 _RESYNC_RETRY_S = 2.0
+#: how long closing a stream waits for its status to go out: a reading agent
+#: takes it at once; one that does not read has it wait behind what it left
+#: unread, and its stream ends without waiting longer
+_ABORT_WAIT_S = 2.0
 #: send an Ack at most this often per stream (each write costs the loop ~60 us)
 _ACK_EVERY_S = 5.0
+#: messages the agent must act on, never dropped (AgentSession.send)
+CONTROL_BODIES = frozenset({"register_ack", "place", "release"})
+#: Acks, resync requests and sampling hints a stream may have waiting; past
+#: this they are dropped: an Ack every 5 s, a resync request every 2 s and a
+#: hint per distinct interval fill it only when the agent stopped reading
+CHATTER_KEPT = 256
+#: TaskEvent.detail: free text for humans, logged with the event (the
+#: bound of CancelTaskRequest.reason, the other free text about a task)
+MAX_EVENT_DETAIL = MAX_REASON_LEN
 
 
 def register_ack(config) -> pb.CoordinatorMessage:
@@ -78,10 +104,13 @@ async def _finish_writer(writer: asyncio.Task | None, session: AgentSession | No
     if writer is None or writer.done() or session is None:
         await _cancel(writer)
         return
-    # jump the queue: drop what is pending, then the stop marker
-    while not session.outbox.empty():
-        session.outbox.get_nowait()
-    session.outbox.put_nowait(None)
+    # jump the queue: what is pending is dropped (the stream is ending; a
+    # registration sets the node's tasks right), then the writer stops
+    session.stop_writing()
+    if session.not_reading:
+        # its write waits for an agent that does not read: no use waiting
+        await _cancel(writer)
+        return
     try:
         await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
     except (asyncio.TimeoutError, Exception):
@@ -105,7 +134,6 @@ class AgentSession:
     session_id: int = 0
     #: gateway clock time of the stream's last message (its register first)
     last_seen_s: float = 0.0
-    outbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
     superseded: asyncio.Event = field(default_factory=asyncio.Event)
     #: why a newer stream took over ("" until one did)
     superseded_by: str = ""
@@ -115,6 +143,27 @@ class AgentSession:
     #: notAfter (epoch s) of the client certificate the agent connected with
     #: (mTLS), None without one: the stream outlives it, its next handshake not
     certificate_not_after: float | None = None
+    #: the gateway's clock: when each waiting message was queued
+    clock: Callable[[], float] = time.monotonic
+    #: (queued at, message) of placements, releases and RegisterAcks not yet
+    #: written: never dropped, written before any chatter
+    control: deque = field(default_factory=deque)
+    #: (queued at, message) of Acks, resync requests and sampling hints not
+    #: yet written: at most CHATTER_KEPT
+    chatter: deque = field(default_factory=deque)
+    #: set when something was queued: wakes the writer
+    pending: asyncio.Event = field(default_factory=asyncio.Event)
+    #: when the message being written was queued (None between writes): a
+    #: write blocks while the agent does not read, so this ages with it
+    writing_since: float | None = None
+    #: chatter dropped on this stream, by message kind
+    dropped: Counter = field(default_factory=Counter)
+    #: (interval_ms, duration_ms) -> sampling hints waiting with those values
+    _hints_waiting: Counter = field(default_factory=Counter)
+    #: the stream is ending: nothing more is queued or written
+    writer_stopped: bool = False
+    #: closed because the agent left a message unread past the bound
+    not_reading: bool = False
 
     def close(self, code: grpc.StatusCode, message: str) -> None:
         """End the stream from the coordinator's side with this status."""
@@ -122,12 +171,70 @@ class AgentSession:
         self.closing.set()
 
     def send(self, msg: pb.CoordinatorMessage) -> bool:
-        """Queue a message for the agent; False when the outbox is full."""
-        try:
-            self.outbox.put_nowait(msg)
-            return True
-        except asyncio.QueueFull:
+        """Queue a message for the agent. Placements, releases and
+        RegisterAcks are always queued; other messages are dropped (counted,
+        False) when CHATTER_KEPT wait already. False as well once the stream
+        is ending: the agent registers again, and the registration sets its
+        tasks right (``Dispatcher.reconcile_node``)."""
+        if self.writer_stopped:
             return False
+        body = msg.WhichOneof("body")
+        if body in CONTROL_BODIES:
+            self.control.append((self.clock(), msg))
+        else:
+            if body == "sampling_hint":
+                hint = (msg.sampling_hint.interval_ms, msg.sampling_hint.duration_ms)
+                if self._hints_waiting[hint]:
+                    # one waiting with these values starts the same fast
+                    # sampling when it arrives: a burst of placements asks once
+                    return True
+            if len(self.chatter) >= CHATTER_KEPT:
+                self.dropped[body] += 1
+                if sum(self.dropped.values()) == 1:  # once a stream; the total when it ends
+                    log.warning("agent_messages_dropped", node_id=self.node_id, kind=body, waiting=len(self.chatter),
+                                unread_s=round(self.unread_s(self.clock()), 1))
+                return False
+            if body == "sampling_hint":
+                self._hints_waiting[hint] += 1
+            self.chatter.append((self.clock(), msg))
+        self.pending.set()
+        return True
+
+    def next_message(self) -> pb.CoordinatorMessage | None:
+        """The next message to write, control first; None when none waits."""
+        if self.writer_stopped:
+            return None
+        if self.control:
+            queued_at, msg = self.control.popleft()
+        elif self.chatter:
+            queued_at, msg = self.chatter.popleft()
+            if msg.WhichOneof("body") == "sampling_hint":
+                self._hints_waiting[(msg.sampling_hint.interval_ms, msg.sampling_hint.duration_ms)] -= 1
+        else:
+            return None
+        self.writing_since = queued_at
+        return msg
+
+    def unread_s(self, now: float) -> float:
+        """How long the oldest message not yet written has waited (0 when
+        none): a reading agent keeps this near 0, one that does not read
+        blocks the writer and lets it grow."""
+        # per agent message on the read path: no allocation
+        oldest = self.writing_since
+        if self.control and (oldest is None or self.control[0][0] < oldest):
+            oldest = self.control[0][0]
+        if self.chatter and (oldest is None or self.chatter[0][0] < oldest):
+            oldest = self.chatter[0][0]
+        return 0.0 if oldest is None else max(0.0, now - oldest)
+
+    def stop_writing(self) -> None:
+        """The stream is ending: drop what waits and let the writer return
+        after the write it is in."""
+        self.writer_stopped = True
+        self.control.clear()
+        self.chatter.clear()
+        self._hints_waiting.clear()
+        self.pending.set()
 
 
 _CODES = {
@@ -142,6 +249,10 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
         self.coordinator = coordinator
         self.clock = clock
         self.sessions: dict[str, AgentSession] = {}
+        #: chatter dropped on streams that have ended, by message kind
+        self.dropped_messages: Counter[str] = Counter()
+        #: streams closed because their agent did not read them
+        self.closed_not_reading = 0
 
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
         session: AgentSession | None = None
@@ -171,7 +282,7 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
             previous = self.sessions.get(node_id)
             takeover = self._may_take_over(previous, first.register, now)
             session = AgentSession(node_id=node_id, peer=context.peer(), session_id=first.register.session_id, last_seen_s=now,
-                                   certificate_not_after=certificate_not_after)
+                                   certificate_not_after=certificate_not_after, clock=self.clock)
             if previous is not None:
                 previous.superseded_by = takeover
                 previous.superseded.set()
@@ -201,8 +312,19 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
             # A write in flight while the call is aborted turns the status into
             # INTERNAL; stop the writer first so the agent sees the real reason.
             await _finish_writer(writer, session)
-            await context.abort(exc.code, exc.message)
+            try:
+                await asyncio.wait_for(context.abort(exc.code, exc.message), timeout=_ABORT_WAIT_S)
+            except asyncio.TimeoutError:
+                # An agent that does not read: the status waits behind the
+                # messages it left unread (it gets it when it reads). The call
+                # is aborted all the same; the stream ends here, not when the
+                # agent next reads.
+                pass
         finally:
+            if session is not None and session.dropped:
+                dropped = dict(session.dropped)
+                self.dropped_messages.update(session.dropped)
+                log.warning("agent_messages_dropped_total", node_id=session.node_id, dropped=dropped)
             for task in (reader, stopper, writer):
                 if task is None:
                     continue
@@ -215,12 +337,22 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                 del self.sessions[session.node_id]
                 self.coordinator.node_disconnected(session.node_id)
 
+    def dropped_counts(self) -> Counter[str]:
+        """Acks, resync requests and sampling hints dropped since start, by
+        kind, on every stream (open or ended): for a metric. Placements and
+        releases are never among them."""
+        total = Counter(self.dropped_messages)
+        for session in self.sessions.values():
+            total.update(session.dropped)
+        return total
+
     def send_register_acks(self) -> int:
         """Tell every open stream the intervals of the configuration as it is
         now (a reload changed one): an agent applies a RegisterAck whenever
-        one comes, not only at registration. Returns the streams told; one
-        whose outbox is full is not (it is stuck, and its node goes
-        UNREACHABLE on its own)."""
+        one comes, not only at registration. Returns the streams told: every
+        open one (a RegisterAck is never dropped; a stream that does not read
+        it is closed as not reading, and its agent is told the intervals when
+        it registers again), less any that is ending."""
         message = register_ack(self.coordinator.config)
         return sum(session.send(message) for session in list(self.sessions.values()))
 
@@ -229,6 +361,33 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
         timeout after which its node turns UNREACHABLE."""
         liveness = self.coordinator.liveness
         return liveness.heartbeat_interval_s + liveness.grace_s
+
+    def _check_reading(self, session: AgentSession, now: float) -> None:
+        """Close a stream whose agent writes but does not read: the oldest
+        message waiting to be written has waited past the heartbeat timeout.
+        The same bound as for an agent that stops writing: a reading agent
+        takes a message in milliseconds (1,000 placements in well under a
+        second), and its event loop stalled that long would have missed a
+        heartbeat too. Its placements and releases are not dropped while it
+        waits; closing makes it reconnect, and its registration sets its
+        tasks right (``Dispatcher.reconcile_node``)."""
+        unread = session.unread_s(now)
+        if not unread:
+            return
+        bound = self.alive_window_s()
+        if unread <= bound:
+            return
+        self.closed_not_reading += 1
+        session.not_reading = True
+        waiting = len(session.control) + len(session.chatter) + (session.writing_since is not None)
+        log.warning("stream_not_reading", node_id=session.node_id, unread_s=round(unread, 1), bound_s=bound,
+                    waiting=waiting, placements_and_releases=len(session.control))
+        raise StreamRefused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"node {session.node_id} is not reading its stream: a message has waited {unread:.1f} s to be written "
+            f"(bound {bound:g} s, the heartbeat timeout), {waiting} waiting; reconnect: registering again sets "
+            f"its tasks right",
+        )
 
     def _may_take_over(self, previous: AgentSession | None, reg: pb.Register, now: float) -> str:
         """Whether a new stream may replace the node's current one: the same
@@ -264,10 +423,15 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
 
     async def _write_loop(self, session: AgentSession, context) -> None:
         while True:
-            msg = await session.outbox.get()
-            if msg is None:  # asked to stop: the write before this one is complete
-                return
+            msg = session.next_message()
+            if msg is None:
+                if session.writer_stopped:  # asked to stop: the write before this is complete
+                    return
+                session.pending.clear()
+                await session.pending.wait()
+                continue
             await context.write(msg)
+            session.writing_since = None
 
     async def _read_loop(self, request_iterator, session: AgentSession, node) -> None:
         coordinator = self.coordinator
@@ -284,6 +448,8 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
             # sends a Heartbeat only after an interval with nothing else to
             # send, which its refresh deltas (every staleness_s / 2) forestall.
             node.last_heartbeat_ns = time.time_ns()
+            # ... but only of writing: one that does not read is closed here
+            self._check_reading(session, now)
             body = msg.WhichOneof("body")
             if body == "telemetry":
                 self._telemetry(msg.telemetry, session, node, now)
@@ -292,6 +458,15 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
             elif body == "task_event":
                 if msg.task_event.kind not in pb.TaskEventKind.values():
                     raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, f"task_event.kind: unknown kind {msg.task_event.kind}")
+                # both are logged with the event (before the id is looked up):
+                # unbounded, one agent could write the log full
+                task_id, detail = msg.task_event.task_id, msg.task_event.detail
+                if not 0 < len(task_id) <= MAX_TASK_ID_LEN:
+                    raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"task_event.task_id: {len(task_id)} characters; a task id has 1-{MAX_TASK_ID_LEN}")
+                if len(detail) > MAX_EVENT_DETAIL:
+                    raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"task_event.detail: {len(detail)} characters; at most {MAX_EVENT_DETAIL}")
                 peak = msg.task_event.peak_vram_mib
                 if not (math.isfinite(peak) and peak >= 0):
                     raise StreamRefused(

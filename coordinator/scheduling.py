@@ -45,7 +45,7 @@ from scheduler.errors import (
 )
 from scheduler.scoring import big_card_sizes
 from scheduler.snapshot import ClusterSnapshot
-from scheduler.task import Task, TaskState
+from scheduler.task import MAX_REASON_LEN, Task, TaskState
 
 if TYPE_CHECKING:
     from coordinator.server import Coordinator
@@ -716,6 +716,10 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
 
     async def CancelTask(self, request: tpb.CancelTaskRequest, context) -> tpb.CancelTaskResponse:
         identity = self.c.authorize(context, admin=False)
+        if len(request.reason) > MAX_REASON_LEN:
+            # kept as Task.reason in memory and state, and in every ListTasks reply
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"reason: {len(request.reason)} characters; at most {MAX_REASON_LEN}")
         await self._owned(identity, request.task_id, context)
         try:
             task = self.d.engine.cancel(request.task_id, request.reason)

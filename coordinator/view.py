@@ -53,6 +53,19 @@ class SignalSettings:
 MAX_GPUS_PER_NODE = 64
 #: tasks a host may say it runs at registration (64 GPUs x 64 tasks)
 MAX_RUNNING_TASKS = 4096
+#: Register's free-text fields, in characters. Each is shown by ListNodes or
+#: ListGpus, logged in node_registered, and hostname, agent_version,
+#: driver_version and backend are labels of gpulb_node_info in every scrape:
+#: unbounded, one agent made both answers too large for every client.
+#: backend names an agent backend ("nvml", "sim"); a PCI bus id is at most 31
+#: characters in NVML's own 32-byte buffer ("00000000:01:00.0" is 16)
+REGISTER_TEXT_LIMITS = (("hostname", 255), ("agent_version", 64), ("driver_version", 128), ("backend", 32))
+MAX_GPU_UUID = 128
+MAX_GPU_MODEL = 128
+MAX_PCI_BUS_ID = 64
+#: GpuInfo.supported_fields entries: Field has 15 values; room for fields a
+#: newer agent knows, not for a list that only takes memory
+MAX_SUPPORTED_FIELDS = 64
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 
@@ -86,19 +99,34 @@ def validate_register(reg: pb.Register) -> None:
         seen.add(gpu.index)
         if not 0 < gpu.memory_total_mib <= 4 * 1024 * 1024:
             raise RegistrationError(f"register.gpus[{i}].memory_total_mib", f"{gpu.memory_total_mib} MiB is out of range")
-        if len(gpu.uuid) > 128 or len(gpu.model) > 128:
-            raise RegistrationError(f"register.gpus[{i}]", "uuid and model are at most 128 characters")
+        for name, limit in (("uuid", MAX_GPU_UUID), ("model", MAX_GPU_MODEL), ("pci_bus_id", MAX_PCI_BUS_ID)):
+            if len(getattr(gpu, name)) > limit:
+                raise RegistrationError(f"register.gpus[{i}].{name}", f"{len(getattr(gpu, name))} characters; at most {limit}")
+        if len(gpu.supported_fields) > MAX_SUPPORTED_FIELDS:
+            raise RegistrationError(f"register.gpus[{i}].supported_fields",
+                                    f"{len(gpu.supported_fields)} entries; at most {MAX_SUPPORTED_FIELDS}")
         # the uuid names the GPU across the cluster (placements, migrations, leases)
         if not gpu.uuid:
             raise RegistrationError(f"register.gpus[{i}].uuid", f"empty: GPU {gpu.index} must register its uuid")
         if gpu.uuid in uuids:
             raise RegistrationError(f"register.gpus[{i}].uuid", f"{gpu.uuid!r} is also register.gpus[{uuids[gpu.uuid]}].uuid: a GPU registers once")
         uuids[gpu.uuid] = i
+    # one link per GPU pair (the agent sends a < b; either order is taken):
+    # the node keeps its topology and ListNodes returns it whole
+    most_links = len(reg.gpus) * (len(reg.gpus) - 1)
+    if len(reg.topology) > most_links:
+        raise RegistrationError("register.topology", f"{len(reg.topology)} links; at most {most_links} for "
+                                                     f"{len(reg.gpus)} GPUs (one per GPU pair)")
+    links: dict[tuple[int, int], int] = {}
     for i, link in enumerate(reg.topology):
         if link.gpu_a not in seen or link.gpu_b not in seen or link.gpu_a == link.gpu_b:
             raise RegistrationError(f"register.topology[{i}]", f"link {link.gpu_a}-{link.gpu_b} names an unregistered GPU")
-    for name, limit in (("hostname", 255), ("agent_version", 64), ("driver_version", 128)):
-        # shown by ListNodes and carried as Prometheus labels (gpulb_node_info)
+        pair = (link.gpu_a, link.gpu_b)
+        if pair in links:
+            raise RegistrationError(f"register.topology[{i}]",
+                                    f"link {link.gpu_a}-{link.gpu_b} repeats register.topology[{links[pair]}]")
+        links[pair] = i
+    for name, limit in REGISTER_TEXT_LIMITS:
         if len(getattr(reg, name)) > limit:
             raise RegistrationError(f"register.{name}", f"{len(getattr(reg, name))} characters; at most {limit}")
     # 0 = not said (a client that does not adapt its sampling)

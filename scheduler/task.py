@@ -25,6 +25,7 @@ __all__ = [
     "Task",
     "MAX_TASK_ID_LEN",
     "MAX_GPUS",
+    "MAX_REASON_LEN",
 ]
 
 MAX_TASK_ID_LEN = 128
@@ -42,6 +43,10 @@ MAX_TENANT_LEN = 128
 MAX_LABELS = 64
 MAX_LABEL_KEY_LEN = 128
 MAX_LABEL_VALUE_LEN = 256
+# CancelTaskRequest.reason: kept as Task.reason, stored, and returned by every
+# ListTasks and GetTask: a sentence or two, not a document (40 cancels with
+# 3.5 MB reasons made ListTasks too large for any client)
+MAX_REASON_LEN = 1024
 # characters of keys and values of the three label maps together: each may
 # hold 64 entries of 128 + 256, and a task at all three limits kept ~159 KiB
 # of memory (and its row in the state file) for as long as it is retained,

@@ -136,6 +136,26 @@ async def test_a_gpu_uuid_another_node_holds_is_refused_and_that_node_never_regi
     assert (await _refused(coord.port, _register("dup-3", [held])))[0] == grpc.StatusCode.OK
 
 
+def _with_gpu(uuids: list[str], **gpu_fields) -> pb.AgentMessage:
+    """A register whose first GPU also carries ``gpu_fields``."""
+    msg = _register("n", uuids)
+    for name, value in gpu_fields.items():
+        field = getattr(msg.register.gpus[0], name)
+        field.extend(value) if isinstance(value, list) else setattr(msg.register.gpus[0], name, value)
+    return msg
+
+
+def _backend(name: str) -> pb.AgentMessage:
+    msg = _register("n", ["GPU-a"])
+    msg.register.backend = name
+    return msg
+
+
+def _linked(gpus: int, pairs: list[tuple[int, int]]) -> pb.AgentMessage:
+    return _register("n", [f"GPU-{i}" for i in range(gpus)],
+                     topology=[pb.TopologyLink(gpu_a=a, gpu_b=b, kind=pb.LINK_KIND_NVLINK, nvlink_count=4) for a, b in pairs])
+
+
 @pytest.mark.parametrize(
     "msg, field",
     [
@@ -143,8 +163,18 @@ async def test_a_gpu_uuid_another_node_holds_is_refused_and_that_node_never_regi
         (_register("n", ["GPU-a", ""]), "register.gpus[1].uuid"),
         (_register("n", ["GPU-a", "GPU-b", "GPU-a"]), "register.gpus[2].uuid"),
         (_register("n", ["GPU-a"], sample_interval_min_ms=5000, sample_interval_max_ms=10), "register.sample_interval_min_ms"),
+        # shown by ListNodes/ListGpus, logged, and (backend) a label of every scrape: bounded
+        (_backend("b" * 33), "register.backend"),
+        (_with_gpu(["GPU-" + "u" * 125]), "register.gpus[0].uuid"),
+        (_with_gpu(["GPU-a"], model="m" * 129), "register.gpus[0].model"),
+        (_with_gpu(["GPU-a"], pci_bus_id="0" * 65), "register.gpus[0].pci_bus_id"),
+        (_with_gpu(["GPU-a"], supported_fields=[pb.FIELD_UTIL_GPU_PCT] * 65), "register.gpus[0].supported_fields"),
+        # one link per GPU pair: 10,000 repeats of one link (the QA sent 380,000: +100 MiB)
+        (_linked(4, [(0, 1)] * 10_000), "register.topology"),
+        (_linked(4, [(0, 1), (2, 3), (0, 1)]), "register.topology[2]"),
     ],
-    ids=["empty", "empty-second", "twice-in-one-register", "min-above-max"],
+    ids=["empty", "empty-second", "twice-in-one-register", "min-above-max", "backend", "uuid", "model", "pci-bus-id",
+         "supported-fields", "links-past-pairs", "link-repeated"],
 )
 async def test_a_malformed_registration_is_invalid_argument_naming_the_field(coord, msg, field):
     code, detail = await _refused(coord.port, msg)
@@ -152,6 +182,15 @@ async def test_a_malformed_registration_is_invalid_argument_naming_the_field(coo
     assert "n" not in coord.view.nodes
     with pytest.raises(RegistrationError, match=field.replace("[", r"\[").replace("]", r"\]")):
         validate_register(msg.register)
+
+
+def test_registers_at_the_bounds_are_accepted():
+    validate_register(_backend("b" * 32).register)
+    validate_register(_with_gpu(["GPU-" + "u" * 124]).register)
+    validate_register(_with_gpu(["GPU-a"], model="m" * 128, pci_bus_id="0" * 64,
+                                supported_fields=[pb.FIELD_UTIL_GPU_PCT] * 64).register)
+    # every GPU pair, in both orders (the agent sends a < b; another client may not)
+    validate_register(_linked(4, [(a, b) for a in range(4) for b in range(4) if a != b]).register)
 
 
 def test_sampling_bounds_in_order_or_unsaid_are_accepted():

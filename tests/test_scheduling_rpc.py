@@ -633,3 +633,30 @@ async def test_stopping_ends_waiting_and_watching_calls_at_once_not_after_the_gr
     finally:
         if not stopped:
             await coord.stop(grace_s=0.1)
+
+
+async def test_a_cancel_reason_past_1024_characters_is_refused_naming_reason_and_cancels_nothing():
+    """CancelTaskRequest.reason is kept as Task.reason, stored, and in every
+    ListTasks reply: 40 cancels with 3.5 MB reasons had made ListTasks too
+    large for every client. Past the bound the cancel is refused and the task
+    is untouched; at the bound it is kept whole."""
+    bound = 1024  # as documented for CancelTaskRequest.reason
+    coord, port = await _start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = tpb_grpc.SchedulerStub(ch)
+            for task_id in ("long-why", "short-why"):
+                await stub.ScheduleTask(tpb.ScheduleTaskRequest(spec=_spec(task_id), wait=False), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.CancelTask(tpb.CancelTaskRequest(task_id="long-why", reason="x" * 3_500_000), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details() == f"reason: 3500000 characters; at most {bound}"
+            assert (await stub.GetTask(tpb.GetTaskRequest(task_id="long-why"))).state == tpb.TASK_STATE_QUEUED
+            # at the bound: cancelled, the reason kept whole
+            why = "y" * bound
+            cancelled = (await stub.CancelTask(tpb.CancelTaskRequest(task_id="short-why", reason=why), timeout=10)).task
+            assert cancelled.state == tpb.TASK_STATE_CANCELLED and cancelled.reason == why
+            listed = (await stub.ListTasks(tpb.ListTasksRequest(), timeout=10)).tasks
+            assert {t.spec.task_id for t in listed} == {"long-why", "short-why"}
+    finally:
+        await coord.stop(grace_s=0.1)

@@ -207,6 +207,10 @@ def _register(node_id: str, gpus: int = 2, **fields) -> pb.AgentMessage:
     )
 
 
+def _event(task_id: str, **fields) -> pb.AgentMessage:
+    return pb.AgentMessage(task_event=pb.TaskEvent(task_id=task_id, kind=pb.TASK_EVENT_KIND_FINISHED, **fields))
+
+
 async def _raw_stream(port: int, messages: list[pb.AgentMessage]) -> tuple[grpc.StatusCode, str] | None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         async def requests():
@@ -246,6 +250,11 @@ async def _raw_stream(port: int, messages: list[pb.AgentMessage]) -> tuple[grpc.
             "telemetry.payload",
         ),
         ([_register("twice"), _register("twice")], grpc.StatusCode.FAILED_PRECONDITION, "register"),
+        # logged with the event before the id is looked up: bounded (50 events with 3.9 MB ids wrote 195 MB of log)
+        ([_register("ev"), _event("t" * 129)], grpc.StatusCode.INVALID_ARGUMENT, "task_event.task_id: 129 characters"),
+        ([_register("ev"), _event("")], grpc.StatusCode.INVALID_ARGUMENT, "task_event.task_id: 0 characters"),
+        ([_register("ev"), _event("t", detail="d" * 1025)], grpc.StatusCode.INVALID_ARGUMENT,
+         "task_event.detail: 1025 characters; at most 1024"),
     ],
 )
 async def test_bad_stream_gets_precise_status_while_others_keep_flowing(messages, code, needle):
