@@ -182,6 +182,17 @@ class _ViewCollector:
         streams = GaugeMetricFamily("gpulb_agent_streams", "Open agent telemetry streams")
         streams.add_metric([], len(c.gateway.sessions))
         yield streams
+        dropped = CounterMetricFamily(
+            "gpulb_agent_messages_dropped", "Messages to agents dropped because their stream was backed up, by kind "
+            "(acks, resync requests, sampling hints only: placements and releases are never dropped)", labels=["kind"])
+        for kind, count in sorted(c.gateway.dropped_counts().items()):
+            dropped.add_metric([kind], count)
+        yield dropped
+        unread = CounterMetricFamily(
+            "gpulb_agent_streams_closed_not_reading", "Agent streams closed because the agent left a message unread "
+            "past the heartbeat timeout (it reconnects, and its registration sets its tasks right)")
+        unread.add_metric([], c.gateway.closed_not_reading)
+        yield unread
         yield from self._certificate_families()
         yield from c.scheduler_metric_families()
 
@@ -394,6 +405,8 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_nodes",
     "gpulb_node_info",
     "gpulb_agent_streams",
+    "gpulb_agent_messages_dropped_total",
+    "gpulb_agent_streams_closed_not_reading_total",
     "gpulb_envelopes_received_total",
     "gpulb_telemetry_received_bytes_total",
     "gpulb_envelopes_rejected_total",

@@ -14,6 +14,7 @@ import grpc
 from coordinator.convert import UnknownMetric, resolve_metrics
 from coordinator.liveness import UnknownNode
 from coordinator.shutdown import or_shutdown
+from scheduler.task import MAX_REASON_LEN
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
 
@@ -151,6 +152,10 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
     async def _node_action(self, request: cpb.NodeActionRequest, context, action: str) -> cpb.NodeActionResponse:
         self.c.authorize(context, admin=True)
         await _node_id_given(request.node_id, context)
+        if len(request.reason) > MAX_REASON_LEN:
+            # logged and stored with the cordon: bounded as a cancel reason is
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"reason: {len(request.reason):,} characters; at most {MAX_REASON_LEN}")
         if request.node_id not in self.c.view.nodes:
             if action == "uncordon" and self.c.forget_removed_node(request.node_id, request.reason):
                 # a node that left the pool (decommissioned, or kept cordoned over a

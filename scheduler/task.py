@@ -47,6 +47,7 @@ MAX_LABEL_VALUE_LEN = 256
 # ListTasks and GetTask: a sentence or two, not a document (40 cancels with
 # 3.5 MB reasons made ListTasks too large for any client)
 MAX_REASON_LEN = 1024
+MAX_GPU_SPEC_LEN = 256
 # characters of keys and values of the three label maps together: each may
 # hold 64 entries of 128 + 256, and a task at all three limits kept ~159 KiB
 # of memory (and its row in the state file) for as long as it is retained,
@@ -165,6 +166,9 @@ class TaskSpec:
             raise InvalidTask("deadline_s", f"must be finite and >= 0, got {self.deadline_s!r}")
         if not isinstance(self.gpu_spec, str):
             raise InvalidTask("gpu_spec", "must be a string")
+        if len(self.gpu_spec) > MAX_GPU_SPEC_LEN:
+            # a few model names joined by "|"; 3 MB was taken, kept and repeated whole in errors
+            raise InvalidTask("gpu_spec", f"{len(self.gpu_spec):,} characters; at most {MAX_GPU_SPEC_LEN}")
         try:
             parse_gpu_spec(self.gpu_spec)
         except ValueError as exc:

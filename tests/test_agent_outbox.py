@@ -159,6 +159,8 @@ async def test_an_agent_that_does_not_read_is_closed_and_its_registration_gets_e
             # the agent keeps writing, so only its not reading tells: closed within the bound and a write or two
             await until(lambda: "deaf-1" not in coord.gateway.sessions, timeout=15, what="the deaf stream closed")
             assert coord.gateway.closed_not_reading == 1
+            scrape = coord.metrics.exposition(per_gpu=False).decode()
+            assert "gpulb_agent_streams_closed_not_reading_total 1.0" in scrape  # what an operator sees
             got, code, detail = await deaf.read_all(timeout=10)
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, detail)
             assert "not reading its stream" in detail and "deaf-1" in detail

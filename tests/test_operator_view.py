@@ -82,6 +82,11 @@ async def test_list_filters_smoothing_cordon_and_watch():
                     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                     assert info.value.details().startswith("node_id: required")
 
+                with pytest.raises(grpc.aio.AioRpcError) as info:  # logged and stored: bounded like a cancel reason
+                    await op.CordonNode(cpb.NodeActionRequest(node_id="sim-01", reason="x" * 1025))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("reason: 1,025")
+                assert coord.node_state("sim-01") == cpb.NODE_STATE_HEALTHY
+
                 # Cordon: no new tasks on the node; uncordon: back in the pool.
                 cordoned = await op.CordonNode(cpb.NodeActionRequest(node_id="sim-01", reason="maintenance"))
                 assert cordoned.node.state == cpb.NODE_STATE_CORDONED

@@ -69,6 +69,7 @@ def spec(**changes) -> TaskSpec:
         (dict(labels={f"k{i}": "v" for i in range(MAX_LABELS + 1)}), "labels"),
         (dict(labels={"k" * (MAX_LABEL_KEY_LEN + 1): "v"}), "labels"),
         (dict(preferred_node_labels={"zone": "z" * (MAX_LABEL_VALUE_LEN + 1)}), "preferred_node_labels[zone]"),
+        (dict(gpu_spec="|".join(["V100M16"] * 40)), "gpu_spec"),  # 319 characters: a 3 MB one was taken whole
         # the three maps together: at their per-map limits a task pinned ~159 KiB while retained
         (dict(labels={f"k{i:02d}": "v" * 200 for i in range(30)},
               preferred_node_labels={f"p{i:02d}": "v" * 200 for i in range(15)}), "preferred_node_labels"),
