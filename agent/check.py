@@ -11,7 +11,9 @@ against the fastest period, and the health of every GPU; then it asks the
 coordinator's gRPC health the way the agent will connect (TLS, client
 certificate, token; ``--no-coordinator`` leaves that out). Exit status: 0
 when every GPU read OK, a round fits the fastest period and the coordinator
-serves, 1 otherwise, 2 when the backend cannot start.
+serves, 1 otherwise, 2 when the backend cannot start. A check whose backend
+``auto`` fell back to simulated GPUs because NVML could not be used is 1:
+it read no real GPU, so it cannot say a GPU host is ready.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ class CheckReport:
     process_user: str = ""
     write_xor_execute: bool | None = None  # None: not known on this platform
     seccomp_filter: bool | None = None  # a seccomp filter confines it (SystemCallFilter=); None: not Linux
+    # why NVML could not be used when --backend auto fell back to simulated
+    # GPUs; "" when NVML ran or the simulator was asked for by name. Such a
+    # check read no real GPU, so it fails: a pre-flight on a GPU host must not
+    # pass on simulated ones
+    nvml_error: str = ""
 
     @property
     def round_ms_max(self) -> float:
@@ -109,8 +116,12 @@ class CheckReport:
         return bool(self.gpus) and all(g.health == "OK" for g in self.gpus)
 
     @property
+    def simulated_instead_of_nvml(self) -> bool:
+        return bool(self.nvml_error)
+
+    @property
     def ok(self) -> bool:
-        return self.healthy and self.round_fits
+        return self.healthy and self.round_fits and not self.simulated_instead_of_nvml
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -119,6 +130,7 @@ class CheckReport:
             round_ms_max=self.round_ms_max,
             round_fits=self.round_fits,
             healthy=self.healthy,
+            simulated_instead_of_nvml=self.simulated_instead_of_nvml,
             ok=self.ok,
         )
         return data
@@ -157,9 +169,12 @@ def run_check(
     interval_min_s: float = 0.2,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.perf_counter,
+    nvml_error: str = "",
 ) -> CheckReport:
     """Read ``backend`` ``rounds`` times, ``interval_min_s`` apart (start to
-    start), and report the last reading of each GPU and the rounds' timing."""
+    start), and report the last reading of each GPU and the rounds' timing.
+    ``nvml_error``: NVML's error when ``backend`` is the simulator that
+    ``--backend auto`` fell back to (the report then fails)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     inventory = {info.index: info for info in backend.inventory()}
@@ -198,6 +213,7 @@ def run_check(
         process_user=_process_user(),
         write_xor_execute=write_xor_execute_in_force(),
         seccomp_filter=seccomp_filter_in_force(),
+        nvml_error=nvml_error,
         topology=[
             {"gpu_a": link.gpu_a, "gpu_b": link.gpu_b, "kind": pb.LinkKind.Name(link.kind).removeprefix("LINK_KIND_").lower(), "nvlink_count": link.nvlink_count}
             for link in backend.topology()
@@ -260,8 +276,9 @@ def _value(value: int | None, unit: str, error: str | None) -> str:
 def render_check(report: CheckReport) -> str:
     """The report as tables a person reads at a terminal."""
     out: list[str] = []
+    fallback = " (auto: NVML unusable, so SIMULATED GPUs)" if report.simulated_instead_of_nvml else ""
     out.append(
-        f"backend {report.backend}: {len(report.gpus)} GPU(s), {report.rounds} rounds "
+        f"backend {report.backend}{fallback}: {len(report.gpus)} GPU(s), {report.rounds} rounds "
         f"{report.interval_min_s * 1000:.0f} ms apart{', GPUs read in parallel' if report.parallel else ''}"
         + (f"; NVIDIA driver {report.driver_version}" if report.driver_version else "")
     )
@@ -345,6 +362,13 @@ def render_check(report: CheckReport) -> str:
             line += (f" (the unit runs the agent as {UNIT_USER} under W^X and a seccomp filter; to check it that way: "
                      f"{UNIT_CHECK_COMMAND})")
         out.append(line)
+    if report.simulated_instead_of_nvml:
+        out.append(
+            f"backend: FAIL: these GPUs are SIMULATED: --backend auto fell back to the simulator because NVML could "
+            f"not be used ({report.nvml_error}); no real GPU of this host was read, so it is not ready. Fix the driver "
+            "or libnvidia-ml.so.1 and check again with --backend nvml (as the installed agent.toml sets), or ask for "
+            "--backend sim to check the simulator"
+        )
     out.append("check: " + ("PASS" if report.ok else "FAIL"))
     return "\n".join(out)
 
@@ -387,10 +411,12 @@ def run_and_render(
     as_json: bool,
     coordinator: tuple[bool, str] | None = None,
     print_fn: Callable[[str], None] = print,
+    nvml_error: str = "",
 ) -> int:
     """Check ``backend`` and print the report; ``coordinator`` is the
-    outcome of ``check_coordinator`` (None: not checked). Exit status."""
-    report = run_check(backend, rounds=rounds, interval_min_s=interval_min_s)
+    outcome of ``check_coordinator`` (None: not checked); ``nvml_error`` as
+    for ``run_check``. Exit status."""
+    report = run_check(backend, rounds=rounds, interval_min_s=interval_min_s, nvml_error=nvml_error)
     ok = report.ok and (coordinator is None or coordinator[0])
     if as_json:
         data = report.to_dict()

@@ -22,7 +22,7 @@ from coordinator.sdnotify import Notifier, WatchdogPinger
 from coordinator.view import _NODE_ID as NODE_ID  # the rule the coordinator registers node ids by
 from protos.runtime import LOG_LEVELS, configure_logging
 
-__all__ = ["main", "build_backend", "parse_args", "EXIT_USAGE", "EXIT_REFUSED"]
+__all__ = ["main", "build_backend", "open_backend", "parse_args", "build_parser", "EXIT_USAGE", "EXIT_REFUSED"]
 
 log = structlog.get_logger("gpulb.agent")
 
@@ -53,6 +53,7 @@ _NUMBERS: dict[str, tuple[type, float | None, float | None]] = {
     "interval_min": (float, 0.01, 60.0),
     "interval_max": (float, 0.01, 60.0),
     "outage_buffer": (int, 1, 1_000_000),
+    "check_rounds": (int, 1, None),  # a flag only, not a --config option
 }
 _CHOICES = {
     "backend": ("nvml", "sim", "auto"),
@@ -69,6 +70,8 @@ def _range_text(kind: type, low, high) -> str:
     noun = "an integer" if kind is int else "a number"
     if low is None and high is None:
         return noun
+    if high is None:
+        return f"{noun} >= {low:g}" if kind is float else f"{noun} >= {low}"
     return f"{noun} in {low:g}..{high:g}" if kind is float else f"{noun} in {low}..{high}"
 
 
@@ -118,12 +121,17 @@ def _label(text: str) -> tuple[str, str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpulb-agent", description="Stream this host's GPU telemetry to a gpulb coordinator.",
                                 epilog=_EPILOG)
     p.add_argument("--config", type=Path, help="TOML file; flags override it")
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator (default 127.0.0.1:50051)")
     p.add_argument("--node-id", help=f"this node's cluster-unique name, {NODE_ID_RULE} (default: the hostname)")
-    p.add_argument("--backend", choices=("nvml", "sim", "auto"), help="GPU backend (default auto: NVML, else simulate)")
+    p.add_argument("--backend", choices=("nvml", "sim", "auto"),
+                   help="GPU backend (default auto: NVML, else simulated GPUs, which --check fails)")
     p.add_argument("--sim-gpus", type=_number_flag("sim_gpus"), help="simulated GPUs, 1..64 (sim backend, default 4)")
     p.add_argument("--sim-seed", type=_number_flag("sim_seed"),
                    help="seed of the simulated GPUs' readings (default: from the node id); their UUIDs derive from node id, seed and index")
@@ -142,14 +150,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--check", action="store_true",
         help="read this host's GPUs a few times and print what the agent would report (and how long a round takes), "
         "and ask the coordinator's health the agent's way (TLS, certificate, token), then exit: "
-        "0 all GPUs OK, a round fits the fastest period and the coordinator serves; 1 not; 2 the backend cannot start",
+        "0 all GPUs OK, a round fits the fastest period and the coordinator serves; 1 not (also when --backend auto "
+        "found no NVML and read simulated GPUs); 2 the backend cannot start",
     )
-    p.add_argument("--check-rounds", type=int, default=10, help="rounds --check reads (default 10)")
+    p.add_argument("--check-rounds", type=_number_flag("check_rounds"), default=10,
+                   help="rounds --check reads, at least 1 (default 10)")
     p.add_argument("--no-coordinator", action="store_true", help="--check leaves out the coordinator's health check")
-    p.add_argument("--json", action="store_true", help="--check prints JSON")
-    p.add_argument("--log-level", choices=LOG_LEVELS)
-    p.add_argument("--log-format", choices=("auto", "json", "console"))
-    return p.parse_args(argv)
+    p.add_argument("--json", action="store_true", help="--check prints its report as JSON (the field ok is the verdict)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, help=f"{', '.join(LOG_LEVELS)} (default info)")
+    p.add_argument("--log-format", choices=("auto", "json", "console"),
+                   help="json, console, or auto: console on a terminal, else JSON (default auto)")
+    return p
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -298,21 +309,30 @@ def _in_config(args: argparse.Namespace, keys: list[str]) -> str:
 
 
 def build_backend(kind: str, *, gpus: int, seed: int, workload: str, node_id: str = "") -> GpuBackend:
+    return open_backend(kind, gpus=gpus, seed=seed, workload=workload, node_id=node_id)[0]
+
+
+def open_backend(kind: str, *, gpus: int, seed: int, workload: str, node_id: str = "") -> tuple[GpuBackend, str]:
+    """The backend ``kind`` names, and NVML's error when ``auto`` fell back
+    to simulated GPUs ("" otherwise): --check fails on that, where it passes
+    the simulator asked for by name."""
+    nvml_error = ""
     if kind in ("nvml", "auto"):
         try:
             from agent.nvml import NvmlBackend
 
-            return NvmlBackend()
+            return NvmlBackend(), ""
         except BackendUnavailable as exc:
             if kind == "nvml":
                 raise
+            nvml_error = str(exc) or type(exc).__name__
             log.warning(
                 "SIMULATING_GPUS",
-                reason=f"NVML did not initialise ({exc}); this agent reports SIMULATED GPUs, not real ones",
+                reason=f"NVML could not be used ({nvml_error}); this agent reports SIMULATED GPUs, not real ones",
             )
     from agent.sim import SimBackend
 
-    return SimBackend(gpus=gpus, seed=seed, workload=workload, node_id=node_id)
+    return SimBackend(gpus=gpus, seed=seed, workload=workload, node_id=node_id), nvml_error
 
 
 async def _run(settings: dict[str, Any]) -> int:
@@ -471,8 +491,8 @@ def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator:
 
     seed = settings["sim_seed"] if settings["sim_seed"] is not None else 0
     try:
-        backend = build_backend(settings["backend"], gpus=settings["sim_gpus"], seed=seed, workload=settings["sim_workload"],
-                                node_id=settings["node_id"])
+        backend, nvml_error = open_backend(settings["backend"], gpus=settings["sim_gpus"], seed=seed,
+                                           workload=settings["sim_workload"], node_id=settings["node_id"])
     except BackendUnavailable as exc:
         print(f"check: FAIL: the {settings['backend']} backend cannot start: {exc}", file=sys.stderr)
         return 2
@@ -491,7 +511,8 @@ def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator:
             )
     try:
         return run_and_render(
-            backend, rounds=rounds, interval_min_s=settings["interval_min"], as_json=as_json, coordinator=coordinator
+            backend, rounds=rounds, interval_min_s=settings["interval_min"], as_json=as_json, coordinator=coordinator,
+            nvml_error=nvml_error,
         )
     finally:
         backend.close()
@@ -505,9 +526,6 @@ def main(argv: list[str] | None = None) -> int:
     for warning in warnings:
         log.warning("tls_certificate_expires_soon", detail=warning)
     if args.check:
-        if args.check_rounds < 1:
-            print(f"--check-rounds must be >= 1, got {args.check_rounds}", file=sys.stderr)
-            return 2
         return _check(settings, args.check_rounds, args.json, args.no_coordinator, credentials)
     if credentials is not None:
         _fail(credentials)

@@ -17,6 +17,7 @@ from typing import Callable
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from coordinator.convert import UnknownMetric, resolve_metrics
 from coordinator.executor import PlanExecutor, move_gpus
 from coordinator.tables import fmt, render_table, safe_text
 from coordinator.taskconvert import MAX_VRAM_MIB
@@ -27,6 +28,7 @@ from protos import cluster_pb2_grpc as cpb_grpc
 from protos import tasks_pb2 as tpb
 from protos import tasks_pb2_grpc as tpb_grpc
 from protos import telemetry_pb2 as pb
+from scheduler.policies import POLICIES
 from scheduler.task import MAX_GPUS
 
 __all__ = ["main", "build_parser"]
@@ -139,6 +141,27 @@ def _weights(text: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(f"weight {key!r} must be a finite number >= 0, got {value!r}")
         weights[key] = number
     return weights
+
+
+def _metric_names(text: str) -> str:
+    """argparse ``type`` of ``gpus --metrics``: comma-separated names that
+    ListGpus resolves (coordinator.convert, the same table), so a typo is a
+    usage error here, exit 2, rather than the coordinator's INVALID_ARGUMENT
+    after a round trip, exit 1."""
+    try:
+        resolve_metrics([name for name in text.split(",") if name])
+    except UnknownMetric as exc:
+        raise argparse.ArgumentTypeError(str(exc).partition(": ")[2]) from None  # without its "metrics[i]: "
+    return text
+
+
+def _policy_name(text: str) -> str:
+    """argparse ``type`` of ``policy set NAME``: a policy the coordinator's
+    registry holds (scheduler.policies, shipped with this CLI), so a typo is
+    a usage error, exit 2, before any RPC."""
+    if text not in POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; available: {', '.join(POLICIES)}")
+    return text
 
 
 def _sizes(text: str) -> str:
@@ -866,6 +889,10 @@ class _ShowDefaults(argparse.HelpFormatter):
         return text
 
 
+#: --json of the listings
+JSON_HELP = "print JSON instead of a table"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="gpulb",
@@ -877,7 +904,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--coordinator",
         default=os.environ.get("GPULB_COORDINATOR", "127.0.0.1:50051"),
-        help="HOST:PORT of the coordinator (env GPULB_COORDINATOR)",
+        help="HOST:PORT of the coordinator (env GPULB_COORDINATOR; default 127.0.0.1:50051)",
     )
     p.add_argument("--timeout", type=_TIMEOUT, default=10.0, help="RPC deadline, s (submit waits this long for a placement; default 10)")
     p.add_argument("--ca-file", default=os.environ.get("GPULB_CA_FILE"), help="PEM CA of the coordinator's certificate: use TLS (env GPULB_CA_FILE)")
@@ -888,16 +915,17 @@ def build_parser() -> argparse.ArgumentParser:
     gpus = sub.add_parser("gpus", help="list GPUs with their latest readings")
     gpus.add_argument("--node", help="only this node")
     gpus.add_argument("--model", help="only models containing this text")
-    gpus.add_argument("--metrics", help="comma-separated metrics (util,memory,temp,power,...)")
+    gpus.add_argument("--metrics", type=_metric_names,
+                      help="comma-separated metrics (util,memory,temp,power,clock,pcie,ecc or field names; default all)")
     gpus.add_argument("--smoothed", action="store_true", help="anomaly-filtered EWMA values instead of raw")
-    gpus.add_argument("--json", action="store_true")
+    gpus.add_argument("--json", action="store_true", help=JSON_HELP)
 
     procs = sub.add_parser("processes", help="compute processes per GPU, as the agents list them")
     procs.add_argument("--node", help="only this node")
-    procs.add_argument("--json", action="store_true")
+    procs.add_argument("--json", action="store_true", help=JSON_HELP)
 
     nodes = sub.add_parser("nodes", help="list nodes")
-    nodes.add_argument("--json", action="store_true")
+    nodes.add_argument("--json", action="store_true", help=JSON_HELP)
 
     top = sub.add_parser("top", help="a live, refreshing table of every GPU",
                          formatter_class=_ShowDefaults)
@@ -908,9 +936,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, text in (("cordon", "no new tasks on NODE"), ("drain", "no new tasks on NODE; running ones finish"), ("uncordon", "NODE takes tasks again (a removed node is forgotten: its stored cordon and its count as removed)")):
         action = sub.add_parser(name, help=text)
-        action.add_argument("node", metavar="NODE")
+        action.add_argument("node", metavar="NODE", help="the node's id, as `gpulb nodes` lists it")
         action.add_argument("--reason", help="free text, logged by the coordinator")
-        action.add_argument("--json", action="store_true")
+        action.add_argument("--json", action="store_true", help="print the node afterwards as JSON")
 
     submit = sub.add_parser(
         "submit", help="submit a task and wait for its placement",
@@ -922,8 +950,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--timeout", type=_TIMEOUT, default=argparse.SUPPRESS,
                         help="s to wait for the placement (the RPC deadline; same as gpulb --timeout; default 10)")
     submit.add_argument("--id", help="task id (default: a random one); resubmitting the same id and spec is idempotent")
-    submit.add_argument("--tenant")
-    submit.add_argument("--priority", default="P2", choices=("P0", "P1", "P2", "P3", "p0", "p1", "p2", "p3"))
+    submit.add_argument("--tenant", help="tenant to submit for (a tenant token fixes it; an admin token's tenant is the default)")
+    submit.add_argument("--priority", default="P2", choices=("P0", "P1", "P2", "P3", "p0", "p1", "p2", "p3"),
+                        help="class: P0 real-time inference (waiting past 5 s is an SLA miss), P1 interactive or "
+                        "fine-tuning, P2 batch, P3 background (default P2)")
     submit.add_argument("--kind", help="inference, training, batch, background or free text")
     submit.add_argument("--gpus", type=_number(int, 1, MAX_GPUS), default=1, help=f"GPUs on one node, 1..{MAX_GPUS}")
     mem = submit.add_mutually_exclusive_group()
@@ -944,45 +974,52 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--no-wait", action="store_true", help="return at once with the queued task (exit 0)")
     submit.add_argument("--array", type=int, metavar="N",
                         help="a job array: N tasks ID-0..ID-N-1 of this spec in one ScheduleTasks call (1..1000)")
-    submit.add_argument("--json", action="store_true")
+    submit.add_argument("--json", action="store_true", help="print the task (or the array's tasks) as JSON")
 
     tasks = sub.add_parser("tasks", help="list tasks")
-    tasks.add_argument("--state", choices=[n.removeprefix("TASK_STATE_").lower() for n in tpb.TaskState.keys()[1:]])
-    tasks.add_argument("--tenant")
+    tasks.add_argument("--state", choices=[n.removeprefix("TASK_STATE_").lower() for n in tpb.TaskState.keys()[1:]],
+                       help="only tasks in this state (default: every state)")
+    tasks.add_argument("--tenant", help="only this tenant's tasks (a tenant token sees its own only)")
     tasks.add_argument("--limit", type=_number(int, 0, 2**32 - 1), default=1000, help="at most this many (0: the coordinator's 1000)")
     tasks.add_argument("--wide", action="store_true", help=f"whole reasons (the table cuts them at {REASON_COLUMN} characters; --json has them whole)")
-    tasks.add_argument("--json", action="store_true")
+    tasks.add_argument("--json", action="store_true", help=JSON_HELP)
 
     queue = sub.add_parser("queue", help="queue depth per class and the next tasks in dispatch order")
-    queue.add_argument("--json", action="store_true")
+    queue.add_argument("--json", action="store_true", help=JSON_HELP)
 
     policy = sub.add_parser("policy", help="show or switch the placement policy (no restart)")
-    policy.add_argument("action", choices=("get", "set"))
-    policy.add_argument("name", nargs="?", help="round_robin, weighted_round_robin, least_connections, load_aware, binpack, fgd")
-    policy.add_argument("--weights", type=_weights, help="TERM=NUMBER,... e.g. load=1.0,memory=0.5")
-    policy.add_argument("--json", action="store_true")
+    policy.add_argument("action", choices=("get", "set"),
+                        help="get: the policy in force, its weights and the others; set: switch to NAME and/or change --weights")
+    policy.add_argument("name", nargs="?", metavar="NAME", type=_policy_name,
+                        help=f"set only: {', '.join(POLICIES)} (default: keep the current one)")
+    # the terms a policy weighs differ by policy (`policy get` lists them): the coordinator checks them
+    policy.add_argument("--weights", type=_weights,
+                        help="set only: TERM=NUMBER,... e.g. load=1.0,memory=0.5, for NAME or the current policy")
+    policy.add_argument("--json", action="store_true", help=JSON_HELP)
 
     complete = sub.add_parser("complete", help="report a leased task finished")
-    complete.add_argument("task")
+    complete.add_argument("task", help="task id")
     complete.add_argument("--lease", help="lease id (default: the task's current lease)")
-    complete.add_argument("--failed", action="store_true")
+    complete.add_argument("--failed", action="store_true", help="the task failed (default: it completed)")
 
     migrate = sub.add_parser("migrate", help="move a leased task to other GPUs in one step (a rebalance plan's move)")
-    migrate.add_argument("task")
+    migrate.add_argument("task", help="id of the leased task")
     migrate.add_argument("--to-gpu", dest="to", action="append", required=True, metavar="GPU",
                          help="destination GPU, as its UUID or NODE:INDEX[,INDEX...] (as `advisor plan` prints "
                               "a move); every GPU of the task, in one or several --to-gpu")
     migrate.add_argument("--lease", help="lease id (default: the task's current lease)")
 
     cancel = sub.add_parser("cancel", help="cancel a queued or leased task")
-    cancel.add_argument("task")
-    cancel.add_argument("--reason")
+    cancel.add_argument("task", help="task id")
+    cancel.add_argument("--reason", help="free text, kept with the task and logged by the coordinator")
 
     watch = sub.add_parser("watch", help="follow a task's state changes until it ends")
-    watch.add_argument("task")
+    watch.add_argument("task", help="task id")
 
     advisor = sub.add_parser("advisor", help="learned GPU speeds and memory growth, rebalance plans (predictions | plan | watch | execute)")
-    advisor.add_argument("action", choices=("predictions", "plan", "watch", "execute"))
+    advisor.add_argument("action", choices=("predictions", "plan", "watch", "execute"),
+                         help="predictions: learned speeds and memory growth; plan: the trigger and the latest plan; "
+                         "watch: follow plans; execute: carry them out")
     advisor.add_argument("--checkpoint", help="execute: command run before each move, without a shell (a path, or a name on "
                          "PATH), the move in GPULB_* variables (GPULB_TO_*: where the task goes; coordinator/executor.py); "
                          "a failure skips the move and the exit status is 1")
@@ -999,7 +1036,8 @@ def build_parser() -> argparse.ArgumentParser:
     advisor.add_argument("--model", help="predictions: only this GPU model")
     advisor.add_argument("--kind", help="predictions: only this task kind")
     advisor.add_argument("--node", help="predictions: only this node's residual")
-    advisor.add_argument("--json", action="store_true")
+    advisor.add_argument("--json", action="store_true",
+                         help="print JSON instead of tables (watch and execute: one object per line)")
 
     from coordinator.demo import add_demo_arguments
 
@@ -1012,7 +1050,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("wire", "ingest", "schedule"),
         help="wire: bytes per GPU-sample; ingest: telemetry throughput; schedule: placements/s and latency",
     )
-    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.add_argument("--samples", type=_number(int, 1, 10**7), default=600, help="wire: sampling rounds per scenario")
     bench.add_argument("--gpus", type=_number(int, 1, MAX_GPUS), default=8, help="GPUs per host")
     bench.add_argument("--hosts", type=_number(int, 1, 10**6), default=2500, help="ingest: simulated hosts (one stream each)")

@@ -24,14 +24,25 @@ source_spec=$(dirname "$here")
 python=python3
 root=""
 
+# A usage error: one line and exit 2, as for an unknown argument (bash's own
+# ${2:?} said "line 32: 2: --root needs a value" and exited 1).
+usage_error() { echo "install.sh: $*" >&2; exit 2; }
+# The value of option $1, given as $2: missing, empty or another option
+# (`--root --dry-run`) is refused rather than taken as a path.
+option_value() {
+    case "${2-}" in
+        ""|-*) usage_error "$1 needs a value (see --help)" ;;
+    esac
+}
+
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry_run=1 ;;
-        --source) source_spec=${2:?--source needs a value}; shift ;;
-        --python) python=${2:?--python needs a value}; shift ;;
-        --root) root=${2:?--root needs a value}; shift ;;
+        --source) option_value "$1" "${2-}"; source_spec=$2; shift ;;
+        --python) option_value "$1" "${2-}"; python=$2; shift ;;
+        --root) option_value "$1" "${2-}"; root=$2; shift ;;
         -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "install.sh: unknown argument: $1 (see --help)" >&2; exit 2 ;;
+        *) usage_error "unknown argument: $1 (see --help)" ;;
     esac
     shift
 done
@@ -144,7 +155,11 @@ fi
 # The commands below run on the host that runs gpulb, so they name the final
 # paths (/etc/gpulb, /opt/gpulb), never the staging root.
 if [ -n "$root" ]; then
-    note "staged into $root as the target's /: copy it there, then on the target host, as root:"
+    if [ "$dry_run" = 1 ]; then
+        note "dry run: nothing was staged; a real run stages into $root as the target's /: copy it there, then on the target host, as root:"
+    else
+        note "staged into $root as the target's /: copy it there, then on the target host, as root:"
+    fi
     note "  getent group gpulb >/dev/null || groupadd --system gpulb"
     note "  getent passwd gpulb >/dev/null || useradd --system --gid gpulb --home-dir /var/lib/gpulb --no-create-home --shell /usr/sbin/nologin --comment 'gpulb daemons' gpulb"
     note "  chgrp gpulb /etc/gpulb/coordinator.env /etc/gpulb/agent.env"
@@ -154,8 +169,29 @@ if [ -n "$root" ]; then
     note "  systemctl daemon-reload"
     note "(or run systemd/install.sh there, as root: it does the same and keeps the staged /etc/gpulb files)"
 fi
-if [ -n "$root" ]; then note "once installed there, next:"; else note "installed. Next:"; fi
-note "  coordinator host: systemctl enable --now gpulb-coordinator"
-note "  GPU hosts:        $prefix/bin/gpulb-agent --config /etc/gpulb/agent.toml --check   (pre-flight: exit 0 = ready)"
-note "                    systemctl enable --now gpulb-agent   (set coordinator in /etc/gpulb/agent.toml first)"
-note "  effective config: $prefix/bin/gpulb-coordinator --config /etc/gpulb/coordinator.toml --print-config"
+if [ -n "$root" ]; then
+    note "once installed there, next:"
+elif [ "$dry_run" = 1 ]; then
+    note "dry run: nothing was installed. After a real run, next:"
+else
+    note "installed. Next:"
+fi
+# The shipped coordinator.toml has no TLS, no token file and insecure = false,
+# a configuration the daemon refuses (exit 2, restarted by the unit every 2 s
+# until systemd gives up): say what to add before enabling it.
+note "  coordinator host: add to the [coordinator] table of /etc/gpulb/coordinator.toml (it refuses to start without TLS and a token file):"
+note "                      tls_cert_file = \"/etc/gpulb/tls/coordinator.pem\""
+note "                      tls_key_file = \"/etc/gpulb/tls/coordinator.key\""
+note "                      token_file = \"/etc/gpulb/tokens.toml\"   (one [tokens.\"sha256:...\"] entry per client, as $prefix/bin/python -m coordinator.security new-token --role admin --name ops prints it; the token itself stays out of the file)"
+note "                      listen = \"0.0.0.0:50051\"   (the default, 127.0.0.1:50051, serves this host only)"
+note "                    the files readable by user gpulb (chgrp gpulb, mode 0640); or, on a lab network only, instead of TLS and tokens:"
+note "                      insecure = true"
+# What the unit runs: its user, its environment (GPULB_STATE_DIR from
+# Environment=, then /etc/gpulb/coordinator.env, parsed as systemd parses it)
+# and its ExecStart=. Without them --print-config showed state_dir "" (in
+# memory) where the service keeps /var/lib/gpulb.
+note "                    effective config, as the unit runs it: systemd-run --pipe --wait -p User=gpulb -p Environment=GPULB_STATE_DIR=/var/lib/gpulb -p EnvironmentFile=-/etc/gpulb/coordinator.env /usr/local/bin/gpulb-coordinator --config /etc/gpulb/coordinator.toml --print-config"
+note "                    systemctl enable --now gpulb-coordinator"
+# as the unit runs the agent (User=gpulb): a check as root can read what the service cannot
+note "  GPU hosts:        sudo -u gpulb $prefix/bin/gpulb-agent --config /etc/gpulb/agent.toml --check   (pre-flight: exit 0 = ready)"
+note "                    systemctl enable --now gpulb-agent   (set coordinator, and its CA and token, in /etc/gpulb/agent.toml first)"

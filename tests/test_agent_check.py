@@ -140,7 +140,6 @@ def test_command_line_check_on_the_simulator_and_without_a_driver(capsys, loggin
     assert agent_main.main(["--check", "--no-coordinator", "--backend", "sim", "--sim-gpus", "3", "--check-rounds", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["backend"] == "sim" and len(data["gpus"]) == 3 and data["ok"] is True
-    assert agent_main.main(["--check", "--no-coordinator", "--backend", "sim", "--check-rounds", "0"]) == 2
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
@@ -149,6 +148,61 @@ def test_command_line_check_on_the_simulator_and_without_a_driver(capsys, loggin
         return
     pynvml.nvmlShutdown()
     pytest.skip("this host has a working NVML driver")
+
+
+NO_NVML = "NVML did not initialise: NVML Shared Library Not Found"  # as on a host without the driver
+
+
+@pytest.fixture
+def host_without_nvml(monkeypatch):
+    """NVML fails the way it does on a host without the driver, whatever
+    this host has."""
+    from agent import nvml
+    from agent.backend import BackendUnavailable
+
+    def unavailable(*args, **kwargs):
+        raise BackendUnavailable(NO_NVML)
+
+    monkeypatch.setattr(nvml, "NvmlBackend", unavailable)
+
+
+def test_a_check_on_gpus_simulated_for_want_of_nvml_fails() -> None:
+    """The report of a check whose backend auto fell back to the simulator:
+    every simulated GPU reads OK and a round fits, yet it is no pre-flight of
+    this host's GPUs, so it fails and says why, in the table and the JSON."""
+    from agent.sim import SimBackend
+
+    report = run_check(SimBackend(gpus=2, seed=1), rounds=1, sleep=lambda s: None, nvml_error=NO_NVML)
+    assert report.healthy and report.round_fits and report.simulated_instead_of_nvml and not report.ok
+    text = render_check(report)
+    assert text.splitlines()[0].startswith("backend sim (auto: NVML unusable, so SIMULATED GPUs): 2 GPU(s)")
+    verdict = next(line for line in text.splitlines() if line.startswith("backend: FAIL: "))
+    assert "SIMULATED" in verdict and NO_NVML in verdict and "--backend nvml" in verdict
+    assert text.endswith("check: FAIL")
+    data = json.loads(report.to_json())
+    assert data["ok"] is False and data["nvml_error"] == NO_NVML and data["simulated_instead_of_nvml"] is True
+    # the simulator asked for by name is what was asked for: it passes
+    asked = run_check(SimBackend(gpus=2, seed=1), rounds=1, sleep=lambda s: None)
+    assert asked.ok and not asked.simulated_instead_of_nvml and "SIMULATED" not in render_check(asked)
+
+
+def test_the_default_backend_without_nvml_is_not_ready(host_without_nvml, capsys, logging_restored) -> None:
+    """`gpulb-agent --check` (backend auto) on a host without NVML said PASS,
+    exit 0, from simulated GPUs (QA pass 23, first run): now exit 1 and a
+    FAIL line naming NVML's error, and "ok": false in the JSON; with
+    --backend sim, asked for, it still passes."""
+    base = ["--check", "--no-coordinator", "--check-rounds", "1", "--sim-gpus", "2"]
+    assert agent_main.main(base) == 1
+    captured = capsys.readouterr()
+    assert f"NVML could not be used ({NO_NVML})" in captured.out and captured.out.rstrip().endswith("check: FAIL")
+    assert "SIMULATING_GPUS" in captured.err  # the log line, as the daemon says it
+
+    assert agent_main.main([*base, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert (data["backend"], data["ok"], data["nvml_error"]) == ("sim", False, NO_NVML)
+
+    assert agent_main.main([*base, "--backend", "sim"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("check: PASS")
 
 
 async def test_check_asks_the_coordinator_the_agents_way(capsys, logging_restored) -> None:

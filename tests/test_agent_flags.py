@@ -39,7 +39,9 @@ def _exit(argv: list[str], capsys) -> tuple[int, str]:
         (["--interval-min", "3"], "--interval-min (3 s) is above the default interval_max 2 s"),
         (["--outage-buffer", "-1"], "argument --outage-buffer: must be an integer in 1..1000000, got -1"),
         (["--outage-buffer", "0"], "argument --outage-buffer: must be an integer in 1..1000000, got 0"),
-        (["--check", "--check-rounds", "x"], "argument --check-rounds: invalid int value"),
+        (["--check", "--check-rounds", "x"], "argument --check-rounds: must be an integer >= 1, got 'x'"),
+        (["--check", "--check-rounds", "0"], "argument --check-rounds: must be an integer >= 1, got 0"),
+        (["--check", "--check-rounds", "-2", "--json"], "argument --check-rounds: must be an integer >= 1, got -2"),
         # node ids the coordinator refuses at registration: exit 78 after connecting, before
         (["--node-id", "gpu node 1"], "argument --node-id: 'gpu node 1' is not a node id the coordinator accepts: "
                                       "it must be 1-128 of [A-Za-z0-9._-], starting alphanumeric"),
@@ -113,6 +115,22 @@ def test_node_ids_are_checked_by_the_coordinators_rule(monkeypatch, capsys):
     assert code == 2 and ("the hostname '_build host' (node_id's default) is not a node id the coordinator accepts: "
                           "it must be 1-128 of [A-Za-z0-9._-], starting alphanumeric; give one with --node-id or "
                           "node_id in --config") in err, err
+
+
+def test_check_rounds_0_is_a_usage_error_like_any_bad_flag(capsys):
+    """`--check --check-rounds 0` printed a bare "--check-rounds must be >= 1,
+    got 0" (no program name, no usage line), --json or not: now argparse's
+    error and exit 2, as for any other bad flag."""
+    for extra in ([], ["--json"]):
+        code, err = _exit(["--check", "--no-coordinator", "--check-rounds", "0", *extra], capsys)
+        assert code == 2 and err.startswith("usage: gpulb-agent"), err
+        assert err.rstrip().endswith("gpulb-agent: error: argument --check-rounds: must be an integer >= 1, got 0"), err
+
+
+def test_every_flag_says_what_it_does():
+    """--json, --log-level and --log-format had no help text."""
+    undocumented = [a.option_strings for a in agent_main.build_parser()._actions if not a.help]
+    assert undocumented == [], undocumented
 
 
 def test_help_documents_the_exit_status():

@@ -91,6 +91,11 @@ BAD_INPUT = [
     (["bench", "ingest", "--warmup", "-1"], "argument --warmup:"),
     (["bench", "ingest", "--channels", "0"], "argument --channels:"),
     (["demo", "--duration", "inf"], "argument --duration: must be a finite number >= 4"),
+    # names the CLI knows as the coordinator does: usage errors, not INVALID_ARGUMENT refusals (exit 1)
+    (["gpus", "--metrics", "bogus"], "argument --metrics: unknown metric 'bogus'; known: clock, ecc"),
+    (["gpus", "--metrics", "util,,tmp"], "argument --metrics: unknown metric 'tmp'"),
+    (["policy", "set", "bogus"], "argument NAME: unknown policy 'bogus'; available: round_robin, weighted_round_robin"),
+    (["policy", "set", "Load_Aware"], "argument NAME: unknown policy 'Load_Aware'"),
 ]
 
 
@@ -102,6 +107,42 @@ def test_a_bad_flag_is_an_argparse_error_naming_it_and_its_range(argv, needle, c
     assert exc.value.code == 2, err
     assert needle in err
     assert "Traceback" not in err and "usage: gpulb" in err
+
+
+def test_known_metric_and_policy_names_go_to_the_coordinator(capsys):
+    """The local checks take what the coordinator takes (aliases, field
+    names, any case and spacing for metrics): nothing listens at DEAD, so a
+    name that passed shows as the RPC error, exit 1."""
+    for argv in (["gpus", "--metrics", " Util,memory,temperature_c"], ["policy", "set", "fgd"],
+                 ["policy", "set", "--weights", "load=1"]):
+        assert main(["--coordinator", DEAD, "--timeout", "2", *argv]) == 1, argv
+        assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_every_argument_says_what_it_is():
+    """--json had no help text in gpus, nodes, policy, advisor, bench and
+    others, nor did policy's get/set, task ids or submit's --priority."""
+    undocumented = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                undocumented.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    from coordinator.cli import build_parser
+
+    walk(build_parser(), "gpulb")
+    assert undocumented == [], undocumented
+
+
+def test_policy_help_says_what_set_alone_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["policy", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--weights WEIGHTS set only:" in out and "set only: round_robin, weighted_round_robin" in out
 
 
 def test_executor_commands_are_checked_before_the_first_plan(tmp_path, monkeypatch, capsys):
@@ -417,7 +458,7 @@ def test_help_says_the_defaults_of_top_and_bench(capsys):
     default, and `gpulb cluster homogeneous` wrote 8 x 4 RTX 4090 unasked."""
     for argv, needles in ((["top", "--help"], ["(default: 1.0)", "(default: 0)"]),
                           (["bench", "--help"], ["(default: 600)", "(default: 2500)", "(default: 40.0)"]),
-                          (["--help"], ["default 10"]),
+                          (["--help"], ["default 10", "default 127.0.0.1:50051"]),
                           (["cluster", "homogeneous", "--help"], ["(default 8)", "(default 4)", "(default RTX 4090)"])):
         with pytest.raises(SystemExit):
             main(argv)
