@@ -2,9 +2,12 @@
 loopback, balancing a mixed GPU workload first with round_robin and then with
 load_aware (switched with SetPolicy), and a side-by-side summary of the two.
 
-Every child is stopped on the way out (also on Ctrl-C or SIGTERM); the exit
-code is 0 only when both phases placed tasks and every child stopped cleanly.
-The workload itself is ``coordinator.demo_workload``.
+Every child is stopped on the way out (also on Ctrl-C, SIGTERM or SIGHUP; a
+second one while stopping kills what is left). The children get the caller's
+environment without GPULB_*: the demo configures them itself. The exit code
+is 0 only when both phases placed tasks and every child stopped cleanly, 128
++ the signal's number when a signal stopped the demo, 2 for a flag value it
+cannot use, else 1. The workload itself is ``coordinator.demo_workload``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterable, Sequence, TextIO
+from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
 import grpc
 
@@ -38,11 +41,14 @@ from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
 from protos import tasks_pb2 as tpb
 from protos import tasks_pb2_grpc as tpb_grpc
+from scheduler.task import MAX_GPUS
 
 __all__ = [
     "run_demo",
     "free_port",
     "ProcessGroup",
+    "ChildExited",
+    "child_environment",
     "popen_as",
     "can_deny_write_execute",
     "add_demo_arguments",
@@ -52,6 +58,9 @@ __all__ = [
     "phase_figures",
     "render_summary",
     "POLICY_ORDER",
+    "MAX_AGENTS",
+    "MIN_DURATION_S",
+    "MAX_DURATION_S",
 ]
 
 #: the phases, in order: the naive baseline first
@@ -64,12 +73,48 @@ _ACTIVE = (tpb.TASK_STATE_QUEUED, tpb.TASK_STATE_LEASED)
 _HOLDER_CHECK_S = 1.0
 
 
+#: simulated hosts at most. Each is an agent process of about 75 MiB RSS (64
+#: took 4.7 GiB in a first-run QA pass) and a share of this one machine's
+#: CPUs: 64 fit a typical workstation and show balancing as well as more
+#: would; --agents 1000 would exhaust its memory instead.
+MAX_AGENTS = 64
+#: s of submissions at most (half per policy): an hour. The workload is built
+#: up front (64 hosts x 64 GPUs for an hour: about 1.3 M tasks a phase, 9 s to
+#: build), and a longer run shows nothing an hour does not.
+MAX_DURATION_S = 3600.0
+#: s of submissions at least: two 2 s windows still place tasks in both phases
+MIN_DURATION_S = 4.0
+
+
+def _bounded(kind: type, low: float, high: float):
+    """An argparse ``type``: an integer (``kind`` int) or a finite number in
+    [low, high]; the error names the range, as the other gpulb commands' do."""
+    noun = "an integer" if kind is int else "a number"
+    wanted = f"must be {noun} from {low:g} to {high:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{wanted}, got {text!r}") from None
+        if not (low <= value <= high):  # also NaN
+            raise argparse.ArgumentTypeError(f"{wanted}, got {text!r}")
+        return value
+
+    parse.__name__ = "integer" if kind is int else "number"
+    return parse
+
+
 def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
-    demo.add_argument("--agents", type=int, default=6, help="simulated hosts (default 6)")
-    demo.add_argument("--gpus-per-agent", type=int, default=4, help="simulated RTX 4090s per host (default 4)")
+    demo.add_argument("--agents", type=_bounded(int, 1, MAX_AGENTS), default=6,
+                      help=f"simulated hosts, 1..{MAX_AGENTS} (default 6; each agent takes about 75 MiB)")
+    # the agent's own bound (gpulb-agent --sim-gpus): the coordinator takes at most MAX_GPUS a node
+    demo.add_argument("--gpus-per-agent", type=_bounded(int, 1, MAX_GPUS), default=4,
+                      help=f"simulated RTX 4090s per host, 1..{MAX_GPUS} (default 4)")
     demo.add_argument(
-        "--duration", type=float, default=60.0,
-        help="s of submissions in all, half per policy (default 60); draining between phases adds a little",
+        "--duration", type=_bounded(float, MIN_DURATION_S, MAX_DURATION_S), default=60.0,
+        help=f"s of submissions in all, half per policy, {MIN_DURATION_S:g}..{MAX_DURATION_S:g} (default 60); "
+        "draining between phases adds a little",
     )
     demo.add_argument("--seed", type=int, default=0, help="workload and simulated-GPU seed (default 0)")
     demo.add_argument(
@@ -78,7 +123,8 @@ def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
         "deterministic for the agent seeds, which is what a load-aware placement must see) or idle (an empty cluster)",
     )
     demo.add_argument("--no-live", action="store_true", help="periodic log lines instead of a live table (logs and CI)")
-    demo.add_argument("--log-dir", help="keep the coordinator's and agents' logs here (default: a temporary directory, removed)")
+    demo.add_argument("--log-dir", help="keep the coordinator's and agents' logs here, relative to the current "
+                      "directory (default: a temporary directory, removed)")
 
 
 def free_port() -> int:
@@ -112,13 +158,27 @@ def can_deny_write_execute() -> bool:
         return False
 
 
+class ChildExited(Exception):
+    """A child stopped before the demo stopped it: the demo cannot go on."""
+
+    def __init__(self, name: str, status: int) -> None:
+        super().__init__(f"{name} exited with {status}")
+        self.name = name
+        self.status = status
+
+
 class ProcessGroup:
     """Children started by the demo, each in its own process group so one
-    signal stops it and anything it started."""
+    signal stops it and anything it started. ``env``: their environment (None:
+    this process's); ``cwd``: their working directory (None: this one's)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> None:
         self.log_dir = log_dir
+        self.env = env
+        self.cwd = cwd
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        #: children stop_all killed at once because ``hurry`` said so
+        self.killed: list[str] = []
 
     def start(
         self, name: str, argv: list[str], user: str | None = None, write_xor_execute: bool = False,
@@ -138,7 +198,7 @@ class ProcessGroup:
         log = open(self.log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**(os.environ if self.env is None else self.env), "PYTHONUNBUFFERED": "1"}, cwd=self.cwd,
             **popen_as(user),
         )
         log.close()
@@ -158,8 +218,20 @@ class ProcessGroup:
                     pass
         return sent
 
-    def stop_all(self, grace_s: float = 8.0) -> list[tuple[str, int | None]]:
-        """SIGTERM everyone, wait up to ``grace_s``, SIGKILL the rest."""
+    def exited(self) -> list[tuple[str, int]]:
+        """The children that have exited, with their exit statuses."""
+        return [(name, proc.returncode) for name, proc in self.procs if proc.poll() is not None]
+
+    def raise_if_exited(self) -> None:
+        """``ChildExited`` for the first child that has exited: one the demo
+        has not stopped yet exited early."""
+        for name, status in self.exited():
+            raise ChildExited(name, status)
+
+    def stop_all(self, grace_s: float = 8.0, hurry: Callable[[], bool] | None = None) -> list[tuple[str, int | None]]:
+        """SIGTERM everyone, wait up to ``grace_s``, SIGKILL the rest; SIGKILL
+        the rest at once when ``hurry()`` turns true while waiting (a second
+        Ctrl-C), and name those in ``killed``."""
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 try:
@@ -167,15 +239,20 @@ class ProcessGroup:
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + grace_s
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        while alive := [(name, proc) for name, proc in self.procs if proc.poll() is None]:
+            hurried = hurry is not None and hurry()
+            if hurried or time.monotonic() >= deadline:
+                for name, proc in alive:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    if hurried:
+                        self.killed.append(name)
+                for _, proc in alive:
+                    proc.wait()
+                break
+            time.sleep(0.05)  # a poll, not a blocking wait: a second signal must not wait on a child
         return [(name, proc.returncode) for name, proc in self.procs]
 
 
@@ -443,7 +520,12 @@ class _Client(threading.Thread):
 class _Display:
     """The progress bar (stderr, when it is a terminal) and either a live
     table of every GPU redrawn in place (stdout is a terminal) or plain log
-    lines every ``log_every_s``."""
+    lines every ``log_every_s``.
+
+    The live frame is moved over by counting its lines, so no line of it may
+    wrap: every line is cut to the terminal's width, less one column (a line
+    that fills the last column wraps early on some terminals), and the frame
+    to its height, less the bar's line and one spare."""
 
     def __init__(self, out: TextIO, err: TextIO, live: bool, log_every_s: float) -> None:
         self.out = out
@@ -469,11 +551,17 @@ class _Display:
         self.out.write(text + "\n")
         self.out.flush()
 
-    def update(self, now: float, progress: str, frac: float, status: str, gpus: Sequence[cpb.Gpu]) -> None:
+    def update(self, now: float, progress: str, frac: float, status: Sequence[str], gpus: Sequence[cpb.Gpu]) -> None:
+        """``status``: the parts of the status line (phase, task counts,
+        utilisation); a log line joins them, the live frame wraps between
+        them."""
+        size = shutil.get_terminal_size((120, 50))
+        width = max(20, size.columns - 1)
         if self.live:
             self._clear_bar()
-            height = shutil.get_terminal_size((120, 50)).lines
-            frame = f"{status}\n{_gpu_table(gpus, max_lines=height - 3)}\n"
+            head = _wrap_parts(status, width)
+            table = _gpu_table(gpus, max_lines=max(3, size.lines - 2 - len(head)), max_width=width)
+            frame = "\n".join([*head, table]) + "\n"
             if self._lines:
                 self.out.write(f"\x1b[{self._lines}F\x1b[J")
             self.out.write(frame)
@@ -482,12 +570,13 @@ class _Display:
         elif now - self._last_log >= self.log_every_s:
             self._last_log = now
             self._clear_bar()
-            self.out.write(status + "\n")
+            self.out.write(" | ".join([" ".join(status[:-1]), status[-1]]) + "\n")
             self.out.flush()
         if self.bar:
-            width = 30
-            filled = int(max(0.0, min(1.0, frac)) * width)
-            self.err.write(f"\r{progress} [{'#' * filled}{'.' * (width - filled)}]\x1b[K")
+            bar_width = 30
+            filled = int(max(0.0, min(1.0, frac)) * bar_width)
+            line = f"{progress} [{'#' * filled}{'.' * (bar_width - filled)}]"
+            self.err.write(f"\r{line[:width]}\x1b[K")
             self.err.flush()
             self._bar_shown = True
 
@@ -495,11 +584,46 @@ class _Display:
         self._clear_bar()
 
 
-def _gpu_table(gpus: Sequence[cpb.Gpu], max_lines: int = 1_000) -> str:
-    """Every GPU, one a row; in two side-by-side halves when one column
-    would not fit ``max_lines`` (a frame taller than the terminal cannot be
-    redrawn in place)."""
-    rows = []
+def _wrap_parts(parts: Sequence[str], width: int) -> list[str]:
+    """``parts`` joined by two spaces into lines of at most ``width``: a part
+    goes to the next line rather than be split; one longer than ``width`` is
+    cut."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += "  " + part
+        else:
+            lines.append(part[:width])
+    return lines
+
+
+def _fits(table: str, max_lines: int, max_width: int) -> bool:
+    rows = table.splitlines()
+    return len(rows) <= max_lines and max(map(len, rows)) <= max_width
+
+
+def _side_by_side(headers: list[str], rows: list[list[object]], align: str) -> str:
+    """The table in two halves, the second to the right of the first."""
+    half = (len(rows) + 1) // 2
+    blank = [""] * len(headers)
+    joined = [rows[i] + ["|"] + (rows[half + i] if half + i < len(rows) else blank) for i in range(half)]
+    return render_table(headers + ["|"] + headers, joined, align=align + "l" + align)
+
+
+def _gpu_table(gpus: Sequence[cpb.Gpu], max_lines: int = 1_000, max_width: int = 1_000) -> str:
+    """Every GPU, in the first layout that fits ``max_lines`` x
+    ``max_width`` (a frame taller or wider than the terminal cannot be
+    redrawn in place):
+
+    * one GPU a row (about 55 columns);
+    * that table in two side-by-side halves (about 115 columns);
+    * one node a row: each GPU's utilisation in index order, the node's
+      memory, hottest GPU and tasks (about 50 columns with 4 GPUs a node;
+      more GPUs wrap onto further lines), in two halves when that fits;
+    * that, cut to ``max_lines`` with a last line saying how many nodes
+      were left out; and any line still too wide is cut to ``max_width``.
+    """
+    rows: list[list[object]] = []
     for g in gpus:
         util = g.util_gpu_pct if g.HasField("util_gpu_pct") else None
         bar = "-" if util is None else "#" * int(round(util / 10)) + "." * (10 - int(round(util / 10)))
@@ -511,12 +635,61 @@ def _gpu_table(gpus: Sequence[cpb.Gpu], max_lines: int = 1_000) -> str:
             fmt(g.temperature_c if g.HasField("temperature_c") else None, 0), g.active_tasks,
         ])
     headers, align = ["NODE", "GPU", "UTIL", "", "MEM GiB", "TEMP C", "TASKS"], "lrrlrrr"
-    if len(rows) + 2 > max_lines and len(rows) > 1:
-        half = (len(rows) + 1) // 2
-        blank = [""] * len(headers)
-        rows = [rows[i] + ["|"] + (rows[half + i] if half + i < len(rows) else blank) for i in range(half)]
-        headers, align = headers + ["|"] + headers, align + "l" + align
-    return render_table(headers, rows, align=align)
+    table = render_table(headers, rows, align=align)
+    if _fits(table, max_lines, max_width):
+        return table
+    if len(rows) > 1 and _fits(folded := _side_by_side(headers, rows, align), max_lines, max_width):
+        return folded
+    return _node_table(gpus, max_lines, max_width)
+
+
+def _node_table(gpus: Sequence[cpb.Gpu], max_lines: int, max_width: int) -> str:
+    """One node a row (``_gpu_table``'s compact layouts)."""
+    nodes: dict[str, list[cpb.Gpu]] = {}
+    for g in gpus:
+        nodes.setdefault(g.node_id, []).append(g)
+    summary: list[tuple[str, list[str], str, str, int]] = []  # node, util cells, memory, hottest, tasks
+    for node, cards in nodes.items():
+        cards = sorted(cards, key=lambda g: g.index)
+        utils = [f"{g.util_gpu_pct:3.0f}" if g.HasField("util_gpu_pct") else "  -" for g in cards]
+        known = [g for g in cards if g.HasField("memory_used_mib") and g.HasField("memory_total_mib")]
+        mem = (f"{sum(g.memory_used_mib for g in known) / 1024:.1f}/{sum(g.memory_total_mib for g in known) / 1024:.1f}"
+               if known else "-")
+        temps = [g.temperature_c for g in cards if g.HasField("temperature_c")]
+        summary.append((node, utils, mem, fmt(max(temps) if temps else None, 0), sum(g.active_tasks for g in cards)))
+    headers, align = ["NODE", "UTIL % BY GPU", "MEM GiB", "HOT C", "TASKS"], "llrrr"
+    # the utilisation cells wrap onto as many lines as the other columns leave room for
+    others = sum(max(len(h), *(len(str(row[i])) for row in summary)) for i, h in zip((0, 2, 3, 4), headers[:1] + headers[2:]))
+    per_line = max(1, (max_width - others - 2 * (len(headers) - 1) + 1) // 4)
+    rows: list[list[object]] = []
+    for node, utils, mem, hot, tasks in summary:
+        chunks = [utils[i:i + per_line] for i in range(0, len(utils), per_line)]
+        rows.append([node, " ".join(chunks[0]), mem, hot, tasks])
+        rows.extend(["", " ".join(chunk), "", "", ""] for chunk in chunks[1:])
+    table = render_table(headers, rows, align=align)
+    if _fits(table, max_lines, max_width):
+        return table
+    if len(rows) == len(summary) > 1 and _fits(folded := _side_by_side(headers, rows, align), max_lines, max_width):
+        return folded
+    if len(rows) + 2 <= max_lines:  # only too wide (a very narrow terminal): cut the lines
+        return "\n".join(line[:max_width] for line in table.splitlines())
+    # too many nodes for the terminal: the first ones, and a line for the rest
+    shown = rows[: max(0, max_lines - 3)]  # less the header, its rule and that line
+    if len(shown) < len(rows) and not rows[len(shown)][0]:
+        # the cut falls among one node's lines: leave that node out whole
+        while shown and not shown[-1][0]:
+            shown.pop()
+        if shown:
+            shown.pop()
+    left_out = len(summary) - sum(1 for row in shown if row[0])
+    lines = render_table(headers, shown, align=align).splitlines()
+    lines.append(f"... {_plural(left_out, 'more node')} (a taller terminal shows them)")
+    return "\n".join(line[:max_width] for line in lines)
+
+
+def _plural(n: int, noun: str) -> str:
+    """``n noun``, with an s unless n is 1."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 # ---- the phases -------------------------------------------------------------------------------
@@ -566,15 +739,17 @@ def _spread(readings: Sequence[GpuReading]) -> str:
 def _watch_phase(
     record: _PhaseRecord, sched: tpb_grpc.SchedulerStub, ops: cpb_grpc.ClusterOperatorStub, prefix: str,
     clients: Sequence[_Client], t0: float, window_s: float, drain_s: float, display: _Display,
+    check: Callable[[], None],
 ) -> None:
     """Once a second until the phase is drained (or ``drain_s`` after its
     window): sample every GPU (kept while the window lasts), count the
-    phase's tasks, show both."""
+    phase's tasks, show both. ``check`` raises when the demo must stop (a
+    stop signal, a child that exited)."""
     policy = record.policy
     draining_since: float | None = None
     next_tick = t0
     while True:
-        _check_stop()
+        check()
         now = time.monotonic()
         elapsed = now - t0
         gpus = list(ops.ListGpus(cpb.ListGpusRequest(), timeout=_RPC_TIMEOUT_S).gpus)
@@ -592,7 +767,7 @@ def _watch_phase(
             clients_done = not any(c.is_alive() for c in clients)
             if (left == 0 and clients_done) or drained >= drain_s:
                 break
-        status = f"[{policy} {stage}] {_counts(tasks)} | {_spread(readings)}"
+        status = [f"[{policy} {stage}]", _counts(tasks), _spread(readings)]
         display.update(elapsed, f"{policy:<12} {stage:<20}", frac, status, gpus)
         next_tick += 1.0
         time.sleep(max(0.0, next_tick - time.monotonic()))
@@ -600,7 +775,7 @@ def _watch_phase(
 
 def _run_phase(
     target: str, number: int, policy: str, workload: list[DemoTask], window_s: float, drain_s: float,
-    display: _Display,
+    display: _Display, check: Callable[[], None],
 ) -> _PhaseRecord:
     record = _PhaseRecord(policy)
     prefix = f"{policy}/"
@@ -609,22 +784,23 @@ def _run_phase(
         ops = cpb_grpc.ClusterOperatorStub(channel)
         active = sched.SetPolicy(tpb.SetPolicyRequest(name=policy), timeout=_RPC_TIMEOUT_S)
         sla_before = sched.GetQueue(tpb.GetQueueRequest(), timeout=_RPC_TIMEOUT_S).sla_misses
-        display.message(
-            f"phase {number}/{len(POLICY_ORDER)}: policy {active.name} (SetPolicy, no restart); "
-            f"{len(workload)} tasks over {window_s:g} s from {len(SCENARIOS)} concurrent clients"
-        )
-        t0 = time.monotonic()
-        record.started_at = time.time()
         by_scenario: dict[str, list[DemoTask]] = {}
         for task in workload:
             by_scenario.setdefault(task.scenario, []).append(task)
+        # one client a scenario that has tasks (a 1-GPU host gets no LoRA fine-tunes)
+        display.message(
+            f"phase {number}/{len(POLICY_ORDER)}: policy {active.name} (SetPolicy, no restart); "
+            f"{_plural(len(workload), 'task')} over {window_s:g} s from {_plural(len(by_scenario), 'concurrent client')}"
+        )
+        t0 = time.monotonic()
+        record.started_at = time.time()
         # The clients stop with the phase, or at once on Ctrl-C.
         phase_stop = threading.Event()
         clients = [_Client(target, prefix, tasks, t0, phase_stop) for tasks in by_scenario.values()]
         try:
             for client in clients:
                 client.start()
-            _watch_phase(record, sched, ops, prefix, clients, t0, window_s, drain_s, display)
+            _watch_phase(record, sched, ops, prefix, clients, t0, window_s, drain_s, display, check)
         finally:
             phase_stop.set()
 
@@ -650,12 +826,16 @@ def _run_phase(
     return record
 
 
-def _wait_for_gpus(target: str, count: int, timeout_s: float) -> list[cpb.Gpu]:
+def _wait_for_gpus(target: str, count: int, timeout_s: float, check_children: Callable[[], None]) -> list[cpb.Gpu]:
+    """ListGpus until ``count`` GPUs report or ``timeout_s`` passes;
+    ``check_children`` raises as soon as a child has exited (a coordinator
+    or agent that refused its configuration will never report)."""
     deadline = time.monotonic() + timeout_s
     gpus: list[cpb.Gpu] = []
     with grpc.insecure_channel(target) as ch:
         stub = cpb_grpc.ClusterOperatorStub(ch)
         while time.monotonic() < deadline:
+            check_children()
             try:
                 gpus = list(stub.ListGpus(cpb.ListGpusRequest(), timeout=2).gpus)
             except grpc.RpcError:
@@ -667,30 +847,182 @@ def _wait_for_gpus(target: str, count: int, timeout_s: float) -> list[cpb.Gpu]:
 
 
 class _Interrupted(Exception):
-    """SIGTERM (or SIGINT) asked the demo to stop."""
+    """SIGINT, SIGTERM or SIGHUP asked the demo to stop."""
 
 
-# Set by the signal handler too: an exception raised from a handler while a
-# blocking gRPC call runs can be lost inside grpc (a SIGINT let a test's demo
-# run to its end once), so the phase loop also checks this once a second.
-_STOP_REQUESTED: list[str] = []
+#: the signals that stop the demo: Ctrl-C, kill / systemd, and a closed
+#: terminal or dropped SSH session (SIGHUP: it would otherwise end the demo
+#: without removing its temporary directory)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def _raise_interrupted(signum, frame) -> None:
-    name = signal.Signals(signum).name
-    _STOP_REQUESTED.append(name)
-    raise _Interrupted(name)
+class _StopSignals:
+    """The demo's handling of ``_STOP_SIGNALS``. The first one raises
+    ``_Interrupted`` where the demo is (its phases then stop); any later
+    one, or any one once the demo is already stopping, only counts: while
+    the children are being stopped it means "stop at once" (``hurry``), and
+    raising there would leave a traceback and children not waited for."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._raising = True
+        self._stopping = False
+        self._hurry_at = 1
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal.signal works only there
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in _STOP_SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received.append(signum)
+        if self._raising:
+            self._raising = False
+            raise _Interrupted(signal.Signals(signum).name)
+
+    def check(self) -> None:
+        """Raise for a signal whose exception was lost: one raised from the
+        handler while a blocking gRPC call runs can be swallowed inside grpc
+        (a SIGINT let a test's demo run to its end once), so the phase loop
+        also checks once a second."""
+        if self.received and not self._stopping:
+            raise _Interrupted(signal.Signals(self.received[0]).name)
+
+    def stopping(self) -> None:
+        """The demo is stopping its children: a signal from now on hurries
+        it, or the second one when a signal is what stopped it. Only the
+        first call counts."""
+        if not self._stopping:
+            self._raising = False
+            self._stopping = True
+            self._hurry_at = 2 if self.received else 1
+
+    def hurry(self) -> bool:
+        return len(self.received) >= self._hurry_at
+
+    @property
+    def first(self) -> int | None:
+        return self.received[0] if self.received else None
 
 
-def _check_stop() -> None:
-    if _STOP_REQUESTED:
-        raise _Interrupted(_STOP_REQUESTED[0])
+#: variables of the caller's environment the demo's children do not get.
+#: GPULB_* configure the coordinator (GPULB_TOKEN_FILE, GPULB_METRICS_LISTEN,
+#: GPULB_SCHEDULER_*) and are also the CLI's (GPULB_COORDINATOR, GPULB_TOKEN_FILE,
+#: exported by operators as the README shows); the demo is a self-contained
+#: loopback lab configured by its own flags alone. systemd's per-service
+#: variables name the demo's own process, not its children.
+_CHILD_ENV_DROPPED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+
+
+def child_environment(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The environment of the demo's coordinator and agents: ``environ``
+    (PATH, HOME, PYTHONPATH, TMPDIR, ...) without GPULB_* and
+    ``_CHILD_ENV_DROPPED``; and the GPULB_* names left out."""
+    gpulb = sorted(name for name in environ if name.startswith("GPULB_"))
+    env = {k: v for k, v in environ.items() if not k.startswith("GPULB_") and k not in _CHILD_ENV_DROPPED}
+    return env, gpulb
+
+
+#: the directory that holds this gpulb's packages: the children's working
+#: directory, so ``python -m coordinator.main`` runs this very gpulb whatever
+#: directory the demo was started from (one with a coordinator/ of its own
+#: would shadow it)
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _UsageError(Exception):
+    """A flag's value the demo cannot use: an argparse-style error, exit 2."""
+
+
+def _prepare_log_dir(text: str) -> Path:
+    """``--log-dir`` as an absolute path (a relative one is the caller's
+    working directory's), created, writable and without the agent logs of an
+    earlier run with more agents (they would read as this run's)."""
+    path = Path(text).expanduser().absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise _UsageError(f"argument --log-dir: {path} exists and is not a directory") from None
+    except OSError as exc:
+        raise _UsageError(f"argument --log-dir: cannot create {path}: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise _UsageError(f"argument --log-dir: cannot write to {path}")
+    for old in path.glob("agent-*.log"):
+        if old.stem.removeprefix("agent-").isdigit():
+            old.unlink(missing_ok=True)
+    return path
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """The bounds the parser's types enforce, for callers that build
+    ``args`` themselves."""
+    if not 1 <= args.agents <= MAX_AGENTS:
+        raise _UsageError(f"argument --agents: must be an integer from 1 to {MAX_AGENTS}, got {args.agents!r}")
+    if not 1 <= args.gpus_per_agent <= MAX_GPUS:
+        raise _UsageError(f"argument --gpus-per-agent: must be an integer from 1 to {MAX_GPUS}, got {args.gpus_per_agent!r}")
+    if not MIN_DURATION_S <= args.duration <= MAX_DURATION_S:
+        raise _UsageError(f"argument --duration: must be a number from {MIN_DURATION_S:g} to {MAX_DURATION_S:g}, "
+                          f"got {args.duration!r}")
+
+
+def _usage_error(args: argparse.Namespace, message: str) -> int:
+    """The parser's own error (usage, message, exit 2) when the CLI gave one."""
+    error = getattr(args, "usage_error", None)
+    if error is not None:
+        error(message)  # exits
+    print(f"gpulb demo: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _status_text(status: int | None) -> str:
+    if status is not None and status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
+
+
+def _log_tail(path: Path, lines: int = 10) -> str:
+    """The last whole ``lines`` of a child's log, indented."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "  (no log)"
+    tail = text.splitlines()[-lines:]
+    return "\n".join(f"  {line}" for line in tail) if tail else "  (its log is empty)"
+
+
+def _leave_the_terminal() -> None:
+    """After SIGHUP the terminal is gone: further writes to it could fail
+    (EIO) and stop the clean-up half-way, so what still goes to a terminal
+    goes nowhere. A file or pipe keeps getting the demo's output."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream.isatty():
+                stream.flush()
+                os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+    os.close(devnull)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    if args.agents < 1 or args.gpus_per_agent < 1 or not args.duration >= 4:
-        print("gpulb demo: --agents and --gpus-per-agent must be >= 1, --duration >= 4 s", file=sys.stderr)
-        return 2
+    """The demo; its exit status: 0 when both phases placed tasks and every
+    child stopped cleanly, 128 + the signal's number when a signal stopped
+    it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), 2 for a flag it cannot use,
+    else 1."""
+    try:
+        _check_arguments(args)
+        logs_kept = _prepare_log_dir(args.log_dir) if getattr(args, "log_dir", None) else None
+    except _UsageError as exc:
+        return _usage_error(args, str(exc))
     port = free_port()
     target = f"127.0.0.1:{port}"
     expected = args.agents * args.gpus_per_agent
@@ -700,33 +1032,44 @@ def run_demo(args: argparse.Namespace) -> int:
     live = sys.stdout.isatty() and not args.no_live
     display = _Display(sys.stdout, sys.stderr, live, log_every_s=min(5.0, max(1.0, window_s / 5)))
     py = sys.executable
+    env, ignored = child_environment(os.environ)
     records: list[_PhaseRecord] = []
+    phase = 0  # the phase running, 0 while starting
+    reported: set[str] = set()  # children whose early exit was told at once
     ok = False
-    previous_handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        _STOP_REQUESTED.clear()
-        previous_handlers = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = _StopSignals()
     with ExitStack() as stack:
+        stack.callback(stop.restore)  # last: the handlers stay while the temporary directory goes
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpulb-demo-")))
-        logs = Path(args.log_dir) if getattr(args, "log_dir", None) else tmp
-        logs.mkdir(parents=True, exist_ok=True)
-        group = ProcessGroup(logs)
+        logs = logs_kept or tmp
+        group = ProcessGroup(logs, env=env, cwd=_PACKAGE_ROOT)
+
+        def check() -> None:
+            stop.check()
+            group.raise_if_exited()
+
         try:
+            stop.install()
             counts = Counter(t.scenario for t in workload)
             print(
-                f"gpulb demo: coordinator on {target}, {args.agents} simulated hosts x {args.gpus_per_agent} RTX 4090 "
+                f"gpulb demo: coordinator on {target}, {_plural(args.agents, 'simulated host')} x "
+                f"{args.gpus_per_agent} RTX 4090 "
                 f"({args.background} background load{', replayed from its start for each policy' if args.background == 'synthetic' else ''}), "
-                f"seed {args.seed}; "
-                f"coordinator state in {tmp}"
+                f"seed {args.seed}"
+                + (f"; logs kept in {logs_kept}" if logs_kept else "")
             )
+            if ignored:
+                print(f"ignoring {', '.join(ignored)} from the environment: the demo's coordinator and agents "
+                      "take their settings from the demo alone")
             print(
                 f"workload per phase ({window_s:g} s, the same for both policies): "
                 + ", ".join(f"{counts[s]} x {label}" for s, (_, label) in SCENARIOS.items())
+                + ("" if counts["lora-finetune"] else " (a LoRA fine-tune needs 2 GPUs on one host: --gpus-per-agent 2 or more)")
             )
-            print(
-                f"times are compressed for the demo: LoRA fine-tunes that take minutes run "
-                f"{0.3 * window_s:.0f}-{0.5 * window_s:.0f} s here"
-            )
+            lora = sorted(t.run_s for t in workload if t.scenario == "lora-finetune")
+            if lora:
+                runs = f"{lora[0]:g}" if lora[0] == lora[-1] else f"{lora[0]:g}-{lora[-1]:g}"
+                print(f"times are compressed for the demo: LoRA fine-tunes that take minutes run {runs} s here")
             # A loopback lab: plaintext and no tokens, asked for explicitly.
             coordinator_argv = [py, "-m", "coordinator.main", "--listen", target, "--log-format", "json",
                                 "--insecure", "--state-dir", str(tmp / "state")]
@@ -738,19 +1081,20 @@ def run_demo(args: argparse.Namespace) -> int:
                      "--sim-gpus", str(args.gpus_per_agent), "--sim-seed", str(args.seed * 1000 + i + 1),
                      "--sim-workload", args.background, "--log-format", "json"],
                 )
-            gpus = _wait_for_gpus(target, expected, timeout_s=60)
+            gpus = _wait_for_gpus(target, expected, timeout_s=60, check_children=check)
             reporting = len([g for g in gpus if g.HasField("util_gpu_pct")])
-            print(f"{reporting} of {expected} GPUs reporting")
+            print(f"{reporting} of {_plural(expected, 'GPU')} reporting")
             if reporting >= expected:
                 for number, policy in enumerate(POLICY_ORDER, start=1):
-                    _check_stop()
+                    phase = number
+                    check()
                     if args.background == "synthetic":
                         # Both phases meet the same other tenants' load
                         # (SimBackend.rewind_background), not whatever the
                         # synthetic timeline reached by the second phase.
                         group.signal("agent-", signal.SIGUSR1)
                         time.sleep(2.5)  # a calm agent's next round (2 s) shows it to the coordinator
-                    record = _run_phase(target, number, policy, workload, window_s, drain_s, display)
+                    record = _run_phase(target, number, policy, workload, window_s, drain_s, display, check)
                     records.append(record)
                     figures = _figures(record)
                     display.message(
@@ -762,39 +1106,88 @@ def run_demo(args: argparse.Namespace) -> int:
                         display.message(f"  never placed: {task_id}: {reason}")
                 ok = len(records) == len(POLICY_ORDER) and all(_figures(r).placed > 0 for r in records)
         except (KeyboardInterrupt, _Interrupted):
+            if not stop.received:  # KeyboardInterrupt: the handlers were not ours (not the main thread)
+                stop.received.append(signal.SIGINT)
+            stop.stopping()
+            if stop.first == signal.SIGHUP:
+                _leave_the_terminal()
             display.close()
-            print("\ninterrupted: stopping the cluster")
+            print(f"\n{signal.Signals(stop.first).name} {_when(phase, records)}: stopping the cluster")
+        except ChildExited:
+            stop.stopping()
+            display.close()
+            _tell_early_exit(group, logs, reported)
         except grpc.RpcError as exc:
+            stop.stopping()
             display.close()
-            print(f"gpulb demo: coordinator call failed: {exc.code().name}: {exc.details()}")
+            if group.exited():  # the call failed because the coordinator (or an agent) is gone
+                _tell_early_exit(group, logs, reported)
+            else:
+                print(f"gpulb demo: coordinator call failed: {exc.code().name}: {exc.details()}")
         finally:
-            results = group.stop_all()
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
-        count_tenant_ooms(records, sorted(logs.glob("agent-*.log")))
+            stop.stopping()
+            results = group.stop_all(hurry=stop.hurry)
+        if group.killed:
+            print(f"{signal.Signals(stop.received[-1]).name} again: killed {', '.join(group.killed)} "
+                  "instead of waiting for a clean stop")
+        count_tenant_ooms(records, [logs / f"{name}.log" for name, _ in results if name.startswith("agent-")])
         count_preemptions(records, logs / "coordinator.log")
+        interrupted = stop.first
         if records:
             print()
-            print("summary (the same workload, and the same other tenants' load, for each policy)")
+            same = ("the same workload, and the same other tenants' load, for each policy"
+                    if args.background == "synthetic" else "the same workload for each policy, no other tenants' load")
+            if len(records) < len(POLICY_ORDER):
+                print(f"partial summary: {'interrupted' if interrupted else 'stopped'} {_when(phase, records)}; "
+                      "the finished phases only")
+            else:
+                print(f"summary ({same})")
             print(render_summary([_figures(r) for r in records]))
             print("wait: submission to placement, by the coordinator's clock")
             print("util: every GPU sampled once a second during the phase's window; std and max - min are across")
             print("      GPUs, averaged over the samples")
-            print("temperatures carry over: the second phase starts on cards still warm from the first")
+            if len(records) > 1:
+                print("temperatures carry over: the second phase starts on cards still warm from the first")
             for record in records:
                 for task_id, why in record.refused[:3]:
                     print(f"refused: {task_id}: {why}")
-        unclean = [(n, rc) for n, rc in results if rc not in (0, -signal.SIGTERM)]
-        if len(records) < len(POLICY_ORDER) and not unclean:
+        elif interrupted:
+            print(f"no summary: interrupted {_when(phase, records)}, before a phase finished")
+        unclean = [(n, rc) for n, rc in results
+                   if rc not in (0, -signal.SIGTERM) and n not in reported and n not in group.killed]
+        if len(records) < len(POLICY_ORDER) and not (unclean or reported or interrupted):
+            # the coordinator served but the demo could not go on (GPUs that never reported, a failed call)
             print("the coordinator's log ends:")
-            print((logs / "coordinator.log").read_text(errors="replace")[-1500:])
+            print(_log_tail(logs / "coordinator.log"))
         for name, rc in unclean:
-            print(f"{name} exited with {rc}; its log ends:")
-            print((logs / f"{name}.log").read_text(errors="replace")[-2000:])
-        if logs != tmp:
-            print(f"logs kept in {logs}")
+            print(f"{name} {_status_text(rc)} when stopped; its log ends:")
+            print(_log_tail(logs / f"{name}.log"))
+        if logs_kept:
+            print(f"logs kept in {logs_kept}")
         print("all processes stopped" if not unclean else "some processes did not stop cleanly")
+        if interrupted:
+            return 128 + interrupted
         return 0 if ok and not unclean else 1
+
+
+def _when(phase: int, records: Sequence[_PhaseRecord]) -> str:
+    """When the demo was interrupted: while starting, during a phase, or
+    between two (``phase`` finished, the next not begun)."""
+    if not phase:
+        return "while starting"
+    if len(records) >= phase:
+        return f"after phase {phase} of {len(POLICY_ORDER)}"
+    return f"during phase {phase} of {len(POLICY_ORDER)} ({POLICY_ORDER[phase - 1]})"
+
+
+def _tell_early_exit(group: ProcessGroup, logs: Path, reported: set[str]) -> None:
+    """Say which children exited before the demo stopped them, how, and how
+    each one's log ends: the first, and usually the only, reason the demo
+    cannot go on (a refused configuration, a bad flag)."""
+    for name, status in group.exited():
+        print(f"gpulb demo: {name} {_status_text(status)} before the demo stopped it; its log ends:")
+        print(_log_tail(logs / f"{name}.log"))
+        reported.add(name)
 
 
 def _figures(record: _PhaseRecord) -> PhaseFigures:

@@ -1260,8 +1260,8 @@ class Scheduler:
         if result.passed:
             linked = " NVLink-connected" if spec.needs_nvlink else ""
             return (
-                f"waiting: {result.passed} GPUs pass the filters but no node has "
-                f"{spec.num_gpus}{linked} of them"
+                f"waiting: {result.passed} GPU{'s pass' if result.passed != 1 else ' passes'} the filters but no node "
+                f"has {spec.num_gpus}{linked} of them"
             )
         return "waiting: " + describe(result.rejected, result.total)
 

@@ -192,8 +192,9 @@ def _assert_nothing_left(marker: str, port: str | None) -> None:
     assert not left, f"processes left behind: {left}"
 
 
-def _demo_env(marker: str) -> dict[str, str]:
-    return {**os.environ, "DEMO_TEST_RUN_MARKER": marker, "PYTHONUNBUFFERED": "1"}
+def _demo_env(marker: str, tmp: Path | None = None) -> dict[str, str]:
+    """``tmp``: the demo's TMPDIR (a killed demo leaves its temporary directory behind)."""
+    return {**os.environ, "DEMO_TEST_RUN_MARKER": marker, "PYTHONUNBUFFERED": "1", **({"TMPDIR": str(tmp)} if tmp else {})}
 
 
 
@@ -248,10 +249,10 @@ def test_demo_balances_in_both_phases_and_leaves_nothing_behind(tmp_path):
     _assert_nothing_left(marker, port)
 
 
-def _start_and_wait_for_phase(marker: str) -> tuple[subprocess.Popen, str, list[str]]:
+def _start_and_wait_for_phase(marker: str, tmp: Path | None = None) -> tuple[subprocess.Popen, str, list[str]]:
     proc = subprocess.Popen(
         [*_gpulb(), "demo", "--no-live", "--agents", "2", "--gpus-per-agent", "2", "--duration", "40"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_demo_env(marker),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_demo_env(marker, tmp),
     )
     lines: list[str] = []
     port = ""
@@ -275,16 +276,18 @@ def test_interrupted_demo_stops_its_cluster(sig):
     proc.send_signal(sig)
     rest, _ = proc.communicate(timeout=60)
     out = "".join(lines) + rest
-    assert proc.returncode == 1, out  # interrupted: not a successful demo
-    assert "interrupted" in out and out.rstrip().endswith("all processes stopped"), out
+    assert proc.returncode == 128 + sig, out  # the signal's conventional status: 130 Ctrl-C, 143 SIGTERM
+    assert f"{sig.name} during phase 1 of 2 (round_robin): stopping the cluster" in out, out
+    assert "log ends" not in out, out  # asked for: nothing to diagnose
+    assert out.rstrip().endswith("all processes stopped"), out
     _assert_nothing_left(marker, port)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_killed_demo_takes_its_cluster_with_it():
+def test_killed_demo_takes_its_cluster_with_it(tmp_path):
     marker = f"gpulb-demo-test-{uuid.uuid4().hex}"
-    proc, port, _ = _start_and_wait_for_phase(marker)
+    proc, port, _ = _start_and_wait_for_phase(marker, tmp_path)  # its temporary directory stays: in tmp_path
     proc.kill()  # no chance to clean up: the children's parent-death signal must do it
     proc.communicate(timeout=30)
     deadline = time.monotonic() + 15  # SIGTERM, then each child's graceful stop
