@@ -215,6 +215,16 @@ class _Daemon:
         return 0
 
 
+def _security_or_problem(args: argparse.Namespace, settings) -> tuple[Security | None, str | None]:
+    """(the daemon's Security, None), or (None, why it cannot start with it)."""
+    try:
+        return build_security(settings.coordinator), None
+    except TokenFileError as exc:
+        return None, token_file_problem(exc, settings)
+    except SecurityConfigError as exc:
+        return None, f"{args.config or 'flags/environment'}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     overrides = flag_overrides(args)
@@ -225,18 +235,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.print_config:
         sys.stdout.write(render_settings(settings))
+        # as `nginx -t` does: a configuration shown is one the daemon would
+        # start with, or it says why not (TLS and tokens, or insecure; files
+        # that cannot be read), exit 2; it exited 0 on one the daemon refused
+        import structlog.testing
+
+        with structlog.testing.capture_logs():  # its warnings are the daemon's to log, not on stdout
+            _, problem = _security_or_problem(args, settings)
+        if problem is not None:
+            print(f"gpulb-coordinator: this configuration would not start: {problem}", file=sys.stderr)
+            return 2
         return 0
     configure_logging(settings.coordinator.log_level, settings.coordinator.log_format)
     for warning in settings.warnings:
         log.warning("config_warning", message=warning)
-    try:
-        security = build_security(settings.coordinator)
-    except TokenFileError as exc:
-        print(f"gpulb-coordinator: {token_file_problem(exc, settings)}", file=sys.stderr)
-        return 2
-    except SecurityConfigError as exc:
-        source = args.config or "flags/environment"
-        print(f"gpulb-coordinator: {source}: {exc}", file=sys.stderr)
+    security, problem = _security_or_problem(args, settings)
+    if problem is not None:
+        print(f"gpulb-coordinator: {problem}", file=sys.stderr)
         return 2
 
     async def run() -> int:

@@ -721,3 +721,21 @@ def test_a_token_file_the_coordinator_cannot_use_is_named_with_where_it_came_fro
     err = refused("--config", str(config))
     assert f"token_file (from token_file in the config file {config}): {digests}: tokens." in err, err
     assert "client's bearer token" not in err and "GPULB_TOKEN_FILE" not in err
+
+
+def test_print_config_says_when_the_daemon_would_not_start(capsys) -> None:
+    """--print-config showed a configuration and exited 0 though the daemon
+    refused it (no TLS or tokens, and not insecure): now, as `nginx -t`, it
+    prints the configuration and says why it would not start, exit 2. An
+    insecure lab configuration passes, and the daemon's INSECURE_MODE
+    warning does not end up in the printed configuration."""
+    from coordinator import main as coordinator_main
+
+    assert coordinator_main.main(["--print-config", "--listen", "127.0.0.1:9"]) == 2
+    out, err = capsys.readouterr()
+    assert "listen = \"127.0.0.1:9\"" in out
+    assert "would not start" in err and "TLS certificate and key are required" in err
+    assert coordinator_main.main(["--print-config", "--listen", "127.0.0.1:9", "--insecure"]) == 0
+    out, err = capsys.readouterr()
+    assert "INSECURE_MODE" not in out and err == ""
+    assert tomllib.loads(out)["coordinator"]["insecure"] is True
