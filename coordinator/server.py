@@ -851,7 +851,9 @@ class Coordinator:
             self.view,
             node,
             now_s=self.clock(),
-            staleness_s=self.config.staleness_s,
+            # the bound placement holds readings to (a shortened one waits an
+            # interval after a reload: _hold_agents_to), so the stale flag agrees
+            staleness_s=self.dispatcher.snapshots.staleness_s,
             state=self.node_state(node.node_id),
             extras=self.node_extras,
         )
@@ -926,7 +928,7 @@ class Coordinator:
             self.view,
             nodes,
             now_s=self.clock(),
-            staleness_s=self.config.staleness_s,
+            staleness_s=self.dispatcher.snapshots.staleness_s,  # as node_message's
             node_state=self.node_state,
             metrics=metrics,
             smoothed=columns,

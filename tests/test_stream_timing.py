@@ -60,6 +60,11 @@ async def test_a_reload_that_shortens_the_deadlines_reaches_connected_agents_bef
         assert (agent.config.heartbeat_interval_s, agent.encoder.refresh_interval_s) == (2.0, 2.5)
         shorter = dataclasses.replace(coord.config, heartbeat_interval_s=0.5, staleness_s=2.0)
         coord.apply_settings(shorter, SchedulerConfig(), ["coordinator.heartbeat_interval_s", "coordinator.staleness_s"])
+        # ListNodes and ListGpus say stale by the bound placement holds to, not the
+        # file's new one yet: a reading 3 s old is fresh while 5 s still applies
+        node = coord.view.nodes["idle"]
+        coord.view.reading_at_s[node.rows] = coord.clock() - 3.0  # no await in between: nothing refreshes it
+        assert not coord.node_message(node).stale
         # the old deadlines hold until the agents could have adapted
         assert (coord.liveness.heartbeat_interval_s, snapshots.staleness_s) == (2.0, 5.0)
         await until(lambda: (agent.config.heartbeat_interval_s, agent.encoder.refresh_interval_s) == (0.5, 1.0),
