@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -462,8 +463,6 @@ async def _remind_certificates(settings: dict[str, Any]) -> None:
 def remind_certificates(files: list[tuple[str, str]], reminder, now_s: float | None = None) -> list[str]:
     """One check of ``files`` ((option, path) pairs): logs and returns the
     warnings due now (``ExpiryReminder``) and the files that cannot be read."""
-    import time
-
     from coordinator.security import certificate_validity
 
     now_s = time.time() if now_s is None else now_s

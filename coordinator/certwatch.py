@@ -74,19 +74,10 @@ def pem_not_after(pem: bytes | str) -> float | None:
     certificate as gRPC's auth context gives it); None when it cannot be read."""
     data = pem.encode() if isinstance(pem, str) else pem
     try:
-        from cryptography import x509
-    except ImportError:
-        x509 = None
-    try:
-        if x509 is not None:
-            cert = x509.load_pem_x509_certificate(data)
-            when = cert.not_valid_after_utc if hasattr(cert, "not_valid_after_utc") else cert.not_valid_after.replace(tzinfo=dt.timezone.utc)
-            return when.timestamp()
-        # CPython's own decoder reads a file only; a peer certificate is public
-        with tempfile.NamedTemporaryFile(suffix=".pem") as handle:
-            handle.write(data)
-            handle.flush()
-            validity = certificate_validity(handle.name)
+        # a scratch file for CPython's decoder when cryptography is missing (a
+        # peer certificate is public)
+        with tempfile.NamedTemporaryFile(suffix=".pem") as scratch:
+            validity = certificate_validity(scratch.name, pem=data)
         return None if validity is None else validity[1].timestamp()
     except (ValueError, OSError):
         return None

@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from coordinator.advisor import ADVISOR_METRIC_NAMES
+from coordinator.config import CoordinatorConfig
 from protos import cluster_pb2 as cpb
 from protos.fields import BY_NAME
 
@@ -289,8 +290,9 @@ class MetricsServer:
     that new gRPC clients and agents waited up to 14 s. A Prometheus server
     holds one connection per scrape, every scrape interval.
 
-    ``max_connections`` and ``timeout_s`` default to the coordinator's
-    ``metrics_max_connections`` and ``metrics_timeout_s``.
+    ``max_connections`` and ``timeout_s``: the coordinator's
+    ``metrics_max_connections`` and ``metrics_timeout_s`` (their defaults when
+    not given).
     """
 
     def __init__(self, metrics: CoordinatorMetrics, host: str, port: int, *,
@@ -298,25 +300,13 @@ class MetricsServer:
         self.metrics = metrics
         self.host = host
         self.port = port
-        config = self._coordinator_config(metrics)
-        self.max_connections = config.metrics_max_connections if max_connections is None else max_connections
-        self.timeout_s = config.metrics_timeout_s if timeout_s is None else timeout_s
+        defaults = CoordinatorConfig()  # the coordinator passes its own
+        self.max_connections = defaults.metrics_max_connections if max_connections is None else max_connections
+        self.timeout_s = defaults.metrics_timeout_s if timeout_s is None else timeout_s
         self._server: asyncio.base_events.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()  # connections being served
         self.refused = 0  # connections answered 503: max_connections were being served
         self.timed_out = 0  # connections aborted at timeout_s (a request not sent, a reply not read)
-
-    @staticmethod
-    def _coordinator_config(metrics: CoordinatorMetrics):
-        """The configuration of the coordinator whose metrics these are (the
-        defaults for metrics not tied to one)."""
-        collector = getattr(metrics, "_view_collector", None)
-        config = getattr(getattr(collector, "c", None), "config", None)
-        if config is None:
-            from coordinator.config import CoordinatorConfig
-
-            config = CoordinatorConfig()
-        return config
 
     @property
     def connections(self) -> int:

@@ -452,17 +452,19 @@ _CERT_MARKER = "-----BEGIN CERTIFICATE-----"
 _KEY_MARKER = "PRIVATE KEY-----"
 
 
-def certificate_validity(path: str | Path) -> tuple[dt.datetime, dt.datetime] | None:
+def certificate_validity(path: str | Path, pem: bytes | None = None) -> tuple[dt.datetime, dt.datetime] | None:
     """(notBefore, notAfter), in UTC, of the first certificate of the PEM file
-    ``path`` (a chain's leaf), read with ``cryptography`` when installed, else
-    with CPython's own decoder (``ssl._ssl._test_decode_cert``); None when
-    neither is there. ValueError or OSError when it cannot be decoded."""
+    ``path`` (a chain's leaf), or of the PEM text ``pem`` when given (a peer's
+    certificate; ``path`` is then a scratch file CPython's decoder may need),
+    read with ``cryptography`` when installed, else with CPython's own decoder
+    (``ssl._ssl._test_decode_cert``, which reads files only); None when neither
+    is there. ValueError or OSError when it cannot be decoded."""
     try:
         from cryptography import x509
     except ImportError:
         x509 = None
     if x509 is not None:
-        cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
+        cert = x509.load_pem_x509_certificate(Path(path).read_bytes() if pem is None else pem)
         if hasattr(cert, "not_valid_after_utc"):  # cryptography >= 42
             return cert.not_valid_before_utc, cert.not_valid_after_utc
         return (cert.not_valid_before.replace(tzinfo=dt.timezone.utc),  # pragma: no cover
@@ -470,6 +472,8 @@ def certificate_validity(path: str | Path) -> tuple[dt.datetime, dt.datetime] | 
     decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
     if decode is None:  # pragma: no cover - a Python without it, and no cryptography
         return None
+    if pem is not None:
+        Path(path).write_bytes(pem)
     fields = decode(str(path))
 
     def when(text: str) -> dt.datetime:

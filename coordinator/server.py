@@ -239,7 +239,8 @@ class Coordinator:
                 # bound before the gRPC ports: a start that fails here bound nothing else
                 host, _, mport = cfg.metrics_listen.rpartition(":")
                 host = host.strip("[]") or "127.0.0.1"  # [::1]:9400: asyncio wants the bare address
-                metrics_server = MetricsServer(self.metrics, host, int(mport))
+                metrics_server = MetricsServer(self.metrics, host, int(mport), max_connections=cfg.metrics_max_connections,
+                                               timeout_s=cfg.metrics_timeout_s)
                 try:
                     self.metrics_port = await metrics_server.start()
                 except OSError as exc:  # in use, not an address of this host, unresolvable (gaierror)
