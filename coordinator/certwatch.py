@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import ssl
 import tempfile
 import threading
 import time
@@ -44,7 +45,7 @@ from coordinator.security import (
     certificate_validity,
 )
 
-__all__ = ["RECHECK_S", "REMIND_EVERY_S", "ExpiryReminder", "ServerTlsFiles", "expiry_problem", "pem_not_after"]
+__all__ = ["RECHECK_S", "REMIND_EVERY_S", "ExpiryReminder", "HttpsContext", "ServerTlsFiles", "expiry_problem", "pem_not_after"]
 
 log = structlog.get_logger("gpulb.security")
 
@@ -229,3 +230,50 @@ class ServerTlsFiles:
 
     def files(self) -> dict[str, Path]:
         return {option: Path(path) for option, path in self._paths()}
+
+
+class HttpsContext:
+    """The ``ssl.SSLContext`` of an HTTPS listener (``metrics_tls``) that
+    follows ``ServerTlsFiles``' renewals as gRPC's dynamic credentials do.
+
+    asyncio's server takes one context for good; OpenSSL asks the context's
+    SNI callback at every ClientHello (with or without a server name), and
+    the callback may hand the connection another context. So at each
+    handshake the files are checked (``ServerTlsFiles.refresh``, stat'ed at
+    most once a second), and after a renewal that checked out a context of
+    the new pair serves the next connections. A pair that does not load
+    (replaced again, half-written, since it checked out) keeps the one before.
+    """
+
+    def __init__(self, files: ServerTlsFiles) -> None:
+        self.files = files
+        self._generation = files.generation
+        #: the context given to the server (its callback swaps in ``current``)
+        self.context = self._load()
+        self.current = self.context
+        self._refused_generation: int | None = None
+
+    def _load(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.files.config.cert_file, self.files.config.key_file)
+        context.sni_callback = self._on_client_hello
+        return context
+
+    def _on_client_hello(self, connection, server_name, context) -> None:
+        try:
+            self.files.refresh()
+            generation = self.files.generation
+            if generation != self._generation and generation != self._refused_generation:
+                try:
+                    self.current = self._load()
+                    self._generation = generation
+                except (ssl.SSLError, OSError) as exc:
+                    self._refused_generation = generation
+                    log.error("tls_reload_refused", listener="metrics_listen", error=str(exc),
+                              kept="the certificate served before")
+            if connection.context is not self.current:
+                connection.context = self.current
+        except Exception:  # never fail a handshake over the check itself
+            log.exception("tls_reload_failed", listener="metrics_listen")
+        return None

@@ -65,6 +65,19 @@ class CoordinatorConfig:
         gt=0,
         le=3600,
     )
+    metrics_tls: bool = _opt(
+        False,
+        "serve metrics_listen over HTTPS with tls_cert_file and tls_key_file (renewed files are served at the next "
+        "handshake, as on the gRPC ports); Prometheus then scrapes with scheme https and tls_config.ca_file",
+    )
+    metrics_auth: str = _opt(
+        "none",
+        "token: GET /metrics needs 'Authorization: Bearer <token>' with a token_file token of role metrics "
+        "(python -m coordinator.security new-token --role metrics) or admin, else 401 / 403; /healthz stays open. "
+        "none: anyone who reaches metrics_listen may read it",
+        choices=("none", "token"),
+        ignore_case=True,
+    )
     state_dir: str = _opt("", "directory for durable state (SQLite); empty = in memory only")
     heartbeat_interval_s: float = _opt(10.0, "a node silent this long is UNREACHABLE (no new tasks)", "s", ge=0.1, le=1e6)
     remove_after_intervals: int = _opt(3, "heartbeat intervals of silence before a node is REMOVED", "intervals", ge=1)
@@ -80,10 +93,10 @@ class CoordinatorConfig:
     smoothing_tick_s: float = _opt(0.02, "period of the vectorised smoothing pass over rows with new readings", "s", ge=0.001, le=1)
     dispatch_interval_s: float = _opt(0.5, "period of the dispatch pass besides enqueue/completion/view triggers", "s", ge=0.001, le=60)
     agent_listen: str = _opt("", "HOST:PORT of a separate mutual-TLS port for agents; empty = agents use listen")
-    tls_cert_file: str = _opt("", "PEM server certificate; with tls_key_file turns TLS on for every listener")
+    tls_cert_file: str = _opt("", "PEM server certificate; with tls_key_file turns TLS on for listen and agent_listen (and metrics_listen with metrics_tls)")
     tls_key_file: str = _opt("", "PEM private key of tls_cert_file")
     tls_client_ca_file: str = _opt("", "PEM CA that signs agent client certificates (mutual TLS; CN or SAN = node id)")
-    token_file: str = _opt("", "TOML/JSON of bearer-token digests -> role (admin, tenant, agent) and tenant")
+    token_file: str = _opt("", "TOML/JSON of bearer-token digests -> role (admin, tenant, agent, metrics) and tenant")
     insecure: bool = _opt(False, "run without TLS and/or tokens (lab use); refused unless set, and logged loudly")
     rpc_rate_per_s: float = _opt(0.0, "per-client RPC rate limit; 0 = off", "requests/s", ge=0)
     rpc_burst: float = _opt(200.0, "per-client RPC burst above rpc_rate_per_s", "requests", ge=1)
@@ -149,6 +162,10 @@ class CoordinatorConfig:
             raise ValueError(f"{missing}: needed with {given} (TLS takes both: the certificate and its key)")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file: needs tls_cert_file and tls_key_file (mutual TLS is TLS first)")
+        if self.metrics_tls and not self.tls_cert_file:
+            raise ValueError("metrics_tls: needs tls_cert_file and tls_key_file (the certificate /metrics is served with)")
+        if self.metrics_auth.lower() == "token" and not self.token_file:
+            raise ValueError("metrics_auth: 'token' needs token_file (the tokens /metrics takes: role metrics or admin)")
         if self.advisor_hook:
             try:
                 argv = shlex.split(self.advisor_hook)

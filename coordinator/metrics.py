@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
+import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,6 +29,7 @@ from prometheus_client.utils import floatToGoString
 
 from coordinator.advisor import ADVISOR_METRIC_NAMES
 from coordinator.config import CoordinatorConfig
+from coordinator.security import AuthError
 from protos import cluster_pb2 as cpb
 from protos.fields import BY_NAME
 
@@ -292,21 +294,30 @@ class MetricsServer:
 
     ``max_connections`` and ``timeout_s``: the coordinator's
     ``metrics_max_connections`` and ``metrics_timeout_s`` (their defaults when
-    not given).
+    not given). ``authorize`` (``metrics_auth = "token"``): called with a
+    ``GET /metrics``' ``Authorization`` header (None without one); an
+    ``AuthError`` it raises is answered 401 or 403 (``/healthz`` is not
+    asked: a liveness probe has no token). ``https`` (``metrics_tls``): the
+    ``certwatch.HttpsContext`` to serve with; its handshake has
+    ``timeout_s`` too.
     """
 
     def __init__(self, metrics: CoordinatorMetrics, host: str, port: int, *,
-                 max_connections: int | None = None, timeout_s: float | None = None) -> None:
+                 max_connections: int | None = None, timeout_s: float | None = None,
+                 authorize: Callable[[str | None], None] | None = None, https=None) -> None:
         self.metrics = metrics
         self.host = host
         self.port = port
         defaults = CoordinatorConfig()  # the coordinator passes its own
         self.max_connections = defaults.metrics_max_connections if max_connections is None else max_connections
         self.timeout_s = defaults.metrics_timeout_s if timeout_s is None else timeout_s
+        self.authorize = authorize
+        self.https = https
         self._server: asyncio.base_events.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()  # connections being served
         self.refused = 0  # connections answered 503: max_connections were being served
         self.timed_out = 0  # connections aborted at timeout_s (a request not sent, a reply not read)
+        self.unauthorized = 0  # scrapes answered 401 / 403 (metrics_auth = "token")
 
     @property
     def connections(self) -> int:
@@ -314,7 +325,11 @@ class MetricsServer:
         return len(self._open)
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        if self.https is None:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        else:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port, ssl=self.https.context,
+                                                      ssl_handshake_timeout=self.timeout_s)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -353,6 +368,9 @@ class MetricsServer:
             path, _, query = (parts[1] if len(parts) >= 2 else "").partition("?")
             if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
                 status, body, ctype = "405 Method Not Allowed", b"only GET\n", "text/plain"
+            elif path == "/metrics" and (denied := self._denied(request)) is not None:
+                self.unauthorized += 1
+                status, body, ctype = denied
             elif path == "/metrics":
                 per_gpu = "per_gpu=0" not in query.split("&")
                 status, body, ctype = "200 OK", self.metrics.exposition(per_gpu), CONTENT_TYPE_LATEST
@@ -360,7 +378,8 @@ class MetricsServer:
                 status, body, ctype = "200 OK", b"ok\n", "text/plain"
             else:
                 status, body, ctype = "404 Not Found", b"see /metrics\n", "text/plain"
-            head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            extra = 'WWW-Authenticate: Bearer realm="gpulb metrics"\r\n' if status.startswith("401") else ""
+            head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n"
             writer.write(head.encode())
             if parts and parts[0] != "HEAD":
                 writer.write(body)  # two writes: head + body would copy the exposition once more
@@ -377,6 +396,23 @@ class MetricsServer:
                 writer.close()
             else:
                 transport.abort()  # drops a reply not taken; close() would wait for the reader
+
+
+    def _denied(self, request: bytes) -> tuple[str, bytes, str] | None:
+        """The reply to a scrape ``authorize`` refuses, else None."""
+        if self.authorize is None:
+            return None
+        authorization = None
+        for line in request.split(b"\r\n")[1:]:
+            name, sep, value = line.partition(b":")
+            if sep and name.strip().lower() == b"authorization":
+                authorization = value.strip().decode("latin-1")
+        try:
+            self.authorize(authorization)
+        except AuthError as exc:
+            status = "403 Forbidden" if exc.code == grpc.StatusCode.PERMISSION_DENIED else "401 Unauthorized"
+            return status, f"{exc.message}\n".encode(), "text/plain"
+        return None
 
 
 #: every metric family name the coordinator exports (for rules/dashboard checks)

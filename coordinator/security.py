@@ -30,13 +30,15 @@ Tokens
         [tokens."sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
         name = "alice-ci"        # for logs and rate limits; default: role:tenant
         tenant = "alice"         # required for role "tenant"
-        role = "tenant"          # "admin" | "tenant" | "agent"
+        role = "tenant"          # "admin" | "tenant" | "agent" | "metrics"
         # nodes = ["gpu-01"]     # agent tokens: node ids it may register as (default any)
 
     Roles: ``admin`` may do everything, for every tenant (SetPolicy, cordon,
     drain need it); ``tenant`` may submit, see, complete, renew and cancel the
     tasks of its own tenant and read the cluster view; ``agent`` may only open
-    agent streams (used when agent certificates are not required).
+    agent streams (used when agent certificates are not required); ``metrics``
+    may only read ``/metrics`` (with ``metrics_auth = "token"``: Prometheus'
+    ``authorization.credentials_file``), no gRPC call.
 
 Errors
     Checks raise ``AuthError(code, message)``. ``SecurityInterceptor`` turns an
@@ -115,7 +117,7 @@ __all__ = [
 
 log = structlog.get_logger("gpulb.security")
 
-ROLES = ("admin", "tenant", "agent")
+ROLES = ("admin", "tenant", "agent", "metrics")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -309,6 +311,8 @@ class TokenAuth:
                 raise SecurityConfigError(f"{where}.tenant: {problem}")
             if role == "agent" and tenant:
                 raise SecurityConfigError(f"{where}.tenant: an agent token has no tenant (it may only open agent streams); remove the field")
+            if role == "metrics" and tenant:
+                raise SecurityConfigError(f"{where}.tenant: a metrics token has no tenant (it may only read /metrics); remove the field")
             nodes = spec.get("nodes")
             if nodes is not None:
                 if role != "agent" or not isinstance(nodes, list) or not all(isinstance(n, str) and n for n in nodes):
@@ -1017,10 +1021,8 @@ class Security:
             if agent_listen:
                 ports["agent_listen"] = bind(agent_listen, None)
             return ports
-        from coordinator.certwatch import ServerTlsFiles
-
         # dynamic credentials: renewed files are served at the next handshake, no restart
-        self.tls_files = files = ServerTlsFiles(self.tls)
+        files = self.server_tls_files()
         if agent_listen:
             ports["listen"] = bind(listen, files.credentials(require_client_auth=False))
             ports["agent_listen"] = bind(agent_listen, files.credentials(require_client_auth=bool(self.tls.client_ca_file)))
@@ -1030,6 +1032,29 @@ class Security:
         else:
             ports["listen"] = bind(listen, files.credentials(require_client_auth=False))
         return ports
+
+    def server_tls_files(self):
+        """The TLS files as served (``coordinator.certwatch.ServerTlsFiles``),
+        made at the first listener that needs them: the gRPC ports and the
+        metrics port follow one set of renewals."""
+        if self.tls_files is None:
+            from coordinator.certwatch import ServerTlsFiles
+
+            self.tls_files = ServerTlsFiles(self.tls)
+        return self.tls_files
+
+    def authorize_scrape(self, authorization: str | None) -> None:
+        """A ``GET /metrics`` under ``metrics_auth = "token"``: its
+        ``Authorization`` header must carry a token of role ``metrics`` or
+        ``admin``; ``AuthError`` UNAUTHENTICATED (none, unknown) or
+        PERMISSION_DENIED (another role) otherwise. The tokens are read when
+        asked, so a token file reloaded by SIGHUP applies to the next scrape."""
+        if self.tokens is None:
+            raise _unauthenticated("metrics_auth is 'token' but the coordinator has no token_file")
+        if authorization is None:
+            raise _unauthenticated("missing credentials: send the header 'Authorization: Bearer <token>' "
+                                   "(a token_file token of role metrics or admin)")
+        self.tokens.authenticate((("authorization", authorization),), roles=("metrics",))
 
     def interceptor(self) -> "SecurityInterceptor":
         return SecurityInterceptor(self)
@@ -1222,9 +1247,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m coordinator.security", description="gpulb token tooling")
     sub = parser.add_subparsers(dest="cmd", required=True)
     new = sub.add_parser("new-token", help="make a token; print it once and the token-file entry holding its digest")
-    new.add_argument("--role", choices=ROLES, default="tenant")
-    new.add_argument("--tenant", default="")
-    new.add_argument("--name", default="")
+    new.add_argument("--role", choices=ROLES, default="tenant",
+                     help="admin: everything; tenant: its own tasks; agent: agent streams only; metrics: GET /metrics only "
+                          "(default: %(default)s)")
+    new.add_argument("--tenant", default="", help="the tenant of a tenant token (required for it), or an admin's default")
+    new.add_argument("--name", default="", help="a name for logs and rate limits (default: role:tenant:digest prefix)")
     sub.add_parser("hash-token", help="read a token on stdin, print its digest")
     args = parser.parse_args(argv)
     if args.cmd == "hash-token":
@@ -1242,6 +1269,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tenant: {problem}")
     if args.role == "agent" and args.tenant:
         parser.error("--tenant: an agent token has no tenant (it may only open agent streams)")
+    if args.role == "metrics" and args.tenant:
+        parser.error("--tenant: a metrics token has no tenant (it may only read /metrics)")
     if args.role == "admin" and args.tenant:
         print(f"# note: an admin token is not limited to --tenant {args.tenant!r}; the tenant is only the default of what "
               "it submits without one", file=sys.stderr)

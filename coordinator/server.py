@@ -8,11 +8,13 @@ background loops, each with an explicit start and stop.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import math
 import os
 import re
 import shlex
 import socket
+import ssl
 import time
 from dataclasses import replace
 from typing import Callable
@@ -34,7 +36,7 @@ from coordinator.liveness import Liveness, LivenessEvent, LivenessSweeper, NodeL
 from coordinator.metrics import CoordinatorMetrics, MetricsServer
 from coordinator.operator import ClusterOperatorService
 from coordinator.scheduling import Dispatcher, SchedulerService
-from coordinator.security import AuthError, Security
+from coordinator.security import AuthError, Security, SecurityConfigError
 from coordinator.state import GroupCommitter, StateError, TaskStore, restore_into
 from coordinator.view import SIGNALS, ClusterView, NodeRecord, SignalSettings
 from protos import cluster_pb2 as cpb
@@ -120,6 +122,16 @@ def os_problem(exc: BaseException, host: str) -> str:
     if isinstance(exc.errno, int) and exc.errno > 0:
         return os.strerror(exc.errno).lower()  # uvloop's strerror is a whole sentence
     return exc.strerror or str(exc)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (a metrics_listen host) is reached only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to may be reached
 
 
 class Coordinator:
@@ -239,14 +251,33 @@ class Coordinator:
                 # bound before the gRPC ports: a start that fails here bound nothing else
                 host, _, mport = cfg.metrics_listen.rpartition(":")
                 host = host.strip("[]") or "127.0.0.1"  # [::1]:9400: asyncio wants the bare address
+                https = None
+                if cfg.metrics_tls:
+                    from coordinator.certwatch import HttpsContext
+
+                    if self.security.tls is None:
+                        raise SecurityConfigError("metrics_tls: needs tls_cert_file and tls_key_file")
+
+                    try:
+                        https = HttpsContext(self.security.server_tls_files())
+                    except (ssl.SSLError, OSError) as exc:
+                        raise SecurityConfigError(f"metrics_tls: cannot serve {cfg.tls_cert_file}: {exc}") from None
+                by_token = cfg.metrics_auth.lower() == "token"
                 metrics_server = MetricsServer(self.metrics, host, int(mport), max_connections=cfg.metrics_max_connections,
-                                               timeout_s=cfg.metrics_timeout_s)
+                                               timeout_s=cfg.metrics_timeout_s,
+                                               authorize=self.security.authorize_scrape if by_token else None, https=https)
                 try:
                     self.metrics_port = await metrics_server.start()
                 except OSError as exc:  # in use, not an address of this host, unresolvable (gaierror)
                     raise ListenError("metrics_listen", cfg.metrics_listen, os_problem(exc, host)) from None
                 self._metrics_server = metrics_server
-                log.info("metrics_listening", address=f"[{host}]:{self.metrics_port}" if ":" in host else f"{host}:{self.metrics_port}")
+                log.info("metrics_listening", address=f"[{host}]:{self.metrics_port}" if ":" in host else f"{host}:{self.metrics_port}",
+                         scheme="https" if https is not None else "http", auth="token" if by_token else "none")
+                if not by_token and not _is_loopback(host):
+                    log.warning("metrics_unauthenticated", address=cfg.metrics_listen,
+                                detail="anyone who reaches this address reads every node, GPU and tenant in /metrics",
+                                hint="metrics_auth = \"token\" (a token of role metrics for Prometheus), or bind "
+                                     "metrics_listen where only Prometheus reaches it")
             try:
                 ports = self.security.add_ports(server, cfg.listen, cfg.agent_listen or None)
             except (RuntimeError, OSError) as exc:

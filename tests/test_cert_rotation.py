@@ -266,3 +266,63 @@ def test_a_running_agent_reminds_of_its_own_certificate_from_the_files_on_disk(t
     with structlog.testing.capture_logs() as logs:
         [said] = agent_main.remind_certificates(files, reminder, now + 2 * DAY)
     assert "cannot read the certificate" in said and logs[0]["event"] == "tls_credentials_unusable"
+
+
+def _https_get(port: int, ca_file: Path, path: str = "/metrics") -> tuple[int, int, bytes]:
+    """(status, serial of the certificate served, body) of one HTTPS GET, as
+    Prometheus with ``scheme: https`` and ``tls_config.ca_file`` makes it."""
+    context = ssl.create_default_context(cafile=str(ca_file))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname="localhost") as tls:
+            serial = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
+            tls.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
+            reply = b""
+            while chunk := tls.recv(65536):
+                reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), serial, body
+
+
+async def test_https_metrics_follow_renewed_files_and_refuse_plain_http(tmp_path: Path) -> None:
+    """metrics_tls: /metrics is served over TLS with the coordinator's pair,
+    and a renewal reaches it at the next handshake as it reaches the gRPC
+    ports (one ServerTlsFiles); a plaintext scrape gets no exposition."""
+    pki = Pki(tmp_path)
+    old, new = pki.issue("old", days=30), pki.issue("new", days=90)
+    cert_file, key_file = tmp_path / "server.pem", tmp_path / "server-key.pem"
+    _install(old, cert_file, key_file)
+    cfg = CoordinatorConfig(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", metrics_tls=True,
+                            tls_cert_file=str(cert_file), tls_key_file=str(key_file))
+    with structlog.testing.capture_logs() as logs:
+        coord = Coordinator(cfg, security=_security(pki, cert_file, key_file))
+        port = await coord.start()
+    try:
+        listening = next(e for e in logs if e["event"] == "metrics_listening")
+        assert listening["scheme"] == "https"
+        status, serial, body = await asyncio.to_thread(_https_get, coord.metrics_port, pki.ca_file)
+        assert (status, serial) == (200, _serial(old))
+        assert "gpulb_nodes" in {f.name for f in text_string_to_metric_families(body.decode())}
+
+        def plain() -> bytes:
+            with socket.create_connection(("127.0.0.1", coord.metrics_port), timeout=10) as raw:
+                raw.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                try:
+                    return raw.recv(65536)
+                except ConnectionError:
+                    return b""
+
+        assert b"gpulb_" not in await asyncio.to_thread(plain)
+
+        _install(new, cert_file, key_file)
+        await asyncio.sleep(1.1)
+        _, serial, _ = await asyncio.to_thread(_https_get, coord.metrics_port, pki.ca_file)
+        assert serial == _serial(new)
+        assert await asyncio.to_thread(_served_serial, port, pki.ca_file) == _serial(new)  # one set of renewals
+        assert coord.security.tls_files.reloads == 1
+    finally:
+        await coord.stop(grace_s=0.1)
+
+
+def test_metrics_tls_needs_the_coordinator_certificate() -> None:
+    with pytest.raises(ValueError, match="^metrics_tls: needs tls_cert_file"):
+        CoordinatorConfig(metrics_listen="127.0.0.1:0", metrics_tls=True).validate()
