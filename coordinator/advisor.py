@@ -735,13 +735,13 @@ class AdvisorService(apb_grpc.AdvisorServicer):
         self._authorize(context, admin=True)
         # the slot goes back however the stream ends: the client cancels,
         # the coordinator stops (or_shutdown aborts), an error
-        with self.admit_watch(context):
+        with self.admit_watch(context) as slot:
             queue, unsubscribe = self.r.watch()
             try:
                 if request.include_latest and self.r.last_plan is not None:
                     yield plan_to_proto(self.r.last_plan, self.r.unix_ns)
                 while True:
-                    plan = await or_shutdown(queue.get(), self.stopping, context)
+                    plan = await or_shutdown(queue.get(), self.stopping, context, slot.revoked)
                     yield plan_to_proto(plan, self.r.unix_ns)
             finally:
                 unsubscribe()

@@ -143,6 +143,9 @@ class AgentSession:
     #: notAfter (epoch s) of the client certificate the agent connected with
     #: (mTLS), None without one: the stream outlives it, its next handshake not
     certificate_not_after: float | None = None
+    #: the agent token the stream was opened with (None: a certificate, or
+    #: insecure): a token file reload that revokes it ends the stream
+    credential: object | None = None
     #: the gateway's clock: when each waiting message was queued
     clock: Callable[[], float] = time.monotonic
     #: (queued at, message) of placements, releases and RegisterAcks not yet
@@ -272,7 +275,7 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
                 validate_register(first.register)
             except RegistrationError as exc:
                 raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            certificate_not_after = self.coordinator.authorize_node(first.register.node_id, context)
+            certificate_not_after, credential = self.coordinator.authorize_node(first.register.node_id, context)
             node_id = first.register.node_id
             now = self.clock()
             try:
@@ -282,7 +285,7 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
             previous = self.sessions.get(node_id)
             takeover = self._may_take_over(previous, first.register, now)
             session = AgentSession(node_id=node_id, peer=context.peer(), session_id=first.register.session_id, last_seen_s=now,
-                                   certificate_not_after=certificate_not_after, clock=self.clock)
+                                   certificate_not_after=certificate_not_after, credential=credential, clock=self.clock)
             if previous is not None:
                 previous.superseded_by = takeover
                 previous.superseded.set()

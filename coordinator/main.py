@@ -173,6 +173,7 @@ class _Daemon:
             return
         if new.coordinator.log_level != self.settings.coordinator.log_level:
             configure_logging(new.coordinator.log_level, new.coordinator.log_format)
+        self.reload_tokens(new.coordinator.token_file)
         self.settings = new
         log.info(
             "configuration_reloaded",
@@ -180,6 +181,25 @@ class _Daemon:
             restart_needed_for=needs_restart or None,
         )
         self.notifier.ready(status=f"reloaded: {len(applied)} settings changed" + (f", {len(needs_restart)} need a restart" if needs_restart else ""))
+
+    def reload_tokens(self, token_file: str) -> None:
+        """SIGHUP: read the token file again, so a tenant's token is added or
+        a leaked one revoked without a restart (which would drop every agent
+        stream and waiting call). Its path is fixed at start; a file that
+        does not load keeps the tokens served before."""
+        security = self.coordinator.security
+        running = self.started.coordinator.token_file
+        if not running or security.tokens is None or token_file != running:
+            return  # no token file, or a new path: restart_needed_for says so
+        try:
+            tokens = TokenAuth.from_file(running)
+        except SecurityConfigError as exc:
+            log.error("token_file_reload_refused", error=str(exc), kept=f"the {len(security.tokens)} tokens served before")
+            return
+        added = tokens.names_not_in(security.tokens)
+        outcome = self.coordinator.reload_tokens(tokens)
+        if added or outcome["revoked"]:
+            log.info("tokens_reloaded", token_file=running, added=added, **outcome)
 
     async def run(self) -> int:
         try:

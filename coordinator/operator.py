@@ -111,7 +111,7 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
         # admitted once the request is known good (a refused one holds no
         # slot); the slot goes back however the stream ends: the client
         # cancels, the coordinator stops (or_shutdown aborts), an error
-        with self.c.security.admit_watch(context, self.c.config):
+        with self.c.security.admit_watch(context, self.c.config) as slot:
             last = None
             while True:
                 refresh_s = max(interval_ms / 1000, self.c.config.staleness_s / 2)  # staleness_s may change on SIGHUP
@@ -119,7 +119,7 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
                 if update is not last:  # a new build: something changed, or the last one got old
                     last = update
                     yield update
-                await or_shutdown(asyncio.sleep(interval_ms / 1000), self.c.stopping, context)
+                await or_shutdown(asyncio.sleep(interval_ms / 1000), self.c.stopping, context, slot.revoked)
 
     def view_update(self, node_id: str, smoothed: bool,
                     max_age_s: float = math.inf) -> tuple[tuple[int, int], cpb.ViewUpdate]:

@@ -655,14 +655,14 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         # admitted once the request is known good (a refused one holds no
         # slot); the slot goes back however the stream ends: the task ends,
         # the client cancels, the coordinator stops (or_shutdown aborts)
-        with self.c.security.admit_watch(context, self.c.config):
+        with self.c.security.admit_watch(context, self.c.config) as slot:
             queue, unsubscribe = self.d.watch(request.task_id)
             try:
                 yield self._proto(self.d.engine.get(request.task_id))
                 if task.terminal:
                     return
                 while True:
-                    update = await or_shutdown(queue.get(), self.c.stopping, context)
+                    update = await or_shutdown(queue.get(), self.c.stopping, context, slot.revoked)
                     yield self._proto(update)
                     if update.terminal:
                         return

@@ -254,6 +254,7 @@ class TokenAuth:
 
     def __init__(self, entries: Iterable[_Entry], source: str = "<memory>") -> None:
         self._entries = tuple(entries)
+        self._entry_set = frozenset(self._entries)
         self.source = source
         seen: set[bytes] = set()
         for entry in self._entries:
@@ -331,8 +332,10 @@ class TokenAuth:
         return cls.from_mapping({"tokens": {hash_token(t): dict(v) for t, v in tokens.items()}})
 
     # ---- checking ------------------------------------------------------------------
-    def identify(self, metadata) -> Identity | None:
-        """The identity of the call's token, or None (missing or unknown)."""
+    def credential(self, metadata) -> _Entry | None:
+        """The entry of the call's token (its digest and identity), or None
+        (missing or unknown): what a stream opened with it is checked against
+        when the token file is reloaded (``holds``)."""
         token = bearer_token(metadata)
         if token is None:
             return None
@@ -340,8 +343,23 @@ class TokenAuth:
         found = None
         for entry in self._entries:  # no early exit: the time does not depend on which entry matched
             if hmac.compare_digest(digest, entry.digest):
-                found = entry.identity
+                found = entry
         return found
+
+    def identify(self, metadata) -> Identity | None:
+        """The identity of the call's token, or None (missing or unknown)."""
+        entry = self.credential(metadata)
+        return None if entry is None else entry.identity
+
+    def holds(self, credential: _Entry) -> bool:
+        """Whether this file still grants ``credential`` as it was (the same
+        token with the same role, tenant, name and nodes)."""
+        return credential in self._entry_set
+
+    def names_not_in(self, other: "TokenAuth") -> list[str]:
+        """The names of this file's tokens that ``other`` does not grant as
+        they were (removed, or their role, tenant or nodes changed)."""
+        return sorted(entry.identity.name for entry in self._entries if not other.holds(entry))
 
     def authenticate(self, metadata, *, admin: bool = False, roles: Sequence[str] = ("admin", "tenant")) -> Identity:
         """The caller's identity; ``AuthError`` UNAUTHENTICATED (no token, unknown
@@ -852,16 +870,21 @@ class StreamSlot:
     leaving it as a context manager) gives it back, once however often it is
     called, so every way a stream ends may call it."""
 
-    __slots__ = ("_slots", "key")
+    __slots__ = ("_slots", "key", "credential", "revoked")
 
-    def __init__(self, slots: "StreamSlots", key: str) -> None:
+    def __init__(self, slots: "StreamSlots", key: str, credential: _Entry | None = None) -> None:
         self._slots: StreamSlots | None = slots
         self.key = key
+        #: the token the stream was opened with (None: certificate or insecure)
+        self.credential = credential
+        #: set when that token is revoked (``Security.reload_tokens``): the
+        #: stream ends UNAUTHENTICATED at its next wait (``or_shutdown``)
+        self.revoked = asyncio.Event()
 
     def release(self) -> None:
         slots, self._slots = self._slots, None
         if slots is not None:
-            slots._release(self.key)
+            slots._release(self)
 
     def __enter__(self) -> "StreamSlot":
         return self
@@ -885,6 +908,7 @@ class StreamSlots:
 
     def __init__(self) -> None:
         self._per_client: collections.Counter[str] = collections.Counter()
+        self._streams: set[StreamSlot] = set()
         self.open = 0
         self.refused = 0
 
@@ -895,7 +919,7 @@ class StreamSlots:
     def open_by(self, key: str) -> int:
         return self._per_client[key]
 
-    def admit(self, key: str, *, per_client: int, total: int) -> StreamSlot:
+    def admit(self, key: str, *, per_client: int, total: int, credential: _Entry | None = None) -> StreamSlot:
         """A slot for one more stream of client ``key``, or RESOURCE_EXHAUSTED
         (``AuthError``) naming the limit reached and the option that sets it."""
         held = self._per_client[key]
@@ -913,15 +937,27 @@ class StreamSlots:
             )
         self._per_client[key] = held + 1
         self.open += 1
-        return StreamSlot(self, key)
+        slot = StreamSlot(self, key, credential)
+        self._streams.add(slot)
+        return slot
 
-    def _release(self, key: str) -> None:
-        left = self._per_client[key] - 1
+    def _release(self, slot: StreamSlot) -> None:
+        self._streams.discard(slot)
+        left = self._per_client[slot.key] - 1
         if left > 0:
-            self._per_client[key] = left
+            self._per_client[slot.key] = left
         else:
-            del self._per_client[key]  # a client that has gone leaves no entry behind
+            del self._per_client[slot.key]  # a client that has gone leaves no entry behind
         self.open -= 1
+
+    def revoke(self, tokens: "TokenAuth") -> int:
+        """End the open streams whose token ``tokens`` no longer grants; how many."""
+        ended = 0
+        for slot in self._streams:
+            if slot.credential is not None and not tokens.holds(slot.credential) and not slot.revoked.is_set():
+                slot.revoked.set()
+                ended += 1
+        return ended
 
 
 def _peer_host(peer: str) -> str:
@@ -1119,8 +1155,22 @@ class Security:
         coordinator's configuration), or ``AuthError`` RESOURCE_EXHAUSTED.
         The caller releases it however its stream ends."""
         return self.watch_streams.admit(
-            self.client_key(context), per_client=config.max_watch_streams_per_client, total=config.max_watch_streams
+            self.client_key(context), per_client=config.max_watch_streams_per_client, total=config.max_watch_streams,
+            credential=self.credential(context),
         )
+
+    def credential(self, context) -> _Entry | None:
+        """The token entry a call was made with (None without token auth)."""
+        return None if self.tokens is None else self.tokens.credential(context.invocation_metadata())
+
+    def reload_tokens(self, tokens: TokenAuth) -> tuple[list[str], int]:
+        """Serve ``tokens`` (the token file read again, SIGHUP) from the next
+        call on, and end the watch streams opened with a token it no longer
+        grants. Returns (names of the tokens revoked, watch streams ended);
+        the coordinator ends the agent streams (``AgentSession.credential``)."""
+        revoked = self.tokens.names_not_in(tokens) if self.tokens is not None else []
+        self.tokens = tokens
+        return revoked, self.watch_streams.revoke(tokens)
 
 
 # ---- interceptor -------------------------------------------------------------------------------

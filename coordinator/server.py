@@ -637,15 +637,34 @@ class Coordinator:
         security interceptor) when the token is missing or lacks the role."""
         return self.security.authorize(context, admin=admin)
 
-    def authorize_node(self, node_id: str, context) -> float | None:
+    def authorize_node(self, node_id: str, context) -> tuple[float | None, object | None]:
         """Accept an agent stream registering as ``node_id`` or refuse it
         (``StreamRefused``); returns the notAfter (epoch s) of the client
-        certificate the agent presented, None without one."""
+        certificate the agent presented (None without one), and the token
+        entry it registered with (None: it used a certificate)."""
         try:
-            self.security.authorize_node(node_id, context)
+            identity = self.security.authorize_node(node_id, context)
         except AuthError as exc:
             raise StreamRefused(exc.code, exc.message) from None
-        return self.security.peer_certificate_not_after(context)
+        credential = self.security.credential(context) if identity is not None else None
+        return self.security.peer_certificate_not_after(context), credential
+
+    def reload_tokens(self, tokens) -> dict:
+        """SIGHUP read the token file again (``tokens``, a ``TokenAuth``): new
+        calls are checked against it, and streams opened with a token it no
+        longer grants (removed, or its role, tenant or nodes changed) end
+        UNAUTHENTICATED: watches at their next wait, agent streams now (a
+        revoked agent reconnects and is refused). What was revoked, for the
+        reload's log line."""
+        revoked, watches = self.security.reload_tokens(tokens)
+        agents = []
+        for node_id, session in list(self.gateway.sessions.items()):
+            if session.credential is not None and not tokens.holds(session.credential):
+                session.close(grpc.StatusCode.UNAUTHENTICATED, f"node {node_id}: its agent token was revoked "
+                              "(the token file was reloaded)")
+                agents.append(node_id)
+        return {"tokens": len(tokens), "revoked": revoked, "watch_streams_ended": watches,
+                "agent_streams_ended": sorted(agents)}
 
     def tenant_spec(self, identity, spec):
         """A tenant's token fixes the task's tenant."""
