@@ -31,7 +31,7 @@ from coordinator.security import (
     token_problem,
 )
 from coordinator.server import Coordinator, ListenError
-from coordinator.state import StateError, open_state_dir
+from coordinator.state import StateError, open_state_dir, state_dir_problem
 from coordinator.settings import (
     ConfigError,
     Settings,
@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 
         with structlog.testing.capture_logs():  # its warnings are the daemon's to log, not on stdout
             _, problem = _security_or_problem(args, settings)
+        if problem is None and settings.coordinator.state_dir:
+            problem = state_dir_problem(settings.coordinator.state_dir)
         if problem is not None:
             print(f"gpulb-coordinator: this configuration would not start: {problem}", file=sys.stderr)
             return 2

@@ -238,6 +238,12 @@ class CoordinatorMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.envelopes = Counter("gpulb_envelopes_received_total", "Telemetry envelopes applied", registry=r)
+        self.state_write_failures = Counter(
+            "gpulb_state_write_failures_total",
+            "Writes to state_dir that failed (a full or read-only disk), by write: commit (the calls waiting on it "
+            "got UNAVAILABLE), node_admin (the cordon or drain was not made), learned", ["write"], registry=r)
+        for write in ("commit", "node_admin", "learned"):  # at 0 from the start, so the first failure is an increase
+            self.state_write_failures.labels(write)
         self.envelope_bytes = Counter("gpulb_telemetry_received_bytes_total", "Telemetry bytes received (serialized envelopes)", registry=r)
         self.rejected = Counter("gpulb_envelopes_rejected_total", "Envelopes refused as malformed, by offending field", ["field"], registry=r)
         self.resyncs = Counter("gpulb_resyncs_total", "Keyframes requested after sequence gaps", registry=r)
@@ -458,6 +464,7 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_big_cards_need_limit_bytes",
     "gpulb_tls_certificate_expiry_timestamp_seconds",
     "gpulb_tls_reloads_total",
+    "gpulb_state_write_failures_total",
     "gpulb_agent_certificate_expiry_timestamp_seconds",
     *ADVISOR_METRIC_NAMES,  # the rebalance advisor's and the speed predictor's
 )

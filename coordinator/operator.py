@@ -14,6 +14,7 @@ import grpc
 from coordinator.convert import UnknownMetric, resolve_metrics
 from coordinator.liveness import UnknownNode
 from coordinator.shutdown import or_shutdown
+from coordinator.state import StateError
 from scheduler.task import MAX_REASON_LEN
 from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
@@ -157,7 +158,12 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"reason: {len(request.reason):,} characters; at most {MAX_REASON_LEN}")
         if request.node_id not in self.c.view.nodes:
-            if action == "uncordon" and self.c.forget_removed_node(request.node_id, request.reason):
+            try:
+                forgotten = action == "uncordon" and self.c.forget_removed_node(request.node_id, request.reason)
+            except StateError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"state: could not forget the stored cordon ({exc}); "
+                                    "nothing changed; retry")
+            if forgotten:
                 # a node that left the pool (decommissioned, or kept cordoned over a
                 # restart): its record and stored cordon go, and with them its count
                 # in gpulb_nodes{state="removed"} and the alert on it
@@ -167,6 +173,9 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
             self.c.node_admin(request.node_id, action, request.reason)
         except UnknownNode:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node_id: no node {request.node_id!r}")
+        except StateError as exc:  # not stored, so not made (Coordinator.node_admin)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"state: could not store the {action} ({exc}); "
+                                "nothing changed; retry")
         return cpb.NodeActionResponse(node=self.c.node_message(self.c.view.nodes[request.node_id]))
 
     async def CordonNode(self, request, context):

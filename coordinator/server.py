@@ -32,7 +32,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.convert import gpu_messages, node_message
 from coordinator.gateway import AgentGateway, AgentSession, StreamRefused
 from coordinator.ingest import TelemetryIngest
-from coordinator.liveness import Liveness, LivenessEvent, LivenessSweeper, NodeLiveness, UnknownNode
+from coordinator.liveness import Admin, Liveness, LivenessEvent, LivenessSweeper, NodeLiveness, UnknownNode
 from coordinator.metrics import CoordinatorMetrics, MetricsServer
 from coordinator.operator import ClusterOperatorService
 from coordinator.scheduling import Dispatcher, SchedulerService
@@ -122,6 +122,10 @@ def os_problem(exc: BaseException, host: str) -> str:
     if isinstance(exc.errno, int) and exc.errno > 0:
         return os.strerror(exc.errno).lower()  # uvloop's strerror is a whole sentence
     return exc.strerror or str(exc)
+
+
+#: the liveness lever that puts a node back in each operator state
+_ADMIN_ACTION = {Admin.ACTIVE: "uncordon", Admin.CORDONED: "cordon", Admin.DRAINING: "drain"}
 
 
 def _is_loopback(host: str) -> bool:
@@ -380,12 +384,20 @@ class Coordinator:
     # ---- durable state --------------------------------------------------------
     def _restore(self) -> None:
         """Load the task state of the previous run before serving anything."""
+        try:
+            # what finished_retention_s let go while the coordinator was down:
+            # else a job's id resubmitted just after the restart got its last
+            # run's COMPLETED back (not run) until the first prune
+            self.store.prune_finished(self.config.finished_retention_s)
+        except StateError as exc:  # a read-only or full disk: the load below says so, or works
+            log.warning("state_prune_failed", error=str(exc))
         restored = self.store.load()
         report = restore_into(self.dispatcher.engine, restored)
         self.dispatcher.restored(restored.tasks)
         if self.security.quota is not None:
             self.security.quota.rebuild(self.dispatcher.engine.tasks(limit=10**9))
         self.state_writer = self.store.writer()
+        self.state_writer.on_failure = self.metrics.state_write_failures.labels("commit").inc
         self.dispatcher.engine.add_listener(self.state_writer.stage)
         self._restore_learned()
         try:
@@ -445,6 +457,9 @@ class Coordinator:
             try:
                 self.store.save_learned(name, learner.to_state())
                 self._learned_versions[name] = version
+            except StateError as exc:  # a full disk: tried again next time
+                self.metrics.state_write_failures.labels("learned").inc()
+                log.error(f"{name}_save_failed", error=str(exc))
             except Exception:
                 log.exception(f"{name}_save_failed")
 
@@ -784,11 +799,19 @@ class Coordinator:
     def node_admin(self, node_id: str, action: str, reason: str = "") -> None:
         """Operator levers: cordon (no new tasks), drain (no new tasks, running
         ones finish), uncordon."""
+        before = self.liveness.state(node_id).admin
         state = getattr(self.liveness, action)(node_id)
         if self.store is not None:
             # at once, not with the next group commit: the operator is told
             # it is done, and a restart must find the node still cordoned
-            self.store.save_node_admin(node_id, state.admin.value)
+            try:
+                self.store.save_node_admin(node_id, state.admin.value)
+            except StateError:
+                # not stored, so not done: a cordon told "failed" must not
+                # hold until the next restart silently drops it
+                getattr(self.liveness, _ADMIN_ACTION[before])(node_id)
+                self.metrics.state_write_failures.labels("node_admin").inc()
+                raise
         self.dispatcher.snapshots.liveness_changed()
         self.view.version += 1
         if action == "uncordon":
@@ -803,9 +826,13 @@ class Coordinator:
                 return False
         except UnknownNode:
             return False
-        self.liveness.forget(node_id)
         if self.store is not None:
-            self.store.save_node_admin(node_id, "ACTIVE")
+            try:
+                self.store.save_node_admin(node_id, "ACTIVE")
+            except StateError:
+                self.metrics.state_write_failures.labels("node_admin").inc()
+                raise
+        self.liveness.forget(node_id)
         log.info("node_forgotten", node_id=node_id, reason=reason)
         return True
 

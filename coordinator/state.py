@@ -60,7 +60,6 @@ import asyncio
 import contextlib
 import fcntl
 import json
-import logging
 import math
 import os
 import sqlite3
@@ -71,6 +70,8 @@ import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+
+import structlog
 
 from scheduler.reservations import Lease
 from scheduler.task import TERMINAL_STATES, Assignment, Priority, ScoreBreakdown, Task, TaskSpec, TaskState
@@ -95,7 +96,7 @@ __all__ = [
     "restore_into",
 ]
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("gpulb.state")
 
 DB_NAME = "gpulb.sqlite3"
 SCHEMA_VERSION = 1
@@ -593,7 +594,7 @@ class TaskStore:
         """Store what a learner knows (a JSON-able mapping), replacing the
         previous copy in one transaction of its own."""
         text = json.dumps(state, allow_nan=False)
-        with self._mutex:
+        with self._mutex, self._writable(f"learned state {name!r}"):
             self._db.execute(
                 "INSERT INTO learned (name, state, updated_at) VALUES (?, ?, ?) "
                 "ON CONFLICT(name) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at",
@@ -616,7 +617,7 @@ class TaskStore:
         ``Admin`` value; ACTIVE forgets it), in a transaction of its own: a maintenance
         cordon must outlive a coordinator restart, or new work lands on the
         node being serviced the moment its agent reconnects."""
-        with self._mutex:
+        with self._mutex, self._writable(f"the cordon or drain of node {node_id!r}"):
             if admin == "ACTIVE":
                 self._db.execute("DELETE FROM node_admin WHERE node_id = ?", (node_id,))
             else:
@@ -630,6 +631,16 @@ class TaskStore:
         """node id -> CORDONED / DRAINING, as ``save_node_admin`` left them."""
         with self._mutex, self._readable("node cordons and drains"):
             return {str(n): str(a) for n, a in self._db.execute("SELECT node_id, admin FROM node_admin")}
+
+    @contextlib.contextmanager
+    def _writable(self, what: str):
+        """sqlite3's errors on a write of its own (a full or read-only disk) as
+        StateError, as a failed group commit is: the caller answers
+        UNAVAILABLE naming the state, not UNKNOWN naming a Python class."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise StateError(f"{self.path}: could not store {what}: {exc}") from exc
 
     @contextlib.contextmanager
     def _readable(self, what: str):
@@ -652,7 +663,7 @@ class TaskStore:
         Queued and leased tasks are never pruned.
         """
         now_wall = time.time() if now_wall is None else now_wall
-        with self._mutex:
+        with self._mutex, self._writable("the prune of finished tasks"):
             db = self._db
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -685,7 +696,7 @@ class TaskStore:
                     # PASSIVE: never blocks the writer; it copies what it can
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                 except sqlite3.Error as exc:
-                    log.warning("state checkpoint failed: %s", exc)
+                    log.warning("state_checkpoint_failed", error=str(exc))
         finally:
             db.close()
 
@@ -726,6 +737,29 @@ class TaskStore:
         self.close()
 
 
+def state_dir_problem(state_dir: str | os.PathLike) -> str | None:
+    """Why the daemon could not open ``state_dir`` (not a directory, a
+    read-only disk, no write permission), found without creating or locking
+    anything (``--print-config``); None when it looks usable."""
+    path = Path(state_dir)
+    if path.exists():
+        if not path.is_dir():
+            return f"state_dir {str(path)!r}: not a directory"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"state_dir {str(path)!r}: not writable by this user (or on a read-only file system)"
+        for name in (DB_NAME, DB_NAME + "-wal", DB_NAME + ".lock"):
+            f = path / name
+            if f.exists() and not os.access(f, os.R_OK | os.W_OK):
+                return f"state_dir {str(path)!r}: {name} is not readable and writable by this user"
+        return None
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"state_dir {str(path)!r}: cannot be created: {str(parent)!r} is not writable by this user"
+    return None
+
+
 def open_state_dir(state_dir: str | os.PathLike, **kw) -> TaskStore:
     """Create ``state_dir`` (mode 0700) if needed and open its store."""
     path = Path(state_dir)
@@ -758,6 +792,8 @@ class GroupCommitter:
         self._scheduled = False
         self._running = False
         self.failures = 0
+        #: called at each failed commit (the coordinator counts them in a metric)
+        self.on_failure: Callable[[], object] | None = None
 
     def stage(self, task: Task) -> None:
         self.store.stage(task)
@@ -808,7 +844,11 @@ class GroupCommitter:
     def _finish(self, future: asyncio.Future | None, error: BaseException | None, _rows: int) -> None:
         if error is not None:
             self.failures += 1
-            log.error("state commit failed: %s", error)
+            if self.on_failure is not None:
+                self.on_failure()
+            log.error("state_commit_failed", error=str(error), failures=self.failures,
+                      detail="the calls waiting on it get UNAVAILABLE (retry); what they changed is kept in memory and "
+                             "stored by the next commit that works")
         if future is None or future.done():
             return
         if error is not None:
@@ -934,7 +974,7 @@ def restore_into(scheduler: "Scheduler", restored: Restored, now: float | None =
         a = task.assignment
         lease = Lease(a.lease_id, task.task_id, a.lease_expires_at)
         if s._leases.get(a.lease_id) is not None or a.lease_id in s._reservations:
-            log.warning("restore: duplicate lease id %s (task %s); lease dropped", a.lease_id, task.task_id)
+            log.warning("restore_duplicate_lease", lease_id=a.lease_id, task_id=task.task_id, kept="the first; this lease dropped")
             continue
         s._leases._put(lease)
         spec = task.spec
@@ -950,7 +990,7 @@ def restore_into(scheduler: "Scheduler", restored: Restored, now: float | None =
             s.set_policy(restored.policy.name, dict(restored.policy.weights))
             policy = restored.policy.name
         except Exception as exc:  # UnknownPolicy / InvalidWeight from an older or newer build
-            log.warning("restore: stored policy %r not applied: %s", restored.policy.name, exc)
+            log.warning("restore_policy_not_applied", policy=restored.policy.name, error=str(exc))
     return RestoreReport(queued=len(queued), leased=len(leased), finished=len(finished), dropped=dropped, policy=policy)
 
 
