@@ -167,7 +167,8 @@ class StateError(RuntimeError):
 def _repair_hint(path: Path) -> str:
     """What an operator can do about a damaged state database."""
     return (f"`sqlite3 {path} 'PRAGMA integrity_check'` says what is damaged; to start from an empty state, stop "
-            f"gpulb and move {path.name}* aside (queued and leased tasks are then forgotten), or put back a copy")
+            f"gpulb and move {path.name}* aside (queued and leased tasks are then forgotten), or put back a copy "
+            f"(the database with its -wal file, or one made by sqlite3's .backup)")
 
 
 class StateLocked(StateError):
