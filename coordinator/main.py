@@ -134,6 +134,9 @@ class _Daemon:
             growth_config=settings.memory_growth,
         )
         self.stop_requested = asyncio.Event()
+        #: the config file's own values at the last read (``_shadowed_file_edits``)
+        self._file_settings = None
+        self._shadowed_file_edits(settings)
         self._status_task: asyncio.Task | None = None
 
     def status_line(self) -> str:
@@ -151,10 +154,12 @@ class _Daemon:
     def reload(self) -> None:
         """SIGHUP: re-read the configuration, apply what can change live, say what changed."""
         self.notifier.reloading()
+        metrics = self.coordinator.metrics
         try:
             new = load_settings(self.config_path, os.environ, self.overrides)
         except ConfigError as exc:
             log.error("reload_rejected", error=str(exc), kept="the running configuration")
+            metrics.reload_successful.set(0)
             self.notifier.ready(status=f"reload rejected: {exc}")
             return
         def live(name: str) -> bool:
@@ -169,18 +174,40 @@ class _Daemon:
             self.coordinator.apply_settings(new.coordinator, new.scheduler, [n for n, _, _ in applied], advisor_config=new.advisor)
         except Exception as exc:  # a value valid in the file but refused live
             log.error("reload_rejected", error=str(exc), kept="the running configuration")
+            metrics.reload_successful.set(0)
             self.notifier.ready(status=f"reload rejected: {exc}")
             return
         if new.coordinator.log_level != self.settings.coordinator.log_level:
             configure_logging(new.coordinator.log_level, new.coordinator.log_format)
         self.reload_tokens(new.coordinator.token_file)
         self.settings = new
-        log.info(
+        metrics.reload_successful.set(1)
+        metrics.reload_success_time.set_to_current_time()
+        overridden = self._shadowed_file_edits(new)
+        # an operator edited the file and reloaded: say when something will not
+        # happen (it needs a restart, or a variable or flag wins over the file)
+        (log.warning if needs_restart or overridden else log.info)(
             "configuration_reloaded",
             changed={name: {"from": old, "to": value} for name, old, value in applied},
             restart_needed_for=needs_restart or None,
+            overridden=overridden or None,
         )
         self.notifier.ready(status=f"reloaded: {len(applied)} settings changed" + (f", {len(needs_restart)} need a restart" if needs_restart else ""))
+
+    def _shadowed_file_edits(self, new) -> dict[str, str]:
+        """Options whose value in the file changed since the last read but do
+        not apply, because an environment variable or a flag sets them (the
+        documented precedence, which a reload that logs ``changed: {}`` hides):
+        option -> what wins."""
+        try:
+            in_file = load_settings(self.config_path, {}, {}) if self.config_path else None
+        except ConfigError:
+            in_file = None
+        before, self._file_settings = self._file_settings, in_file
+        if in_file is None or before is None:
+            return {}
+        return {name: new.sources.get(name, "?") for name, _, value in diff_settings(before, in_file)
+                if new.sources.get(name, "").partition(":")[0] in ("env", "flag")}
 
     def reload_tokens(self, token_file: str) -> None:
         """SIGHUP: read the token file again, so a tenant's token is added or
@@ -264,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             _, problem = _security_or_problem(args, settings)
         if problem is None and settings.coordinator.state_dir:
             problem = state_dir_problem(settings.coordinator.state_dir)
+        for warning in settings.warnings:  # what the daemon would log at start (a misspelt variable)
+            print(f"gpulb-coordinator: warning: {warning}", file=sys.stderr)
         if problem is not None:
             print(f"gpulb-coordinator: this configuration would not start: {problem}", file=sys.stderr)
             return 2

@@ -22,6 +22,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream=None) -> No
     ``fmt`` is ``json``, ``console`` or ``auto`` (console when ``stream`` is a
     terminal, JSON otherwise, which is what systemd gives a service).
     """
+    explicit = stream is not None
     stream = stream or sys.stderr
     if level not in LOG_LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}, not {level!r}")
@@ -44,3 +45,49 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream=None) -> No
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
+    _route_stdlib_logging(level, renderer, stream if explicit else None)
+
+
+class _StdlibToStructlog(logging.StreamHandler):
+    """The root logger's handler: what libraries and modules log through the
+    standard library (asyncio's "Task exception was never retrieved", grpc's
+    Python side, sqlite3 helpers) is rendered as the daemon's own lines are,
+    one JSON object per line in a service, instead of Python's bare-message
+    fallback (no level, no time: QA pass 24 found such lines inside JSON
+    logs). Without a stream of its own it writes to ``sys.stderr`` as it is at
+    each record, so a replaced stderr (pytest's capture) is followed."""
+
+    def __init__(self, stream=None) -> None:
+        super().__init__(stream)
+        self._own_stream = stream is not None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self._own_stream:
+            self.stream = sys.stderr
+        super().emit(record)
+
+
+def _route_stdlib_logging(level: str, renderer, stream) -> None:
+    handler = _StdlibToStructlog(stream)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+        ],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+    ))
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _StdlibToStructlog)]:
+        root.removeHandler(old)  # configured again (a reload's log level): one handler
+    root.addHandler(handler)
+    # libraries at warning and above (their info is not the operator's); the
+    # project's own modules that log through the standard library at the level asked
+    wanted = getattr(logging, level.upper())
+    root.setLevel(max(wanted, logging.WARNING))
+    for package in ("scheduler", "coordinator", "agent", "protos"):
+        logging.getLogger(package).setLevel(wanted)
