@@ -83,6 +83,11 @@ ADVISOR_METRIC_NAMES = (
 )
 
 _OUTPUT_TAIL = 2_000  # bytes of hook stdout/stderr kept for the log
+#: GetPredictions for a tenant token: the task kinds remembered per tenant
+#: (the most recent first kept) and the tenants remembered (likewise); a
+#: kind past the learners' MAX_LEARNED_KINDS has no rows of its own anyway
+_KINDS_PER_TENANT = 256
+_TENANTS_WITH_KINDS = 10_000
 
 
 # ---- the command hook ------------------------------------------------------------------------
@@ -246,6 +251,9 @@ class AdvisorRuntime:
         # spans two GPUs and a restart, so it teaches no GPU's speed
         self._migrated: set[str] = set()
         self._actual: dict[str, float] = {}  # task id -> s of run time its client reported
+        # tenant -> the task kinds it submitted (since the start), oldest first:
+        # GetPredictions shows a tenant token the rows of those kinds only
+        self._tenant_kinds: dict[str, dict[str, None]] = {}
         self._gpus: tuple[object, dict[str, tuple[str, str]]] | None = None  # uuid -> (node, model)
         self._watchers: set[asyncio.Queue] = set()
         self._loop_task: asyncio.Task | None = None
@@ -371,10 +379,28 @@ class AdvisorRuntime:
         self._actual.pop(task_id, None)
         self._peaks.pop(task_id, None)
 
+    def kinds_of(self, tenant: str) -> frozenset[str]:
+        """The task kinds ``tenant`` submitted since the coordinator started
+        (the most recent ``_KINDS_PER_TENANT``)."""
+        return frozenset(self._tenant_kinds.get(tenant, ()))
+
+    def _note_kind(self, tenant: str, kind: str) -> None:
+        kinds = self._tenant_kinds.get(tenant)
+        if kinds is None:
+            if len(self._tenant_kinds) >= _TENANTS_WITH_KINDS:
+                del self._tenant_kinds[next(iter(self._tenant_kinds))]
+            kinds = self._tenant_kinds[tenant] = {}
+        if kind not in kinds:
+            if len(kinds) >= _KINDS_PER_TENANT:
+                del kinds[next(iter(kinds))]
+            kinds[kind] = None
+
     def on_task_change(self, task: Task) -> None:
         """Scheduler listener: learn from every COMPLETED task that says how long
         it was expected to run (``spec.duration_s``), and from every ended task
-        whose peak memory was reported."""
+        whose peak memory was reported; note which tenant submits which kinds."""
+        if task.spec.kind:
+            self._note_kind(task.spec.tenant, task.spec.kind)
         if not task.terminal:
             if task.state in (TaskState.LOST, TaskState.PREEMPTED):
                 # that run ended and the task waits again (a re-queued LOST is
@@ -668,8 +694,9 @@ class AdvisorService(apb_grpc.AdvisorServicer):
     """gpulb.v1.Advisor: decode, ask the runtime, encode.
 
     ``authorize(context, admin=...)`` is the coordinator's check (tokens);
-    predictions are open to every caller with a token, plans (which name
-    every tenant's tasks) to admins."""
+    predictions are open to every caller with a token (a tenant's: of the
+    kinds its tenant submitted), plans (which name every tenant's tasks) to
+    admins."""
 
     def __init__(self, runtime: AdvisorRuntime, authorize: Callable[..., object] | None = None,
                  stopping: asyncio.Event | None = None, admit_watch: Callable[..., StreamSlot] | None = None) -> None:
@@ -687,15 +714,25 @@ class AdvisorService(apb_grpc.AdvisorServicer):
         self.admit_watch = admit_watch
 
     async def GetPredictions(self, request: apb.GetPredictionsRequest, context) -> apb.GetPredictionsResponse:
-        self._authorize(context, admin=False)
+        identity = self._authorize(context, admin=False)
         p = self.r.predictor
         models, nodes = p.stats()
+        # Kinds are free text that can name a project or a customer: a tenant
+        # token sees the rows of the kinds its tenant submitted, and those of
+        # no kind (per model, every kind), not another tenant's (QA pass 24)
+        shown: frozenset[str] | None = None
+        if identity is not None and not getattr(identity, "admin", True):
+            shown = self.r.kinds_of(identity.tenant) | {""}
+
+        def kind_ok(kind: str) -> bool:
+            return (shown is None or kind in shown) and (not request.kind or kind in ("", request.kind))
+
         return apb.GetPredictionsResponse(
             models=[
                 apb.SpeedFactor(model=f.model, kind=f.kind, slowdown=f.factor, prior=f.prior, samples=f.samples,
                                 mape_ratio=f.mape, overrun_ratio=f.overrun)
                 for f in models
-                if (not request.model or f.model == request.model) and (not request.kind or f.kind in ("", request.kind))
+                if (not request.model or f.model == request.model) and kind_ok(f.kind)
             ],
             nodes=[
                 apb.NodeFactor(node_id=f.node_id, residual=f.factor, samples=f.samples, mape_ratio=f.mape)
@@ -709,7 +746,7 @@ class AdvisorService(apb_grpc.AdvisorServicer):
                 apb.MemoryGrowth(kind=g.kind, samples=g.samples, oom_kills=g.oom_kills, p50=g.p50, p95=g.p95,
                                  p99=g.p99, max=g.max)
                 for g in self.r.growth.stats()
-                if not request.kind or g.kind in ("", request.kind)
+                if kind_ok(g.kind)
             ],
         )
 

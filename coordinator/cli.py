@@ -568,15 +568,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
 @command("tasks")
 def cmd_tasks(args: argparse.Namespace) -> int:
     state = tpb.TaskState.Value(f"TASK_STATE_{args.state.upper()}") if args.state else 0
-    with _channel(args) as ch:
-        tasks = tpb_grpc.SchedulerStub(ch).ListTasks(
-            tpb.ListTasksRequest(state=state, tenant=args.tenant or "", limit=args.limit), timeout=args.timeout
-        ).tasks
-    _print_tasks(tasks, args.json, wide=args.wide)
     limit = args.limit or 1000  # the coordinator's default
-    if len(tasks) >= limit and not args.json:
-        # the response carries no total: a full page may not be all of them
-        print(f"gpulb: tasks: the first {limit}; there may be more (--limit N, --state, --tenant)", file=sys.stderr)
+    tasks: list = []
+    token = ""
+    with _channel(args) as ch:
+        stub = tpb_grpc.SchedulerStub(ch)
+        # page by page (a reply holds what fits in a message), up to --limit in all
+        while True:
+            reply = stub.ListTasks(
+                tpb.ListTasksRequest(state=state, tenant=args.tenant or "", limit=limit - len(tasks), page_token=token),
+                timeout=args.timeout,
+            )
+            tasks.extend(reply.tasks)
+            token = reply.next_page_token
+            if not token or len(tasks) >= limit or not reply.tasks:
+                break
+    _print_tasks(tasks, args.json, wide=args.wide)
+    if token and len(tasks) >= limit and not args.json:
+        print(f"gpulb: tasks: the first {limit}; there are more (--limit N, --state, --tenant)", file=sys.stderr)
     return 0
 
 
@@ -980,7 +989,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--state", choices=[n.removeprefix("TASK_STATE_").lower() for n in tpb.TaskState.keys()[1:]],
                        help="only tasks in this state (default: every state)")
     tasks.add_argument("--tenant", help="only this tenant's tasks (a tenant token sees its own only)")
-    tasks.add_argument("--limit", type=_number(int, 0, 2**32 - 1), default=1000, help="at most this many (0: the coordinator's 1000)")
+    tasks.add_argument("--limit", type=_number(int, 0, 2**32 - 1), default=1000, help="at most this many, oldest submission first, read page by page (0: 1000)")
     tasks.add_argument("--wide", action="store_true", help=f"whole reasons (the table cuts them at {REASON_COLUMN} characters; --json has them whole)")
     tasks.add_argument("--json", action="store_true", help=JSON_HELP)
 

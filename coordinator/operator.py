@@ -156,7 +156,7 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
         if len(request.reason) > MAX_REASON_LEN:
             # logged and stored with the cordon: bounded as a cancel reason is
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"reason: {len(request.reason):,} characters; at most {MAX_REASON_LEN}")
+                                f"reason: {len(request.reason):,} characters; at most {MAX_REASON_LEN:,}")
         if request.node_id not in self.c.view.nodes:
             try:
                 forgotten = action == "uncordon" and self.c.forget_removed_node(request.node_id, request.reason)

@@ -15,7 +15,10 @@ gives way to real readings quickly.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import math
+import secrets
 import time
 from collections import Counter
 from dataclasses import replace
@@ -54,6 +57,11 @@ __all__ = ["Dispatcher", "SchedulerService", "status_of", "MAX_BATCH"]
 
 #: most tasks one ScheduleTasks call may carry (bounds the work of one call)
 MAX_BATCH = 1_000
+
+#: bytes a gRPC client accepts in one reply unless told otherwise (grpcio's,
+#: grpc-go's and grpcurl's default receive limit): a ListTasks page stays
+#: under it even where the coordinator's max_message_bytes is larger
+CLIENT_RECEIVE_BYTES = 4 * 1024 * 1024
 
 log = structlog.get_logger("gpulb.scheduler")
 
@@ -102,6 +110,9 @@ class Dispatcher:
         self._pass_handle: asyncio.Handle | None = None  # a pass scheduled for the end of this turn
         self._loop_task: asyncio.Task | None = None
         self.interval_s = coordinator.config.dispatch_interval_s
+        # ListTasks page tokens name this run: a token from before a restart
+        # (Task.seq numbers start over) resumes after its task by id
+        self.page_epoch = secrets.token_hex(4)
         self._last_view_dispatch = 0.0
         self._sla_misses_seen = 0
         self._gpu_facts_key: tuple[int, int] | None = None  # gpu_facts' cache: (reservations, version)
@@ -190,8 +201,10 @@ class Dispatcher:
         if snapshot.gpu_count == 0:
             # No node yet (a fresh start, or a restart before agents are back):
             # nothing can be placed, and judging "never fits" against an empty
-            # cluster would reject every queued task.
+            # cluster would reject every queued task. Deadlines still pass: a
+            # client waiting with deadline_s gets EXPIRED at it, nodes or not.
             self.engine.expire_leases()
+            self.engine.expire_deadlines()
             return []
         placed = self.engine.dispatch(snapshot)
         self.engine.expire_leases()
@@ -246,8 +259,11 @@ class Dispatcher:
                     # a P0 task waits for these readings to show the memory free: sample fast
                     session.send(pb.CoordinatorMessage(sampling_hint=pb.SamplingHint(interval_ms=200, duration_ms=10_000)))
             if preempted:
+                # the task's reason does not name the P0 task (its owner may be
+                # another tenant); the operator's log does
+                for_task = next((p0 for p0, kept in self.engine.nominations().items() if task.task_id in kept.victims), "")
                 log.warning("task_preempted", task_id=task.task_id, node_id=a.node_id, gpus=list(a.gpu_indices),
-                            priority=task.spec.priority.name, reason=task.reason)
+                            priority=task.spec.priority.name, reason=task.reason, for_task_id=for_task)
             self.request()  # room was freed
 
     def reconcile_node(self, node_id: str, running: set[str], *, runs_tasks: bool) -> tuple[int, int]:
@@ -528,6 +544,33 @@ def _time_out(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
+def _status_for(exc: SchedulerError, identity) -> tuple[grpc.StatusCode, str]:
+    """``status_of`` for the caller ``identity``: task ids are one namespace
+    across tenants, so a tenant whose id another tenant's task holds learns
+    only that the id is taken, not what that task's spec holds (its
+    tenant, labels...: QA pass 24). The same tenant, and an admin, get the
+    fields that differ."""
+    code, message = status_of(exc)
+    if (isinstance(exc, TaskConflict) and "tenant" in exc.fields
+            and identity is not None and not getattr(identity, "admin", False)):
+        message = (f"task {exc.task_id!r} is taken: task ids are shared by every tenant; "
+                   "choose another id")
+    return code, message
+
+
+def _varint_len(value: int) -> int:
+    """Bytes of ``value`` as a protobuf varint."""
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _page_budget(max_message_bytes: int) -> int:
+    """Bytes of tasks one ListTasks reply may carry: under the coordinator's
+    ``max_message_bytes`` and a client's default receive limit, with room
+    to spare for the rest of the reply."""
+    cap = min(int(max_message_bytes), CLIENT_RECEIVE_BYTES)
+    return cap - max(cap // 10, 16 * 1024)
+
+
 class SchedulerService(tpb_grpc.SchedulerServicer):
     """gpulb.v1.Scheduler: decode, call the dispatcher's engine, encode."""
 
@@ -549,15 +592,15 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         except StateError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"state: could not persist ({exc}); retry")
 
-    async def _fail(self, context, exc: SchedulerError):
-        code, message = status_of(exc)
+    async def _fail(self, context, exc: SchedulerError, identity=None):
+        code, message = _status_for(exc, identity)
         await context.abort(code, message)
 
-    async def _fail_at(self, context, exc: SchedulerError, index: int | None):
+    async def _fail_at(self, context, exc: SchedulerError, index: int | None, identity=None):
         """``_fail`` for the spec at ``index`` of a ScheduleTasks call:
         "spec.vram_mib: ..." becomes "specs[3].vram_mib: ..."; other errors
         are prefixed with "specs[3]: "."""
-        code, message = status_of(exc)
+        code, message = _status_for(exc, identity)
         if index is not None:
             message = f"specs[{index}].{message.removeprefix('spec.')}" if isinstance(exc, InvalidTask) else f"specs[{index}]: {message}"
         await context.abort(code, message)
@@ -572,7 +615,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             # Against an empty cluster every task would "never fit": wait for nodes instead.
             task = self.d.engine.submit(spec, snapshot if snapshot.gpu_count else None)
         except SchedulerError as exc:
-            await self._fail(context, exc)
+            await self._fail(context, exc, identity)
         if task.state == TaskState.REJECTED:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"spec: rejected, {task.reason}")
         await self._durable(context, self.c.task_accepted(task))
@@ -584,7 +627,25 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             if spec.deadline_s > 0:
                 timeout = spec.deadline_s + 0.05 if timeout is None else min(timeout, spec.deadline_s + 0.05)
             task = await self.d.wait_placed(spec.task_id, timeout)
+        if task.state == TaskState.QUEUED:
+            task = self._as_now([task])[0]
         return tpb.ScheduleTaskResponse(task=self._proto(task))
+
+    def _as_now(self, tasks: list[Task]) -> list[Task]:
+        """``tasks`` as they are now, for a reply: queue deadlines that have
+        passed are applied first (the dispatch pass applies them only every
+        ``dispatch_interval_s``; a wait bounded by a task's ``deadline_s``
+        ends right after it), so a task whose deadline passed is EXPIRED in
+        the reply, not QUEUED (QA pass 24)."""
+        engine = self.d.engine
+        engine.expire_deadlines()
+        out = []
+        for task in tasks:
+            try:
+                out.append(engine.get(task.task_id))
+            except UnknownTask:  # forgotten meanwhile (retain_finished): as it was last seen
+                out.append(task)
+        return out
 
     async def ScheduleTasks(self, request: tpb.ScheduleTasksRequest, context) -> tpb.ScheduleTasksResponse:
         identity = self.c.authorize(context, admin=False)
@@ -597,7 +658,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             try:
                 specs.append(self.c.tenant_spec(identity, spec_from_proto(proto)))
             except SchedulerError as exc:
-                await self._fail_at(context, exc, index)
+                await self._fail_at(context, exc, index, identity)
             earlier = first.setdefault(specs[-1].task_id, index)
             if earlier != index and specs[earlier] != specs[-1]:
                 # within one call: "already exists" would send the client looking
@@ -611,7 +672,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             snapshot = self.d.snapshots.snapshot()
             tasks = self.d.engine.submit_many(specs, snapshot if snapshot.gpu_count else None)
         except SchedulerError as exc:
-            await self._fail_at(context, exc, getattr(exc, "index", None))
+            await self._fail_at(context, exc, getattr(exc, "index", None), identity)
         await self._durable(context, self.c.task_accepted(tasks[-1]))
         self.d.request()
         wait = request.wait if request.HasField("wait") else True
@@ -625,6 +686,10 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
                     limit = t.spec.deadline_s + 0.05 if limit is None else min(limit, t.spec.deadline_s + 0.05)
                 waits.append(self.d.wait_placed(t.task_id, limit))
             tasks = await asyncio.gather(*waits)
+        if wait or any(t.state == TaskState.QUEUED for t in tasks):
+            # each waiter's task is as it was when that wait ended, the
+            # slowest ending last: the reply shows every task as it is now
+            tasks = self._as_now(tasks)
         return tpb.ScheduleTasksResponse(tasks=[self._proto(t) for t in tasks])
 
     async def GetTask(self, request: tpb.GetTaskRequest, context) -> tpb.Task:
@@ -642,8 +707,67 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"state: unknown task state {request.state}")
         state = TaskState(request.state) if request.state else None
         tenant = self.c.visible_tenant(identity, request.tenant)
-        tasks = self.d.engine.tasks(state=state, tenant=tenant, limit=request.limit or 1000)
-        return tpb.ListTasksResponse(tasks=[self._proto(t) for t in tasks])
+        after = 0
+        if request.page_token:
+            after = self._page_start(request.page_token, tenant)
+            if after is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "page_token: not a next_page_token of this coordinator's for a task still known "
+                                    "(pass it as it came; a coordinator restart can end one): list again without it")
+        limit = request.limit or 1000
+        tasks = self.d.engine.tasks(state=state, tenant=tenant, limit=limit + 1, after_seq=after)
+        more = len(tasks) > limit
+        # a page also ends before it would outgrow what a client accepts, so
+        # that no listing fails on its size (600 tasks with 8 KiB of labels each
+        # made 4.6 MiB): the rest are on the next page
+        budget = _page_budget(self.c.config.max_message_bytes)
+        page: list[tpb.Task] = []
+        size = 0
+        last: Task | None = None
+        for task in tasks[:limit]:
+            proto = self._proto(task)
+            n = proto.ByteSize()
+            n += 1 + _varint_len(n)  # the field's tag and length
+            if page and size + n > budget:
+                more = True
+                break
+            page.append(proto)
+            size += n
+            last = task
+        reply = tpb.ListTasksResponse(tasks=page)
+        if more and last is not None:
+            reply.next_page_token = self._page_token(last)
+        return reply
+
+    def _page_token(self, last: Task) -> str:
+        """An opaque next_page_token: this run's epoch, the last task's
+        ``seq`` and its id (base64url)."""
+        text = f"{self.d.page_epoch}.{last.seq}.{last.task_id}"
+        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    def _page_start(self, token: str, tenant: str) -> int | None:
+        """The ``after_seq`` a page token stands for, None when it is not one.
+
+        In the run that made it, its ``seq``; after a restart (another
+        epoch: ``seq`` numbers started over), the current ``seq`` of the task
+        it names, if that task is still known and one the caller may list."""
+        try:
+            text = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+            epoch, seq, task_id = text.split(".", 2)
+            after = int(seq) if seq.isdigit() else -1
+        except (ValueError, binascii.Error, UnicodeDecodeError):
+            return None
+        if after < 0 or not task_id:
+            return None
+        if epoch == self.d.page_epoch:
+            return after
+        try:
+            task = self.d.engine.get(task_id)
+        except SchedulerError:
+            return None
+        if tenant and task.spec.tenant != tenant:
+            return None  # another tenant's: said as of a task not known
+        return task.seq
 
     async def WatchTask(self, request: tpb.WatchTaskRequest, context):
         identity = self.c.authorize(context, admin=False)
@@ -719,7 +843,7 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         if len(request.reason) > MAX_REASON_LEN:
             # kept as Task.reason in memory and state, and in every ListTasks reply
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"reason: {len(request.reason)} characters; at most {MAX_REASON_LEN}")
+                                f"reason: {len(request.reason):,} characters; at most {MAX_REASON_LEN:,}")
         await self._owned(identity, request.task_id, context)
         try:
             task = self.d.engine.cancel(request.task_id, request.reason)
@@ -749,8 +873,11 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         return tpb.MigrateTaskResponse(task=self._proto(task))
 
     async def GetQueue(self, request: tpb.GetQueueRequest, context) -> tpb.GetQueueResponse:
-        self.c.authorize(context, admin=False)
-        summary = self.d.engine.queue_summary()
+        identity = self.c.authorize(context, admin=False)
+        # the class depths and waits are every tenant's; the head, whole
+        # tasks, only the caller's own for a tenant token (QA pass 24)
+        admin = identity is None or getattr(identity, "admin", False)
+        summary = self.d.engine.queue_summary(tenant=None if admin else identity.tenant)
         return tpb.GetQueueResponse(
             classes=[
                 tpb.QueueClass(priority=priority_to_proto(c.priority), depth=c.depth, oldest_wait_s=c.oldest_wait_s if c.depth else 0.0)

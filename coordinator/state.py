@@ -141,13 +141,18 @@ CREATE TABLE IF NOT EXISTS node_admin (
 );
 """
 
-# Upsert: submit_seq is kept from the first write; entry_seq is kept unless the
-# task entered another queue class (its class or enqueue time changed).
-_UPSERT = """
+# Upsert: submit_seq is kept from the first write, except over a REJECTED row:
+# a rejected task is never written again, so a write for its id is a new try
+# of it (Scheduler._retries_rejected), a new submission whose record replaces
+# the rejected one, newest in submission order as it is in the scheduler;
+# entry_seq is kept unless the task entered another queue class (its class
+# or enqueue time changed).
+_UPSERT = f"""
 INSERT INTO tasks (task_id, tenant, spec, state, priority, submitted_at, queued_at, enqueued_at,
                    node_id, assignment, reason, attempts, sla_missed, finished_at, submit_seq, entry_seq, updated_at)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT(task_id) DO UPDATE SET
+    submit_seq = CASE WHEN tasks.state = {int(TaskState.REJECTED)} THEN excluded.submit_seq ELSE tasks.submit_seq END,
     tenant = excluded.tenant, spec = excluded.spec, state = excluded.state,
     entry_seq = CASE WHEN tasks.priority = excluded.priority AND tasks.enqueued_at = excluded.enqueued_at
                      THEN tasks.entry_seq ELSE excluded.entry_seq END,
@@ -450,6 +455,8 @@ class TaskStore:
         """
         with self._stage_lock:
             prev = self._staged.get(task.task_id)
+            if prev is not None and prev.task.state == TaskState.REJECTED and prev.task.seq != task.seq:
+                prev = None  # a new try of a rejected task (see _UPSERT): a new submission
             if prev is None:
                 seq = self._next_seq()
                 self._staged[task.task_id] = _Staged(task, seq, seq)

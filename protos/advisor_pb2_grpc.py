@@ -56,7 +56,9 @@ class AdvisorServicer:
 
     def GetPredictions(self, request, context):
         """Learned slowdowns per GPU model and task kind, node residuals, sample
-        counts and the prediction error.
+        counts and the prediction error. A tenant token gets the per-kind rows
+        (models, memory_growth) of the kinds its tenant submitted since the
+        coordinator started, and the rows of no kind; an admin token every row.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

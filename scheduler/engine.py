@@ -38,7 +38,10 @@ PREEMPTED), then QUEUED. Otherwise it stays LOST, and that is its end.
 Never-fits rule: a task is REJECTED at submission when it cannot fit any node
 of the latest snapshot even if that node were empty (``filters.never_fits``).
 Tasks submitted before the scheduler has seen any snapshot are checked at the
-next dispatch.
+next dispatch. A rejection keeps no id: the same tenant's next submission
+under a REJECTED task's id (its spec fixed, or the cluster changed) is judged
+again as a new task, whose record replaces the rejected one
+(``_retries_rejected``).
 """
 
 from __future__ import annotations
@@ -257,11 +260,17 @@ class Scheduler:
         return copy.copy(self._get(task_id))
 
     def tasks(
-        self, state: TaskState | None = None, tenant: str = "", limit: int = 1000
+        self, state: TaskState | None = None, tenant: str = "", limit: int = 1000, after_seq: int = 0
     ) -> list[Task]:
-        """Copies of tasks, oldest submission first, filtered by state and tenant."""
+        """Copies of tasks, oldest submission first, filtered by state and
+        tenant; with ``after_seq``, only those submitted after the task whose
+        ``Task.seq`` it is (the next page of a listing: the table holds its
+        tasks in ``seq`` order, and a task forgotten since does not move the
+        place)."""
         out: list[Task] = []
         for task in self._tasks.values():
+            if after_seq and task.seq <= after_seq:
+                continue
             if state is not None and task.state != state:
                 continue
             if tenant and task.spec.tenant != tenant:
@@ -310,15 +319,44 @@ class Scheduler:
 
         Raises InvalidTask (bad field) or TaskConflict (same id, other spec). A
         task that can never fit the cluster (``snapshot``, else the latest
-        dispatched) comes back REJECTED with the reason.
+        dispatched) comes back REJECTED with the reason. An id whose task was
+        REJECTED is not a repeat: the spec is judged again as a new task
+        (``_retries_rejected``).
         """
         spec.validate()
         existing = self._tasks.get(spec.task_id)
         if existing is not None:
+            if self._retries_rejected(existing, spec):
+                self._drop_rejected(existing)
+                return self._enqueue(spec, snapshot)
             if existing.spec != spec:
                 raise TaskConflict(spec.task_id, existing.spec.differing_fields(spec))
             return copy.copy(existing)
         return self._enqueue(spec, snapshot)
+
+    @staticmethod
+    def _retries_rejected(existing: Task, spec: TaskSpec) -> bool:
+        """Whether ``spec`` is a new try of the REJECTED task ``existing``
+        (the same tenant's; same spec or not): a rejection created nothing to
+        keep the id for, and the cluster or the spec may have changed since,
+        so the spec is judged again as a new task, whose record replaces the
+        rejected one. Another tenant's rejected id stays taken (its owner's
+        record is not replaced)."""
+        return existing.state == TaskState.REJECTED and existing.spec.tenant == spec.tenant
+
+    def _drop_rejected(self, task: Task) -> None:
+        """Forget the REJECTED ``task`` before a new try of its id (``_retries_rejected``)."""
+        task_id = task.task_id
+        del self._tasks[task_id]  # the new record is the newest submission: it goes at the end
+        try:
+            self._finished.remove(task_id)  # else the retention would count (and drop) the new one
+        except ValueError:
+            pass
+        if task.spec.deadline_s > 0 and any(t == task_id for _, t in self._deadlines):
+            # rejected at its first dispatch, after its deadline was noted: that
+            # deadline must not expire the new record
+            self._deadlines = [d for d in self._deadlines if d[1] != task_id]
+            heapq.heapify(self._deadlines)
 
     def _enqueue(self, spec: TaskSpec, snapshot: ClusterSnapshot | None) -> Task:
         """A new task for a validated ``spec`` whose id is not known yet."""
@@ -364,18 +402,27 @@ class Scheduler:
                 if earlier is None:
                     earlier = seen[spec.task_id] = spec
                     existing = self._tasks.get(spec.task_id)
-                    if existing is not None:
+                    if existing is not None and not self._retries_rejected(existing, spec):
                         earlier = existing.spec
                 if earlier != spec:
                     raise TaskConflict(spec.task_id, earlier.differing_fields(spec))
             except SchedulerError as exc:
                 exc.index = i  # type: ignore[attr-defined]
                 raise
-        # checked above: a known id is a resubmission, anything else is new
+        # checked above: a known id is a resubmission (or a new try of a
+        # rejected task), anything else is new; an id repeated in the batch
+        # is the task its first occurrence made
         out = []
+        made: set[str] = set()
         for spec in specs:
             existing = self._tasks.get(spec.task_id)
-            out.append(copy.copy(existing) if existing is not None else self._enqueue(spec, snapshot))
+            if existing is not None and (spec.task_id in made or not self._retries_rejected(existing, spec)):
+                out.append(copy.copy(existing))
+                continue
+            if existing is not None:
+                self._drop_rejected(existing)
+            out.append(self._enqueue(spec, snapshot))
+            made.add(spec.task_id)
         return out
 
     # ---- dispatch -----------------------------------------------------------------------
@@ -1241,11 +1288,14 @@ class Scheduler:
         self._release(victim)
         self._times_evicted[victim.task_id] += 1
         victim.state = TaskState.PREEMPTED
-        victim.reason = f"preempted for P0 task {by.task_id} on node {node_id}"
+        # the victim's owner reads these: the P0 task may be another tenant's,
+        # so it is not named here (the log names it: _preempt, and the
+        # coordinator's task_preempted line)
+        victim.reason = f"preempted for a P0 task on node {node_id}"
         self._changed(victim)  # watchers see the eviction, with the GPUs it left, before the re-queue
         victim.state = TaskState.QUEUED
         victim.assignment = None
-        victim.reason = f"re-queued after it was preempted for P0 task {by.task_id}"
+        victim.reason = "re-queued after it was preempted for a P0 task"
         victim.priority = Priority(victim.spec.priority)
         victim.queued_at = now
         self._evicted.append(victim)
@@ -1487,14 +1537,16 @@ class Scheduler:
             if len(nvlink_groups(snap.node_nvlink[node], indices)) != 1:
                 raise Unplaceable(f"{field}: the task needs NVLink and GPUs {indices} of node {node_id} "
                                   "are not one NVLink-connected group")
+        # the caller may be a tenant, and the task the GPUs are kept for
+        # another tenant's: the messages do not name it
         for blocked, held in self._held_nodes.items():
             if held == node_id and self._is_queued(blocked):
-                raise Unplaceable(f"{field}: node {node_id} is kept for the blocked task {blocked!r} while "
+                raise Unplaceable(f"{field}: node {node_id} is kept for a blocked multi-GPU task while "
                                   "gpulb's tasks there end")
         for p0_id, kept in self._nominations.items():
             taken = set(kept.gpu_uuids) & set(uuids)
             if taken and self._is_queued(p0_id):
-                raise Unplaceable(f"{field}: {sorted(taken)[0]} is kept for P0 task {p0_id!r}: lower-priority "
+                raise Unplaceable(f"{field}: {sorted(taken)[0]} is kept for a P0 task: lower-priority "
                                   "tasks were evicted from it to make room")
         for u, row in zip(uuids, rows):
             failed = first_failure(view, spec, row, self.config)
@@ -1515,7 +1567,10 @@ class Scheduler:
         return copy.copy(task)
 
     def renew(self, task_id: str, lease_id: str, extend_s: float = 0.0) -> Task:
-        """Move the lease's expiry to now + ``extend_s`` (0 = the configured lease length)."""
+        """Move the lease's expiry to now + ``extend_s`` (0 = the configured
+        lease length) when that is later than it is: a renewal never shortens
+        a lease (a small ``extend_s``, or milliseconds sent as seconds, leaves
+        it as it is); the task shows the expiry in force."""
         if not (
             isinstance(extend_s, (int, float))
             and math.isfinite(extend_s)
@@ -1529,9 +1584,12 @@ class Scheduler:
             task = self._leased(task_id, lease_id, now)
         finally:
             self._flush()
-        lease = self._leases.renew(lease_id, now, extend_s or self.config.lease_s)
-        task.assignment = replace(task.assignment, lease_expires_at=lease.expires_at)
-        self._changed(task)
+        extend = extend_s or self.config.lease_s
+        current = self._leases.get(lease_id)
+        if current is None or now + extend > current.expires_at:
+            lease = self._leases.renew(lease_id, now, extend)
+            task.assignment = replace(task.assignment, lease_expires_at=lease.expires_at)
+            self._changed(task)
         self._flush()
         return copy.copy(task)
 
@@ -1672,8 +1730,12 @@ class Scheduler:
         )
 
     # ---- summaries -----------------------------------------------------------------------------
-    def queue_summary(self) -> QueueSummary:
-        """Depth and oldest wait per class, the head in dispatch order, counters."""
+    def queue_summary(self, tenant: str | None = None) -> QueueSummary:
+        """Depth and oldest wait per class, the head in dispatch order, counters.
+
+        ``tenant``: the head holds only that tenant's tasks (the first
+        ``queue_head_limit`` of them in dispatch order); the depths, waits
+        and counters stay those of every tenant."""
         now = self._clock()
         for task in self._queue.promote_due(now):
             self._changed(task)
@@ -1684,6 +1746,8 @@ class Scheduler:
         for task in self._queue.ordered():
             if len(head) >= self.config.queue_head_limit:
                 break
+            if tenant is not None and task.spec.tenant != tenant:
+                continue
             head.append(copy.copy(task))
         return QueueSummary(
             classes=tuple(

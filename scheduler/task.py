@@ -7,6 +7,7 @@ the coordinator converts them to Unix nanoseconds for the wire.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
@@ -55,6 +56,12 @@ MAX_GPU_SPEC_LEN = 256
 # gigabytes (QA pass 23). 8,192 is a few dozen labels of ordinary length.
 MAX_LABEL_TEXT = 8192
 MAX_GPUS = 64
+
+# Task.seq: every record made in this process gets the next number, so a
+# scheduler, which adds each record to its table as it makes it (a restore
+# adds the stored ones in their submission order before any new one), holds
+# its tasks in increasing ``seq`` order: ListTasks pages by it.
+_next_seq = itertools.count(1).__next__
 
 
 class Priority(IntEnum):
@@ -253,6 +260,9 @@ class Task:
     # is removed: that run was lost, but the task is QUEUED again at once (the
     # retry rule), so it has not ended, as after PREEMPTED
     requeued: bool = False
+    # the record's place in submission order (``_next_seq``): later records
+    # have larger numbers; a copy keeps it; numbers start over in a new process
+    seq: int = field(default_factory=_next_seq, repr=False)
 
     @property
     def task_id(self) -> str:

@@ -384,7 +384,7 @@ def test_a_migrated_task_is_expected_to_end_when_its_run_would_have_not_a_whole_
     assert sched.dispatch(snapshot) == []
     assert sched._held_nodes["big"] == "n0"
     # moved again, within the node: refused while the head keeps it
-    with pytest.raises(Unplaceable, match="node n0 is kept for the blocked task 'big'"):
+    with pytest.raises(Unplaceable, match="node n0 is kept for a blocked multi-GPU task while"):
         sched.migrate("s0", moved.lease_id, ["GPU-n0-0"])
 
 

@@ -293,7 +293,9 @@ def test_leases_expire_on_the_clock_and_renewal_keeps_them() -> None:
     clock.now = 1050.0
     renewed = sched.renew("keep", keep.assignment.lease_id, 100.0)
     assert renewed.assignment.lease_expires_at == 1150.0
-    assert sched.renew("keep", keep.assignment.lease_id).assignment.lease_expires_at == 1110.0
+    # now + the configured 60 s would be 1110: a renewal never shortens a lease (QA pass 24)
+    assert sched.renew("keep", keep.assignment.lease_id).assignment.lease_expires_at == 1150.0
+    assert sched.renew("keep", keep.assignment.lease_id, 0.0001).assignment.lease_expires_at == 1150.0
     with pytest.raises(InvalidArgument) as info:
         sched.renew("keep", keep.assignment.lease_id, -1.0)
     assert info.value.field == "extend_s"
@@ -621,7 +623,7 @@ def test_a_migration_never_lands_on_a_node_kept_for_a_blocked_multi_gpu_task() -
     mover = placed[f"small-{'b' if kept == 'a' else 'a'}"]
     free_gpu = next(u for u in (f"GPU-{kept}-0", f"GPU-{kept}-1") if u != placed[f"small-{kept}"].assignment.gpu_uuids[0])
     # (its label would keep it off that node too; the hold is checked first, and named)
-    with pytest.raises(Unplaceable, match=f"node {kept} is kept for the blocked task 'pair'"):
+    with pytest.raises(Unplaceable, match=f"node {kept} is kept for a blocked multi-GPU task while"):
         sched.migrate(mover.task_id, mover.assignment.lease_id, [free_gpu])
 
 

@@ -231,7 +231,7 @@ def test_restart_keeps_order_class_age_and_lease_expiry(tmp_path: Path) -> None:
     store.commit()
     a.dispatch(snap)  # the freed GPU goes to the head of the queue
     store.commit()
-    a.renew("run-0", a.get("run-0").assignment.lease_id, 120.0)
+    a.renew("run-0", a.get("run-0").assignment.lease_id, 400.0)  # past its 300 s lease: a renewal never shortens one
     store.commit()
 
     before_fifo = queue_fifo(a)
@@ -288,9 +288,9 @@ def test_restart_keeps_order_class_age_and_lease_expiry(tmp_path: Path) -> None:
     deadline = b.get("p3").submitted_at + 500.0
     assert b.expire_deadlines(deadline - 0.01) == []
     assert [t.task_id for t in b.expire_deadlines(deadline)] == ["p3"]
-    # and the leases run out when they always would have (run-0 was renewed for 120 s)
+    # and the leases run out when they always would have (run-0 was renewed for 400 s)
     run0 = b.get("run-0")
-    assert run0.assignment.lease_expires_at == pytest.approx(1106.0 + 120.0 + shift)
+    assert run0.assignment.lease_expires_at == pytest.approx(1106.0 + 400.0 + shift)
     assert "run-0" not in [t.task_id for t in b.expire_leases(run0.assignment.lease_expires_at - 0.01)]
     assert "run-0" in [t.task_id for t in b.expire_leases(run0.assignment.lease_expires_at)]
     assert b.get("run-0").state == TaskState.EXPIRED
