@@ -355,9 +355,10 @@ class AdvisorRuntime:
         return grown
 
     # ---- learning from completions ------------------------------------------------------------
-    def task_started(self, task_id: str) -> None:
-        """The agent reported the task running: its run time counts from now."""
-        self._started[task_id] = self.clock()
+    def task_started(self, task_id: str, at: float | None = None) -> None:
+        """The agent reported the task running: its run time counts from
+        ``at`` (clock s, when the agent says it started; default now)."""
+        self._started[task_id] = self.clock() if at is None else float(at)
 
     def task_migrated(self, task_id: str) -> None:
         """The task's lease moved to other GPUs: its completion is not a speed sample."""
@@ -581,12 +582,13 @@ class _AdvisorCollector:
                 overrun.add_metric([f.model, f.kind], f.overrun)
         yield slowdown
         yield overrun
-        # a summary over the learner's window (its quantiles, _count and _sum):
-        # a gauge may not carry a quantile label (promtool check metrics refuses it)
+        # a summary: the quantiles over the learner's window, _count and _sum
+        # (counters) over every ratio since the first; a gauge may not carry a
+        # quantile label (promtool check metrics refuses it)
         growth = Metric(
             "gpulb_memory_growth_ratio",
-            "Peak over asked GPU memory of recently ended tasks (the last window of them), per task kind "
-            "(empty = every kind)",
+            "Peak over asked GPU memory of ended tasks, per task kind (empty = every kind): the quantiles over "
+            "the last window of them, _count and _sum over every one since the first",
             "summary",
         )
         held = GaugeMetricFamily(
@@ -598,7 +600,9 @@ class _AdvisorCollector:
             held.add_metric([g.kind], g.samples)
             for quantile, value in (("0.5", g.p50), ("0.95", g.p95), ("0.99", g.p99), ("1", g.max)):
                 growth.add_sample("gpulb_memory_growth_ratio", {"kind": g.kind, "quantile": quantile}, value)
-            growth.add_sample("gpulb_memory_growth_ratio_count", {"kind": g.kind}, g.samples)
+            # counters: every ratio learned, not the window's (which forgets:
+            # its _sum fell and its _count froze once full, QA pass 24)
+            growth.add_sample("gpulb_memory_growth_ratio_count", {"kind": g.kind}, g.count)
             growth.add_sample("gpulb_memory_growth_ratio_sum", {"kind": g.kind}, g.total)
         yield growth
         yield held

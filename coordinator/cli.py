@@ -19,7 +19,7 @@ from google.protobuf.json_format import MessageToDict
 
 from coordinator.convert import UnknownMetric, resolve_metrics
 from coordinator.executor import PlanExecutor, move_gpus
-from coordinator.tables import fmt, render_table, safe_text
+from coordinator.tables import fmt, render_table, safe_text, terminal_width, wrap
 from coordinator.taskconvert import MAX_VRAM_MIB
 from protos import advisor_pb2 as apb
 from protos import advisor_pb2_grpc as apb_grpc
@@ -229,8 +229,37 @@ def _health_name(health: int) -> str:
     return pb.GpuHealth.Name(health).removeprefix("GPU_HEALTH_").lower() if health else "-"
 
 
+def _to_dict(message) -> dict:
+    """``message`` for --json: every field, zero, false and empty ones too (a
+    GPU's index 0, a node's 0 active tasks), so that a script reads the same
+    keys from every object; fields with presence (a reading a GPU does not
+    report) stay absent when unset."""
+    try:
+        return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    except TypeError:  # protobuf < 5.26 names it otherwise
+        return MessageToDict(message, preserving_proto_field_name=True, including_default_value_fields=True)
+
+
 def _print_json(messages) -> None:
-    print(json.dumps([MessageToDict(m, preserving_proto_field_name=True) for m in messages], indent=2))
+    print(json.dumps([_to_dict(m) for m in messages], indent=2))
+
+
+def _table(args: argparse.Namespace, headers, rows, give_way=(), *, width: int | None = -1, note: bool = True) -> str:
+    """``render_table`` fitted to the terminal: unless ``--wide``, the columns
+    in ``give_way`` are cut or left out, in that order, while the table is
+    wider than the terminal (``width``: that width, by default the
+    terminal's; a pipe or a file gets the whole table). ``note``: say on
+    stderr which columns gave way."""
+    if width == -1:
+        width = terminal_width()
+    if getattr(args, "wide", False):
+        width = None
+    left_out: list[str] = []
+    text = render_table(headers, rows, width=width, give_way=give_way, left_out=left_out)
+    if left_out and note:
+        print(f"gpulb: {args.command}: {', '.join(left_out)} cut or left out to fit {width} columns "
+              "(--wide shows everything)", file=sys.stderr)
+    return text
 
 
 def _opt(msg, name: str):
@@ -268,6 +297,10 @@ def _gpu_rows(gpus, smoothed_pairs: dict | None = None) -> list[list]:
 
 
 _GPU_HEADERS = ["NODE", "GPU", "MODEL", "STATE", "HEALTH", "UTIL", "MEM GiB", "TEMP C", "POWER W", "TASKS", "AGE s", "FLAGS"]
+#: how the GPU tables (gpus, top) give way on a narrow terminal, least needed
+#: first: a bad HEALTH is also a flag (frozen, read_failed, lost)
+_GPU_GIVE_WAY = (("FLAGS", "cut"), ("AGE s", "drop"), ("TREND %/min", "drop"), ("HEALTH", "drop"), ("MODEL", "drop"),
+                 ("TASKS", "drop"), ("POWER W", "drop"), ("STATE", "drop"), ("FLAGS", "cut", 5))
 
 
 def _check_node(stub, node_id: str | None, gpus, timeout: float) -> None:
@@ -293,7 +326,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(gpus)
         return 0
-    print(render_table(_GPU_HEADERS, _gpu_rows(gpus)))
+    print(_table(args, _GPU_HEADERS, _gpu_rows(gpus), _GPU_GIVE_WAY))
     return 0
 
 
@@ -352,12 +385,22 @@ def cmd_top(args: argparse.Namespace) -> int:
                 ).gpus
                 pairs = {(g.node_id, g.index): g for g in smooth}
                 headers = _GPU_HEADERS[:6] + ["SMOOTHED", "TREND %/min"] + _GPU_HEADERS[6:]
-                table = render_table(headers, _gpu_rows(raw, pairs))
+                # a live redraw must never wrap: fitted to the terminal as it is
+                # now (resized meanwhile?), less one column (a line that fills
+                # the last one wraps early on some terminals)
+                width = terminal_width()
+                width = None if width is None or args.wide else max(20, width - 1)
+                left_out: list[str] = []
+                table = render_table(headers, _gpu_rows(raw, pairs), width=width, give_way=_GPU_GIVE_WAY,
+                                     left_out=left_out)
                 utils = [g.util_gpu_pct for g in raw if g.HasField("util_gpu_pct")]
                 spread = f"util mean {sum(utils) / len(utils):.1f}%  max-min {max(utils) - min(utils):.0f}%" if utils else "no readings yet"
+                title = f"gpulb top - {args.coordinator} - {len(raw)} GPUs - {spread}"
+                if left_out and width is not None and len(title) + 25 <= width:
+                    title += " - --wide: every column"
                 if live:
                     sys.stdout.write("\x1b[H\x1b[2J")
-                print(f"gpulb top - {args.coordinator} - {len(raw)} GPUs - {spread}")
+                print(title if width is None or len(title) <= width else title[: width - 1] + "…")
                 print(table)
                 sys.stdout.flush()
                 shown += 1
@@ -383,31 +426,57 @@ for _name, _rpc in (("cordon", "CordonNode"), ("drain", "DrainNode"), ("uncordon
     COMMANDS[_name] = (lambda rpc: lambda args: _node_action(args, rpc))(_rpc)
 
 
+#: how the nodes table gives way on a narrow terminal, least needed first
+_NODE_GIVE_WAY = (("LABELS", "cut"), ("ENVELOPES", "drop"), ("RESYNCS", "drop"), ("PERIOD s", "drop"),
+                  ("DRIVER", "drop"), ("BACKEND", "drop"), ("LABELS", "drop"), ("MODEL", "cut"))
+_NODE_HEADERS = ["NODE", "STATE", "GPUS", "MODEL", "BACKEND", "DRIVER", "AGE s", "PERIOD s", "STALE", "ENVELOPES",
+                 "RESYNCS", "LABELS"]
+
+
+def _node_row(n, now_ns: int) -> list:
+    if n.state == cpb.NODE_STATE_REMOVED:
+        # out of the view: only the id and when it was last heard of are known
+        heard = fmt((now_ns - n.last_heartbeat_ns) / 1e9, 1) if n.last_heartbeat_ns else "-"
+        return [n.node_id, "removed", "-", "-", "-", "-", heard, "-", "-", "-", "-", ""]
+    return [
+        n.node_id,
+        _state_name(n.state),
+        n.gpu_count,
+        n.model.removeprefix("NVIDIA ").removeprefix("GeForce "),
+        n.backend,
+        n.driver_version.split(",")[0] or "-",  # the driver; its CUDA version is in --json
+        fmt(n.reading_age_s, 1) if n.reading_age_s >= 0 else "-",
+        fmt(n.sample_interval_ms / 1000, 1) if n.sample_interval_ms else "-",
+        "yes" if n.stale else "no",
+        n.envelopes,
+        n.resyncs,
+        ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
+    ]
+
+
 @command("nodes")
 def cmd_nodes(args: argparse.Namespace) -> int:
+    """The nodes in the view, then the REMOVED ones (they missed heartbeats
+    and left the pool; ``gpulb_nodes{state="removed"}`` counts them until
+    they register again or ``gpulb uncordon NODE`` forgets them)."""
+    import time
+
     with _channel(args) as ch:
-        nodes = cpb_grpc.ClusterOperatorStub(ch).ListNodes(cpb.ListNodesRequest(), timeout=args.timeout).nodes
+        stub = cpb_grpc.ClusterOperatorStub(ch)
+        nodes = [] if args.removed else list(stub.ListNodes(cpb.ListNodesRequest(), timeout=args.timeout).nodes)
+        listed = {n.node_id for n in nodes}
+        removed = [n for n in stub.ListNodes(cpb.ListNodesRequest(state=cpb.NODE_STATE_REMOVED), timeout=args.timeout).nodes
+                   if n.node_id not in listed]
+    nodes += removed
     if args.json:
         _print_json(nodes)
         return 0
-    rows = [
-        [
-            n.node_id,
-            _state_name(n.state),
-            n.gpu_count,
-            n.model.removeprefix("NVIDIA ").removeprefix("GeForce "),
-            n.backend,
-            n.driver_version.split(",")[0] or "-",  # the driver; its CUDA version is in --json
-            fmt(n.reading_age_s, 1) if n.reading_age_s >= 0 else "-",
-            fmt(n.sample_interval_ms / 1000, 1) if n.sample_interval_ms else "-",
-            "yes" if n.stale else "no",
-            n.envelopes,
-            n.resyncs,
-            ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
-        ]
-        for n in nodes
-    ]
-    print(render_table(["NODE", "STATE", "GPUS", "MODEL", "BACKEND", "DRIVER", "AGE s", "PERIOD s", "STALE", "ENVELOPES", "RESYNCS", "LABELS"], rows))
+    now_ns = time.time_ns()
+    print(_table(args, _NODE_HEADERS, [_node_row(n, now_ns) for n in nodes], _NODE_GIVE_WAY))
+    if removed:
+        # AGE s of a removed node: since its last message
+        print(f"gpulb: nodes: {len(removed)} removed (missed heartbeats; counted in gpulb_nodes{{state=\"removed\"}} "
+              "until the node registers again): `gpulb uncordon NODE` forgets a decommissioned one", file=sys.stderr)
     return 0
 
 
@@ -457,6 +526,9 @@ def _task_rows(tasks, wide: bool = True) -> list[list]:
 
 
 _TASK_HEADERS = ["TASK", "TENANT", "PRIO", "EFF", "KIND", "STATE", "GPUS", "GiB/GPU", "PLACED ON", "WAIT s", "REASON"]
+#: how the task tables give way on a narrow terminal, least needed first
+_TASK_GIVE_WAY = (("REASON", "cut", 30), ("EFF", "drop"), ("TENANT", "drop"), ("GiB/GPU", "drop"), ("KIND", "drop"),
+                  ("REASON", "cut"), ("WAIT s", "drop"), ("PLACED ON", "cut", 12), ("TASK", "cut", 12))
 
 
 def _labels(pairs: list[tuple[str, str]] | None) -> dict[str, str]:
@@ -546,7 +618,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             tasks = tpb_grpc.SchedulerStub(ch).ScheduleTasks(
                 tpb.ScheduleTasksRequest(specs=specs, wait=not args.no_wait), timeout=args.timeout
             ).tasks
-        _print_tasks(tasks, args.json)
+        _print_tasks(tasks, args.json, args=args)
         return 0 if args.no_wait else _not_placed(tasks, args, time.monotonic() - started)
     started = time.monotonic()
     with _channel(args) as ch:
@@ -556,7 +628,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.json:
         _print_json([task])
     else:
-        print(render_table(_TASK_HEADERS, _task_rows([task])))
+        print(_table(args, _TASK_HEADERS, _task_rows([task]), _TASK_GIVE_WAY))
         a = task.assignment
         if a.node_id:
             print(_lease_line(task, time.time_ns()))
@@ -583,17 +655,19 @@ def cmd_tasks(args: argparse.Namespace) -> int:
             token = reply.next_page_token
             if not token or len(tasks) >= limit or not reply.tasks:
                 break
-    _print_tasks(tasks, args.json, wide=args.wide)
+    _print_tasks(tasks, args.json, wide=args.wide, args=args)
     if token and len(tasks) >= limit and not args.json:
         print(f"gpulb: tasks: the first {limit}; there are more (--limit N, --state, --tenant)", file=sys.stderr)
     return 0
 
 
-def _print_tasks(tasks, as_json: bool, wide: bool = False) -> None:
+def _print_tasks(tasks, as_json: bool, wide: bool = False, args: argparse.Namespace | None = None) -> None:
     if as_json:
         _print_json(tasks)
-    else:
+    elif args is None:
         print(render_table(_TASK_HEADERS, _task_rows(tasks, wide)))
+    else:
+        print(_table(args, _TASK_HEADERS, _task_rows(tasks, wide), _TASK_GIVE_WAY))
 
 
 @command("queue")
@@ -601,13 +675,13 @@ def cmd_queue(args: argparse.Namespace) -> int:
     with _channel(args) as ch:
         queue = tpb_grpc.SchedulerStub(ch).GetQueue(tpb.GetQueueRequest(), timeout=args.timeout)
     if args.json:
-        print(json.dumps(MessageToDict(queue, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(_to_dict(queue), indent=2))
         return 0
     print(render_table(["CLASS", "DEPTH", "OLDEST WAIT s"], [[_priority(c.priority), c.depth, fmt(c.oldest_wait_s, 1)] for c in queue.classes]))
     print(f"placed since start: {queue.placed}; P0 SLA misses: {queue.sla_misses}")
     if queue.head:
         print("\nnext in dispatch order:")
-        print(render_table(_TASK_HEADERS, _task_rows(queue.head)))
+        print(_table(args, _TASK_HEADERS, _task_rows(queue.head), _TASK_GIVE_WAY))
     return 0
 
 
@@ -623,7 +697,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
         else:
             policy = stub.GetPolicy(tpb.GetPolicyRequest(), timeout=args.timeout)
     if args.json:
-        print(json.dumps(MessageToDict(policy, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(_to_dict(policy), indent=2))
         return 0
     print(f"policy: {policy.name}   (available: {', '.join(policy.available)})")
     if policy.weights:
@@ -697,7 +771,11 @@ def _ratio_pct(value: float) -> str:
     return "-" if value != value else f"{value * 100:.1f}%"  # NaN: nothing predicted yet
 
 
-def _plan_lines(plan) -> list[str]:
+#: how a plan's moves give way on a narrow terminal, least needed first
+_MOVE_GIVE_WAY = (("VARIANCE AFTER", "drop"), ("KIND", "drop"), ("LOAD", "drop"), ("TASK", "cut", 12))
+
+
+def _plan_lines(plan, args: argparse.Namespace | None = None) -> list[str]:
     moves = [
         [m.task_id, m.kind, f"{m.from_node_id}:{','.join(map(str, move_gpus(m, 'from')[0]))}",
          f"{m.to_node_id}:{','.join(map(str, move_gpus(m, 'to')[0]))}",
@@ -705,10 +783,12 @@ def _plan_lines(plan) -> list[str]:
         for m in plan.moves
     ]
     title = "dry run" if plan.dry_run else f"plan {plan.plan_id}"
+    headers = ["TASK", "KIND", "FROM", "TO", "LOAD", "FROM UTIL", "TO UTIL", "VARIANCE AFTER"]
+    width = None if args is None or args.wide else terminal_width()
     return [
-        f"{title} ({plan.trigger}): variance {plan.variance_before:.0f} -> {plan.variance_after:.0f} %², "
-        f"spread {plan.spread_before:.1f} -> {plan.spread_after:.1f} pp",
-        render_table(["TASK", "KIND", "FROM", "TO", "LOAD", "FROM UTIL", "TO UTIL", "VARIANCE AFTER"], moves),
+        wrap(f"{title} ({plan.trigger}): variance {plan.variance_before:.0f} -> {plan.variance_after:.0f} %², "
+             f"spread {plan.spread_before:.1f} -> {plan.spread_after:.1f} pp", width, indent="  "),
+        render_table(headers, moves) if args is None else _table(args, headers, moves, _MOVE_GIVE_WAY, width=width, note=False),
     ]
 
 
@@ -721,7 +801,7 @@ def cmd_advisor(args: argparse.Namespace) -> int:
             got = stub.GetPredictions(apb.GetPredictionsRequest(model=args.model or "", kind=args.kind or "", node_id=args.node or ""),
                                       timeout=args.timeout)
             if args.json:
-                print(json.dumps(MessageToDict(got, preserving_proto_field_name=True), indent=2))
+                print(json.dumps(_to_dict(got), indent=2))
                 return 0
             print(f"learned from {got.samples} completions; MAPE {_ratio_pct(got.mape_ratio)} over the last {got.error_window}")
             # OVERRUN P90: how many times its prediction a run of the kind may take,
@@ -744,24 +824,25 @@ def cmd_advisor(args: argparse.Namespace) -> int:
         if args.action == "watch":
             for plan in stub.WatchPlans(apb.WatchPlansRequest(include_latest=True)):
                 if args.json:
-                    print(json.dumps(MessageToDict(plan, preserving_proto_field_name=True)), flush=True)
+                    print(json.dumps(_to_dict(plan)), flush=True)
                 else:
-                    print("\n".join(_plan_lines(plan)), flush=True)
+                    print("\n".join(_plan_lines(plan, args)), flush=True)
             return 0
         got = stub.GetPlan(apb.GetPlanRequest(evaluate_now=args.now), timeout=args.timeout)
     if args.json:
-        print(json.dumps(MessageToDict(got, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(_to_dict(got), indent=2))
         return 0
     t = got.trigger
     state = "FIRED (" + t.reason + (", held" if t.held else "") + ")" if t.fired else "quiet"
-    print(f"trigger {state} over {t.gpus} GPUs: variance {t.variance:.0f} %² (fires above {t.variance_threshold:g}, "
-          f"then holds down to {t.release_variance:g}); "
-          f"hottest {t.hottest_pct:.1f} % (hot above {t.hot_pct:g}) with {t.rising} rising "
-          f"(> {t.rising_pct_per_min:g} %/min; {t.rising_gpus} needed)")
+    width = None if args.wide else terminal_width()
+    print(wrap(f"trigger {state} over {t.gpus} GPUs: variance {t.variance:.0f} %² (fires above {t.variance_threshold:g}, "
+               f"then holds down to {t.release_variance:g}); "
+               f"hottest {t.hottest_pct:.1f} % (hot above {t.hot_pct:g}) with {t.rising} rising "
+               f"(> {t.rising_pct_per_min:g} %/min; {t.rising_gpus} needed)", width, indent="  "))
     if got.HasField("plan"):
-        print("\n".join(_plan_lines(got.plan)))
+        print("\n".join(_plan_lines(got.plan, args)))
     else:
-        print("no plan" + (" would be made now" if args.now else " yet") + _why_no_move(got.no_move))
+        print(wrap("no plan" + (" would be made now" if args.now else " yet") + _why_no_move(got.no_move), width, indent="  "))
     return 0
 
 
@@ -900,6 +981,8 @@ class _ShowDefaults(argparse.HelpFormatter):
 
 #: --json of the listings
 JSON_HELP = "print JSON instead of a table"
+#: --wide of the tables
+WIDE_HELP = "every column whole, however wide the terminal (by default a table fits it: some columns are cut or left out)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -927,13 +1010,18 @@ def build_parser() -> argparse.ArgumentParser:
     gpus.add_argument("--metrics", type=_metric_names,
                       help="comma-separated metrics (util,memory,temp,power,clock,pcie,ecc or field names; default all)")
     gpus.add_argument("--smoothed", action="store_true", help="anomaly-filtered EWMA values instead of raw")
+    gpus.add_argument("--wide", action="store_true", help=WIDE_HELP)
     gpus.add_argument("--json", action="store_true", help=JSON_HELP)
 
     procs = sub.add_parser("processes", help="compute processes per GPU, as the agents list them")
     procs.add_argument("--node", help="only this node")
     procs.add_argument("--json", action="store_true", help=JSON_HELP)
 
-    nodes = sub.add_parser("nodes", help="list nodes")
+    nodes = sub.add_parser("nodes", help="list nodes (those removed for missed heartbeats last)")
+    nodes.add_argument("--removed", action="store_true",
+                       help="only the removed nodes: they missed heartbeats and left the pool, and count in "
+                       "gpulb_nodes{state=\"removed\"} until they register again or `gpulb uncordon NODE` forgets them")
+    nodes.add_argument("--wide", action="store_true", help=WIDE_HELP)
     nodes.add_argument("--json", action="store_true", help=JSON_HELP)
 
     top = sub.add_parser("top", help="a live, refreshing table of every GPU",
@@ -942,6 +1030,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=_number(float, 0, 86400, above=True), default=1.0, help="s between refreshes")
     top.add_argument("--iterations", type=_number(int, 0), default=0, help="stop after N refreshes (0 = until Ctrl-C)")
     top.add_argument("--no-clear", action="store_true", help="append tables instead of redrawing the screen")
+    top.add_argument("--wide", action="store_true", help="every column, however wide the terminal (lines may wrap)")
 
     for name, text in (("cordon", "no new tasks on NODE"), ("drain", "no new tasks on NODE; running ones finish"), ("uncordon", "NODE takes tasks again (a removed node is forgotten: its stored cordon and its count as removed)")):
         action = sub.add_parser(name, help=text)
@@ -990,10 +1079,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only tasks in this state (default: every state)")
     tasks.add_argument("--tenant", help="only this tenant's tasks (a tenant token sees its own only)")
     tasks.add_argument("--limit", type=_number(int, 0, 2**32 - 1), default=1000, help="at most this many, oldest submission first, read page by page (0: 1000)")
-    tasks.add_argument("--wide", action="store_true", help=f"whole reasons (the table cuts them at {REASON_COLUMN} characters; --json has them whole)")
+    tasks.add_argument("--wide", action="store_true",
+                       help=f"every column and whole reasons, however wide the terminal (the table cuts reasons at "
+                       f"{REASON_COLUMN} characters and fits the terminal; --json has everything)")
     tasks.add_argument("--json", action="store_true", help=JSON_HELP)
 
     queue = sub.add_parser("queue", help="queue depth per class and the next tasks in dispatch order")
+    queue.add_argument("--wide", action="store_true", help=WIDE_HELP)
     queue.add_argument("--json", action="store_true", help=JSON_HELP)
 
     policy = sub.add_parser("policy", help="show or switch the placement policy (no restart)")
@@ -1045,6 +1137,8 @@ def build_parser() -> argparse.ArgumentParser:
     advisor.add_argument("--model", help="predictions: only this GPU model")
     advisor.add_argument("--kind", help="predictions: only this task kind")
     advisor.add_argument("--node", help="predictions: only this node's residual")
+    advisor.add_argument("--wide", action="store_true",
+                         help="plan, watch, predictions: tables and sentences as wide as they are (by default they fit the terminal)")
     advisor.add_argument("--json", action="store_true",
                          help="print JSON instead of tables (watch and execute: one object per line)")
 

@@ -52,7 +52,30 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
         ]
         if request.state:
             nodes = [n for n in nodes if n.state == request.state]
+        if request.state == cpb.NODE_STATE_REMOVED:
+            # they left the view, not the liveness records: what
+            # gpulb_nodes{state="removed"} counts (and GpulbNodeUnreachable
+            # fires on) until they register again or UncordonNode forgets them
+            nodes.extend(self._removed_nodes())
+            nodes.sort(key=lambda n: n.node_id)
         return cpb.ListNodesResponse(nodes=nodes)
+
+    def _removed_nodes(self) -> list[cpb.Node]:
+        """The REMOVED nodes not in the view, as much as is known of them: the
+        id, the state and, for one removed for silence in this run, when its
+        last message came (0 for one recorded as REMOVED from a stored cordon
+        at start: never heard from since)."""
+        liveness, view, wall = self.c.liveness, self.c.view, self.c.dispatcher.wall
+        out = []
+        for node_id in sorted(n for n in liveness.removed() if n not in view.nodes):
+            try:
+                state = liveness.state(node_id)
+            except UnknownNode:
+                continue
+            heard = state.since_s > state.last_seen_s  # removed after a silence, not restored so
+            out.append(cpb.Node(node_id=node_id, state=cpb.NODE_STATE_REMOVED, reading_age_s=-1.0, stale=True,
+                                last_heartbeat_ns=wall.ns(state.last_seen_s) if heard else 0))
+        return out
 
     async def GetNode(self, request: cpb.GetNodeRequest, context) -> cpb.Node:
         self.c.authorize(context, admin=False)

@@ -242,7 +242,8 @@ class Dispatcher:
             metrics.tasks_placed.labels(a.score.policy, task.spec.priority.name).inc()
             metrics.queue_wait.labels(task.spec.priority.name).observe(max(0.0, a.placed_at - task.queued_at))
             self._send_placement(task)
-            log.info("task_placed", task_id=task.task_id, node_id=a.node_id, gpus=list(a.gpu_indices),
+            log.info("task_placed", task_id=task.task_id, lease_id=a.lease_id, node_id=a.node_id,
+                     gpus=list(a.gpu_indices), priority=task.spec.priority.name, tenant=task.spec.tenant,
                      policy=a.score.policy, score=round(a.score.total, 4))
         if task.terminal:
             metrics.tasks_finished.labels(task.state.name.lower()).inc()
@@ -262,8 +263,10 @@ class Dispatcher:
                 # the task's reason does not name the P0 task (its owner may be
                 # another tenant); the operator's log does
                 for_task = next((p0 for p0, kept in self.engine.nominations().items() if task.task_id in kept.victims), "")
-                log.warning("task_preempted", task_id=task.task_id, node_id=a.node_id, gpus=list(a.gpu_indices),
-                            priority=task.spec.priority.name, reason=task.reason, for_task_id=for_task)
+                # info: evicting for a P0 task is the designed-for behaviour
+                log.info("task_preempted", task_id=task.task_id, lease_id=a.lease_id, node_id=a.node_id,
+                         gpus=list(a.gpu_indices), priority=task.spec.priority.name, reason=task.reason,
+                         for_task_id=for_task)
             self.request()  # room was freed
 
     def reconcile_node(self, node_id: str, running: set[str], *, runs_tasks: bool) -> tuple[int, int]:
@@ -342,9 +345,12 @@ class Dispatcher:
         a = task.assignment
         if a is None or a.node_id != node_id or task.state != TaskState.LEASED:
             return  # a late event for a task that moved on, or from the wrong node
+        # when the agent says it happened, not when it arrived: an event held
+        # across a stream outage or a coordinator restart arrives late (QA pass 24)
+        at = self.event_time(node_id, event, since=a.placed_at)
         if event.kind == pb.TASK_EVENT_KIND_STARTED:
-            self.c.advisor.task_started(task.task_id)
-            observed = max(0.0, self.clock() - a.placed_at)
+            self.c.advisor.task_started(task.task_id, at)
+            observed = at - a.placed_at
             old = self.snapshots.response_time_s.get(node_id)
             self.snapshots.response_time_s[node_id] = observed if old is None else 0.8 * old + 0.2 * observed
             self.snapshots.facts_changed()
@@ -354,17 +360,52 @@ class Dispatcher:
                 self.c.advisor.note_peak_memory(
                     task.task_id, event.peak_vram_mib, oom_killed=event.kind == pb.TASK_EVENT_KIND_OOM_KILLED
                 )
-            self.engine.complete(task.task_id, a.lease_id, failed=failed)
-            if event.kind == pb.TASK_EVENT_KIND_OOM_KILLED:
+            try:
+                self.engine.complete(task.task_id, a.lease_id, failed=failed, at=at)
+            except SchedulerError as exc:  # its lease ran out just now (judged as of now)
+                self.c.advisor.forget_reports(task.task_id)
+                log.info("task_event_not_applied", task_id=task.task_id, node_id=node_id, lease_id=a.lease_id,
+                         kind=pb.TaskEventKind.Name(event.kind), reason=str(exc))
+                return
+            oom = event.kind == pb.TASK_EVENT_KIND_OOM_KILLED
+            if oom:
                 self.oom_kills += 1
-            log.info("task_ended_on_node", task_id=task.task_id, node_id=node_id, kind=pb.TaskEventKind.Name(event.kind), detail=event.detail)
+            late_s = self.clock() - at
+            (log.warning if oom else log.info)(
+                "task_ended_on_node", task_id=task.task_id, node_id=node_id, lease_id=a.lease_id,
+                kind=pb.TaskEventKind.Name(event.kind), detail=event.detail,
+                **({"reported_late_s": round(late_s, 3)} if late_s >= 1.0 else {}))
 
     oom_kills = 0
 
+    def event_time(self, node_id: str, event: pb.TaskEvent, *, since: float) -> float:
+        """When ``event`` happened on this coordinator's (monotonic) clock,
+        clamped to [``since``, now]. ``at_ns`` is the agent's wall clock: it
+        is mapped through the offset its stream's first live batch measured
+        (``NodeRecord.clock_offset_s``: right whatever the agent's clock is
+        set to), else as if the agent's clock were this host's. An event
+        without a time (0), or one that says it is from the future or from
+        before ``since`` (a skewed clock), is timed by the bound."""
+        now = self.clock()
+        if event.at_ns <= 0:
+            return now
+        node = self.c.view.nodes.get(node_id)
+        offset_s = node.clock_offset_s if node is not None else None
+        if offset_s is not None:
+            at = event.at_ns * 1e-9 + offset_s
+        else:
+            at = (event.at_ns - self.wall.offset_ns) * 1e-9
+        if not math.isfinite(at):
+            return now
+        return min(max(at, since), now)
+
     def node_removed(self, node_id: str) -> None:
+        # the leases, before the engine drops them (a re-queued task has none after)
+        leases = {t.task_id: t.assignment.lease_id for t in self.engine.leased_on(node_id) if t.assignment is not None}
         lost = self.engine.node_removed(node_id)
         if lost:
-            log.warning("tasks_lost", node_id=node_id, tasks=[t.task_id for t in lost])
+            log.warning("tasks_lost", node_id=node_id, tasks=[t.task_id for t in lost],
+                        lease_ids=[leases.get(t.task_id, "") for t in lost])
         self.request()
 
     # ---- waiting and watching ------------------------------------------------

@@ -411,7 +411,7 @@ class Coordinator:
             if unreadable:
                 log.warning("node_admin_unreadable", nodes=unreadable, kept="ACTIVE")
         leased_nodes = sorted({t.assignment.node_id for t in restored.tasks if t.state.name == "LEASED" and t.assignment})
-        log.info("state_restored", report=str(report), leased_on=leased_nodes)
+        log.info("state_restored", **report.as_dict(), leased_on=leased_nodes)
         if leased_nodes:
             # Reservations wait for their nodes to reconnect for as long as a
             # silent node would stay in the pool; the rest are lost.
@@ -793,7 +793,11 @@ class Coordinator:
         return None
 
     def task_event(self, node_id: str, event: pb.TaskEvent) -> None:
-        log.info("task_event", node_id=node_id, task_id=event.task_id, kind=pb.TaskEventKind.Name(event.kind))
+        # an end is logged once, by the dispatcher (task_ended_on_node, with
+        # its lease): here at debug, where it would be a second line per task
+        started = event.kind == pb.TASK_EVENT_KIND_STARTED
+        (log.info if started else log.debug)("task_event", node_id=node_id, task_id=event.task_id,
+                                             kind=pb.TaskEventKind.Name(event.kind))
         self.dispatcher.task_event(node_id, event)
 
     def node_admin(self, node_id: str, action: str, reason: str = "") -> None:
@@ -845,7 +849,12 @@ class Coordinator:
         self.dispatcher.snapshots.liveness_changed()
         for event in events:
             self.metrics.node_transitions.labels(event.new.name.lower()).inc()
-            log.info("node_state", node_id=event.node_id, old=event.old.name if event.old else None, new=event.new.name)
+            # a node lost is on-call news; its coming back or joining is not
+            lost = event.new in (Liveness.UNREACHABLE, Liveness.REMOVED)
+            extra = {"hint": f"gpulb nodes --removed lists it; gpulb uncordon {event.node_id} forgets it"} \
+                if event.new is Liveness.REMOVED else {}
+            (log.warning if lost else log.info)("node_state", node_id=event.node_id,
+                                                old=event.old.name if event.old else None, new=event.new.name, **extra)
             if event.new is Liveness.REMOVED:
                 self.node_removed(event.node_id)
 

@@ -1431,8 +1431,15 @@ class Scheduler:
             raise NotLeaseHolder(task_id, lease_id, "not the task's current lease")
         return task
 
-    def complete(self, task_id: str, lease_id: str, failed: bool = False) -> Task:
+    def complete(self, task_id: str, lease_id: str, failed: bool = False, *, at: float | None = None) -> Task:
         """The lease holder reports the end: COMPLETED, or FAILED when ``failed``.
+
+        ``at``: when the task ended, on this scheduler's clock, for a report
+        that arrives after the fact (an agent's task event held across a
+        coordinator restart or a stream outage): it becomes ``finished_at``,
+        so the run time learned from the task is its own, not the outage's.
+        Clamped to [the lease's ``placed_at``, now] (an agent's clock may be
+        off); None or NaN: now. The lease is judged as of now.
 
         Repeating the call for an already completed/failed task with the same
         lease returns it unchanged (an RPC retry).
@@ -1450,10 +1457,13 @@ class Scheduler:
         finally:
             self._flush()
         self._release(task)
+        ended = now
+        if at is not None and math.isfinite(at) and task.assignment is not None:
+            ended = min(max(float(at), task.assignment.placed_at), now)
         if failed:
-            self._finish(task, TaskState.FAILED, "the lease holder reported failure", now)
+            self._finish(task, TaskState.FAILED, "the lease holder reported failure", ended)
         else:
-            self._finish(task, TaskState.COMPLETED, "", now)
+            self._finish(task, TaskState.COMPLETED, "", ended)
         self._flush()
         return copy.copy(task)
 

@@ -10,7 +10,8 @@ again elsewhere. The memory filter cannot know ``r``; this module learns its
 distribution from what happened.
 
 ``MemoryGrowth`` keeps, per task kind and over all kinds, the last
-``window`` peak ratios ``r = peak MiB / asked MiB``: one per task that ended,
+``window`` peak ratios ``r = peak MiB / asked MiB`` (and the count and sum
+of every ratio it ever learned, which only grow): one per task that ended,
 reported by whoever saw its peak (the agent that ran it, in its task event;
 the executor, in CompleteTask; the simulator, which knows the truth). A run
 killed for memory reports the use that killed it, a lower bound of its peak
@@ -182,7 +183,11 @@ class GrowthStats:
     p95: float
     p99: float
     max: float
-    total: float = 0.0  # sum of the ratios held (a summary's _sum)
+    # every ratio learned for the kind, the window's and the ones it let go
+    # (and those of earlier runs, where the state was saved): a summary's
+    # _count and _sum, which are counters and so never go down
+    count: int = 0
+    total: float = 0.0
 
 
 class MemoryGrowth:
@@ -192,6 +197,9 @@ class MemoryGrowth:
         self.config = (config or MemoryGrowthConfig()).validate()
         self._ratios: dict[str, deque[float]] = {}
         self._ooms: dict[str, deque[bool]] = {}
+        # kind -> (ratios learned, their sum) since the first: the window
+        # forgets, these only grow (a Prometheus summary's _count and _sum)
+        self._seen: dict[str, tuple[int, float]] = {}
         #: bumped on every ratio learned
         self.version = 0
         self._tables: tuple[int, dict[str, GrowthTable]] | None = None
@@ -213,6 +221,8 @@ class MemoryGrowth:
                 self._ooms[key] = deque(maxlen=self.config.window)
             ratios.append(ratio)
             self._ooms[key].append(bool(oom_killed))
+            count, total = self._seen.get(key, (0, 0.0))
+            self._seen[key] = (count + 1, total + ratio)
             self._changed.add(key)
         self.version += 1
         return ratio
@@ -246,6 +256,7 @@ class MemoryGrowth:
         for kind in sorted(self._ratios):
             ratios = np.fromiter(self._ratios[kind], dtype=np.float64)
             q = np.quantile(ratios, [0.5, 0.95, 0.99]) if ratios.size else [math.nan] * 3
+            count, total = self._seen.get(kind, (int(ratios.size), float(ratios.sum())))
             out.append(
                 GrowthStats(
                     kind=kind,
@@ -255,17 +266,20 @@ class MemoryGrowth:
                     p95=float(q[1]),
                     p99=float(q[2]),
                     max=float(ratios.max()) if ratios.size else math.nan,
-                    total=float(ratios.sum()),
+                    count=count,
+                    total=total,
                 )
             )
         return out
 
     # ---- persistence (the coordinator's state file) -------------------------------------------------
     def to_state(self) -> dict:
-        return {
-            kind: {"ratios": list(self._ratios[kind]), "oom_killed": list(self._ooms[kind])}
-            for kind in self._ratios
-        }
+        out = {}
+        for kind in self._ratios:
+            count, total = self._seen.get(kind, (len(self._ratios[kind]), float(sum(self._ratios[kind]))))
+            out[kind] = {"ratios": list(self._ratios[kind]), "oom_killed": list(self._ooms[kind]),
+                         "count": count, "sum": total}
+        return out
 
     def load_state(self, state: Mapping) -> None:
         """Restore what ``to_state`` saved (entries that do not parse are skipped)."""
@@ -280,8 +294,18 @@ class MemoryGrowth:
                 continue
             if len(ooms) != len(ratios) or any(not math.isfinite(r) for r in ratios):
                 continue
+            # the totals since the first ratio (a state from before they were
+            # kept has the window's): never fewer than the ratios held
+            count, total = len(ratios), float(sum(ratios))
+            try:
+                saved_count, saved_sum = int(entry.get("count", count)), float(entry.get("sum", total))
+            except (TypeError, ValueError, OverflowError):
+                saved_count, saved_sum = count, total
+            if saved_count >= count and math.isfinite(saved_sum) and saved_sum >= total:
+                count, total = saved_count, saved_sum
             self._ratios[str(kind)] = deque(ratios, maxlen=window)
             self._ooms[str(kind)] = deque(ooms, maxlen=window)
+            self._seen[str(kind)] = (count, total)
         self._tables = None  # every table is rebuilt
         self._changed = set(self._ratios)
         self.version += 1
