@@ -36,7 +36,7 @@ from protos import tasks_pb2 as tpb
 from protos import tasks_pb2_grpc as tpb_grpc
 from protos import telemetry_pb2 as pb
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Scheduler
+from scheduler.engine import GPU_GONE, Scheduler
 from scheduler.errors import (
     InvalidArgument,
     InvalidTask,
@@ -247,8 +247,8 @@ class Dispatcher:
                      policy=a.score.policy, score=round(a.score.total, 4))
         if task.terminal:
             metrics.tasks_finished.labels(task.state.name.lower()).inc()
-        elif task.state == TaskState.LOST:  # Task.requeued: its node was removed, it waits again
-            self.requeued["node_removed"] += 1
+        elif task.state == TaskState.LOST:  # Task.requeued: its node or GPU went, it waits again
+            self.requeued["gpu_gone" if task.reason.startswith(GPU_GONE) else "node_removed"] += 1
         elif task.state == TaskState.PREEMPTED:
             self.requeued["preempted"] += 1
         if previous == TaskState.LEASED and task.state != TaskState.LEASED and a is not None:
@@ -279,6 +279,18 @@ class Dispatcher:
         session = self.c.gateway.sessions.get(node_id)
         if session is None:
             return 0, 0
+        node = self.c.view.nodes.get(node_id)
+        if node is not None:
+            # leases on GPUs the host came back without are lost runs, not
+            # runs to place again on GPUs that are not there (QA pass 24)
+            before = {t.task_id: t.assignment.lease_id for t in self.engine.leased_on(node_id) if t.assignment}
+            gone = self.engine.gpus_gone(node_id, [g.uuid for g in node.gpus])
+            if gone:
+                log.warning("tasks_lost", node_id=node_id, tasks=[t.task_id for t in gone],
+                            lease_ids=[before.get(t.task_id, "") for t in gone],
+                            reason="their GPUs are not among those the node registered",
+                            requeued=[t.task_id for t in gone if t.state == TaskState.QUEUED])
+                self.request()
         leased = {t.task_id: t for t in self.engine.leased_on(node_id)}
         released = sorted(running - leased.keys())
         for task_id in released:
@@ -546,11 +558,11 @@ class Dispatcher:
         requeued = CounterMetricFamily(
             "gpulb_tasks_requeued",
             "Runs that ended with their task queued again at once, so not finished, by cause: its node was "
-            "removed (node_removed: the task's update says LOST, then QUEUED) or it was evicted for a P0 task "
-            "(preempted)",
+            "removed (node_removed: the task's update says LOST, then QUEUED), its GPU is gone from the node's "
+            "registration (gpu_gone) or it was evicted for a P0 task (preempted)",
             labels=["cause"],
         )
-        for cause in ("node_removed", "preempted"):
+        for cause in ("node_removed", "gpu_gone", "preempted"):
             requeued.add_metric([cause], self.requeued[cause])
         preempt = CounterMetricFamily(
             "gpulb_preemptions",

@@ -52,7 +52,7 @@ import logging
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -78,7 +78,10 @@ from scheduler.snapshot import ClusterSnapshot
 from scheduler.task import Assignment, Priority, ScoreBreakdown, Task, TaskSpec, TaskState
 from scheduler.view import PlacementView
 
-__all__ = ["Scheduler", "SchedulerConfig", "ClassSummary", "QueueSummary", "PolicyInfo"]
+__all__ = ["Scheduler", "SchedulerConfig", "ClassSummary", "QueueSummary", "PolicyInfo", "GPU_GONE"]
+
+#: how the reason of a run lost because its GPU left the node begins (``gpus_gone``)
+GPU_GONE = "GPU "
 
 log = logging.getLogger(__name__)
 
@@ -1672,29 +1675,61 @@ class Scheduler:
         affected: list[Task] = []
         for task_id in sorted(self._by_node.get(node_id, ())):
             task = self._tasks[task_id]
-            self._release(task)
-            spec = task.spec
-            retry = (spec.movable or spec.kind.lower() in self.config.retry_kinds) and (
-                task.attempts < self.config.max_attempts
-            )
-            if not retry:
-                self._finish(task, TaskState.LOST, f"node {node_id} was removed while the task ran", now)
-            else:
-                task.state = TaskState.LOST
-                task.reason = f"node {node_id} was removed while the task ran"
-                task.requeued = True  # the run ended, the task did not: listeners must not take it as final
-                self._changed(task)  # watchers see the loss before the re-queue
-                task.requeued = False
-                task.state = TaskState.QUEUED
-                task.assignment = None
-                task.reason = f"re-queued after node {node_id} was removed"
-                task.priority = Priority(spec.priority)
-                task.queued_at = now
-                self._queue.push(task, now)
-                self._changed(task)
+            self._lose(task, f"node {node_id} was removed while the task ran",
+                       f"re-queued after node {node_id} was removed", now)
             affected.append(task)
         self._flush()
         return [copy.copy(t) for t in affected]
+
+    def gpus_gone(self, node_id: str, present_uuids: Collection[str]) -> list[Task]:
+        """Tasks leased on GPUs of ``node_id`` that the node no longer has
+        (its host registered again without them: a card off the bus, a host
+        back with fewer GPUs) are lost as on a removed node, and QUEUED
+        again when retryable; their reason starts with ``GPU_GONE``. Without
+        this their leases stayed on GPUs that do not exist until they ran
+        out, or (placed again on a simulated host) ended FAILED as if the
+        task had failed. Returns copies of the affected tasks."""
+        present = set(present_uuids)
+        now = self._clock()
+        affected: list[Task] = []
+        for task_id in sorted(self._by_node.get(node_id, ())):
+            task = self._tasks[task_id]
+            a = task.assignment
+            gone = [u for u in (a.gpu_uuids if a is not None else ()) if u not in present]
+            if not gone:
+                continue
+            self._lose(task, f"{GPU_GONE}{gone[0]} of node {node_id} is not among the GPUs its host registered",
+                       f"re-queued after {gone[0]} of node {node_id} was gone", now)
+            affected.append(task)
+        self._flush()
+        return [copy.copy(t) for t in affected]
+
+    def _lose(self, task: Task, lost_reason: str, requeued_reason: str, now: float) -> None:
+        """The run of the leased ``task`` is lost: LOST for good, or (a
+        retryable kind with attempts left) LOST with ``requeued`` set, then
+        QUEUED again. A retryable task's listeners see its run end as LOST
+        (not terminal: it has not ended, a watch goes on and it is not
+        counted as finished), then QUEUED."""
+        self._release(task)
+        spec = task.spec
+        retry = (spec.movable or spec.kind.lower() in self.config.retry_kinds) and (
+            task.attempts < self.config.max_attempts
+        )
+        if not retry:
+            self._finish(task, TaskState.LOST, lost_reason, now)
+            return
+        task.state = TaskState.LOST
+        task.reason = lost_reason
+        task.requeued = True  # the run ended, the task did not: listeners must not take it as final
+        self._changed(task)  # watchers see the loss before the re-queue
+        task.requeued = False
+        task.state = TaskState.QUEUED
+        task.assignment = None
+        task.reason = requeued_reason
+        task.priority = Priority(spec.priority)
+        task.queued_at = now
+        self._queue.push(task, now)
+        self._changed(task)
 
     # ---- policy -----------------------------------------------------------------------------
     def _make_policy(self, name: str, weights: Mapping[str, float] | None = None) -> Policy:

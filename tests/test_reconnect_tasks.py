@@ -53,8 +53,9 @@ async def test_a_release_lost_while_the_stream_was_down_and_a_restarted_host_are
                 await again.stop()
                 await runner
 
-                # the host restarts (a new process, nothing running): "keep" is placed again
-                fresh = SimBackend(gpus=2, seed=9, workload="idle")
+                # the host restarts (a new process, nothing running; the same
+                # GPUs, so the same uuids): "keep" is placed again
+                fresh = SimBackend(gpus=2, seed=1000, workload="idle", node_id="sim-01")  # SimFleet: seed 1, host 0
                 restarted = Agent(agent.config, fresh, seed=8)
                 runner = asyncio.create_task(restarted.run())
                 await asyncio.wait_for(restarted.connected.wait(), 10)
@@ -81,3 +82,50 @@ def test_the_registration_names_a_bad_running_task_id():
         validate_register(reg)
     del reg.running_task_ids[1:]
     validate_register(reg)
+
+
+async def test_leases_on_gpus_a_host_came_back_without_are_lost_and_requeued():
+    """A host registers again with fewer GPUs (a card off the bus, removed
+    in maintenance): its leases on the GPUs it no longer has are lost runs,
+    re-queued for retryable kinds (QA pass 24: they stayed LEASED on GPUs
+    that do not exist, or, placed again on the simulated host, ended FAILED
+    "the lease holder reported failure" though the task had not failed).
+    The leases on the GPUs it still has are kept."""
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", dispatch_interval_s=0.1))
+    port = await coord.start()
+    target = f"127.0.0.1:{port}"
+    try:
+        async with SimFleet(target, hosts=1, gpus=4, workload="idle") as fleet:
+            agent = fleet.agents[0]
+            await until(lambda: coord.dispatcher.snapshots.snapshot().gpu_count == 4, what="4 GPUs")
+            async with grpc.aio.insecure_channel(target) as ch:
+                sched = tpb_grpc.SchedulerStub(ch)
+                where = {}
+                for i in range(4):
+                    spec = tpb.TaskSpec(task_id=f"t{i}", vram_mib=20_000, gpu_share=0.9, kind="training")
+                    task = (await sched.ScheduleTask(tpb.ScheduleTaskRequest(spec=spec), timeout=10)).task
+                    where[task.spec.task_id] = task.assignment.gpu_index[0]
+                assert sorted(where.values()) == [0, 1, 2, 3]
+                await fleet.stop_agent("sim-01")
+                # the same host, same GPU uuids for indices 0 and 1, two cards fewer
+                smaller = SimBackend(gpus=2, seed=1000, workload="idle", node_id="sim-01")  # SimFleet: seed 1, host 0
+                again = Agent(agent.config, smaller, seed=3)
+                runner = asyncio.create_task(again.run())
+                await asyncio.wait_for(again.connected.wait(), 10)
+                kept = sorted(t for t, i in where.items() if i < 2)
+                gone = sorted(t for t, i in where.items() if i >= 2)
+                await until(lambda: sorted(smaller.running_task_ids()) == kept, what="the kept leases running")
+                for task_id in gone:
+                    task = await sched.GetTask(tpb.GetTaskRequest(task_id=task_id))
+                    assert task.state == tpb.TASK_STATE_QUEUED, (task_id, tpb.TaskState.Name(task.state))
+                    assert not task.HasField("assignment")  # not on a GPU that is not there
+                for task_id in kept:
+                    assert (await sched.GetTask(tpb.GetTaskRequest(task_id=task_id))).state == tpb.TASK_STATE_LEASED
+                requeued = {s.labels["cause"]: s.value for f in coord.scheduler_metric_families()
+                            if f.name == "gpulb_tasks_requeued" for s in f.samples}
+                assert requeued["gpu_gone"] == 2 and requeued["node_removed"] == 0
+                await again.stop()
+                await runner
+                smaller.close()
+    finally:
+        await coord.stop(0)
