@@ -22,6 +22,8 @@ __all__ = [
     "BackendError",
     "BackendUnavailable",
     "DeviceLost",
+    "InventoryChanged",
+    "EXIT_REREAD",
     "driver_version_of",
 ]
 
@@ -100,6 +102,35 @@ class BackendUnavailable(BackendError):
 
 class DeviceLost(BackendError):
     """The whole backend lost its devices (driver reset); re-initialise."""
+
+
+#: ``gpulb-agent``'s exit status for "the GPUs must be read again by a new
+#: process" (``agent.main.EXIT_REREAD``, sysexits' EX_TEMPFAIL: systemd's
+#: ``Restart=on-failure`` starts a new one). Here, not imported from
+#: ``agent.main``, because the backends sit below it.
+EXIT_REREAD = 75
+
+
+class InventoryChanged(SystemExit):
+    """The host's set of GPUs is no longer the one this process registered
+    (a GPU gone after a driver reload, the others renumbered; a GPU added).
+
+    Readings cannot be mapped onto the registered inventory any more, and
+    the agent registers its inventory once, at start, so the process ends
+    with ``EXIT_REREAD`` and a new one registers the GPUs as they are. A
+    ``SystemExit`` on purpose: no ``except Exception`` on the way (a round
+    that fails is logged and retried) swallows it, every ``finally`` on the
+    way runs (the stream is cancelled, the backend closed), and
+    ``gpulb-agent`` exits 75. A caller that wants to end otherwise (log its
+    own line, say) catches it by this type.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(EXIT_REREAD)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 @runtime_checkable

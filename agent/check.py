@@ -14,6 +14,15 @@ when every GPU read OK, a round fits the fastest period and the coordinator
 serves, 1 otherwise, 2 when the backend cannot start. A check whose backend
 ``auto`` fell back to simulated GPUs because NVML could not be used is 1:
 it read no real GPU, so it cannot say a GPU host is ready.
+
+Readings are shown as the agent sends them: one outside its field's range (a
+failed sensor's 255 %) is "not reported" with the reason, as
+``agent.telemetry.drop_out_of_range`` makes it. A GPU in MIG mode, or one
+that does not report its utilisation, is a WARNING line, not a failure: the
+agent reads and reports it (memory, power, temperature, health)
+and the node registers; what MIG changes is what the scheduler can do with
+the GPU (gpulb schedules whole GPUs, and scores a GPU without utilisation as
+fully busy), which is the operator's call, not a broken host.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.backend import GpuBackend, GpuInfo, GpuSample, driver_version_of
+from agent.nvml import MIG_WARNING  # the agent logs the same words at start
+from agent.telemetry import drop_out_of_range
 from coordinator.tables import render_table
 from protos import telemetry_pb2 as pb
 from scheduler.cluster import lookup_model
@@ -76,6 +87,7 @@ class GpuCheck:
     errors: dict[str, str]
     processes: list[tuple[int, int]]  # (pid, MiB)
     read_ms: dict[str, float] = field(default_factory=dict)  # mean over rounds
+    mig_enabled: bool | None = None  # None: not known (no MIG on this GPU, or not NVML)
 
 
 @dataclass
@@ -123,6 +135,22 @@ class CheckReport:
     def ok(self) -> bool:
         return self.healthy and self.round_fits and not self.simulated_instead_of_nvml
 
+    @property
+    def warnings(self) -> list[str]:
+        """What does not fail the check but limits what gpulb does with a
+        GPU: MIG mode, no utilisation reading."""
+        out = []
+        for g in self.gpus:
+            if g.mig_enabled:
+                out.append(f"GPU {g.index}: {MIG_WARNING.replace('INDEX', str(g.index))}")
+            elif g.health in ("OK", "FROZEN") and g.values.get("util_gpu_pct") is None:
+                out.append(
+                    f"GPU {g.index}: util_gpu_pct is not reported"
+                    + (f" ({g.errors['util_gpu_pct']})" if "util_gpu_pct" in g.errors else "")
+                    + ": the scheduler scores this GPU as fully busy"
+                )
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(
@@ -131,6 +159,7 @@ class CheckReport:
             round_fits=self.round_fits,
             healthy=self.healthy,
             simulated_instead_of_nvml=self.simulated_instead_of_nvml,
+            warnings=self.warnings,
             ok=self.ok,
         )
         return data
@@ -143,7 +172,7 @@ def _health_name(health: int) -> str:
     return pb.GpuHealth.Name(health).removeprefix("GPU_HEALTH_")
 
 
-def _gpu_check(info: GpuInfo, sample: GpuSample, read_ms: dict[str, float]) -> GpuCheck:
+def _gpu_check(info: GpuInfo, sample: GpuSample, read_ms: dict[str, float], mig_enabled: bool | None = None) -> GpuCheck:
     known = lookup_model(info.model)
     return GpuCheck(
         index=info.index,
@@ -159,6 +188,7 @@ def _gpu_check(info: GpuInfo, sample: GpuSample, read_ms: dict[str, float]) -> G
         errors=dict(sample.errors),
         processes=[(p.pid, p.used_memory_mib) for p in (sample.processes or ())],
         read_ms=read_ms,
+        mig_enabled=mig_enabled,
     )
 
 
@@ -187,6 +217,7 @@ def run_check(
         started = clock()
         samples = backend.sample()
         took = clock() - started
+        drop_out_of_range(samples, logged=None)  # as the agent sends them
         round_ms.append(took * 1000)
         if read_seconds is not None:
             for index, reads in read_seconds().items():
@@ -197,11 +228,13 @@ def run_check(
                     counts[name] = counts.get(name, 0) + 1
         if n + 1 < rounds:
             sleep(max(0.0, interval_min_s - took))
+    mig_modes = getattr(backend, "mig_modes", None)
+    mig = mig_modes() if mig_modes is not None else {}
     gpus = []
     for sample in samples:
         info = inventory.get(sample.index) or GpuInfo(index=sample.index, uuid="", model="unknown", memory_total_mib=0)
         sums, counts = read_sums.get(sample.index, {}), read_counts.get(sample.index, {})
-        gpus.append(_gpu_check(info, sample, {name: sums[name] / counts[name] for name in sums}))
+        gpus.append(_gpu_check(info, sample, {name: sums[name] / counts[name] for name in sums}, mig.get(sample.index)))
     return CheckReport(
         backend=backend.name,
         parallel=bool(getattr(backend, "parallel", False)),
@@ -265,6 +298,16 @@ def seccomp_filter_in_force(status: str = "/proc/self/status") -> bool | None:
     except OSError:
         pass
     return None
+
+
+_FIELD_NAMES = {name for name, _ in SAMPLE_FIELDS}
+
+
+def _why(g: GpuCheck) -> str:
+    """The errors of a GPU that are not one field's (its handle, a call
+    that timed out), as " (...)"; "" if none."""
+    said = [f"{key}: {text}" for key, text in g.errors.items() if key not in _FIELD_NAMES]
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def _value(value: int | None, unit: str, error: str | None) -> str:
@@ -350,8 +393,10 @@ def render_check(report: CheckReport) -> str:
     )
     bad = [g for g in report.gpus if g.health != "OK"]
     out.append(
-        "health: every GPU OK" if not bad else "health: " + ", ".join(f"GPU {g.index} {g.health}" for g in bad)
+        "health: every GPU OK" if not bad else "health: " + ", ".join(f"GPU {g.index} {g.health}{_why(g)}" for g in bad)
     )
+    for warning in report.warnings:
+        out.append(f"WARNING: {warning}")
     if report.process_user:
         wx = {True: "W^X enforced", False: "W^X not enforced", None: "W^X unknown"}[report.write_xor_execute]
         line = f"process: user {report.process_user}, {wx}"

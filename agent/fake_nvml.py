@@ -12,6 +12,7 @@ in ``nvmlInit``.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,13 @@ class FakeGpu:
     lost: bool = False
     #: whether the GPU can deliver Xid (critical error) events
     xid_events: bool = True
+    #: MIG mode (nvmlDeviceGetMigMode's current mode): None for a GPU without
+    #: MIG (NOT_SUPPORTED, as on consumer cards), NVML_DEVICE_MIG_DISABLE (0)
+    #: or NVML_DEVICE_MIG_ENABLE (1). Enabled, utilisation is NOT_SUPPORTED,
+    #: as NVML documents for a MIG-enabled GPU
+    mig_mode: int | None = None
+    #: the mode after the next GPU reset; None: the current one
+    mig_pending: int | None = None
 
 
 class _Handle:
@@ -141,7 +149,8 @@ class FakeNvml:
     an index pair (either order) to an ``NVML_TOPOLOGY_*`` level (default
     ``NVML_TOPOLOGY_HOSTBRIDGE``); ``init_error`` makes ``nvmlInit`` raise
     that NVML code (tests may change it between calls). ``calls`` counts
-    every function called, by name."""
+    every function called, by name (the backend reads GPUs on threads of
+    their own: counting is locked)."""
 
     NVMLError = pynvml.NVMLError
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
@@ -162,6 +171,7 @@ class FakeNvml:
         self.topology = dict(topology or {})
         self.init_error = init_error
         self.calls: Counter[str] = Counter()
+        self._calls_lock = threading.Lock()
         self.event_sets: list[_EventSet] = []
         self._initialized = False
         self._session = 0
@@ -186,12 +196,16 @@ class FakeNvml:
     def initialized(self) -> bool:
         return self._initialized
 
+    def _count(self, fn: str, n: int = 1) -> None:
+        with self._calls_lock:
+            self.calls[fn] += n
+
     @staticmethod
     def _raise(code: int) -> None:
         raise pynvml.NVMLError(code)
 
     def _gpu(self, fn: str, handle: _Handle) -> FakeGpu:
-        self.calls[fn] += 1
+        self._count(fn)
         if not self._initialized:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         if not isinstance(handle, _Handle) or handle.session != self._session:
@@ -207,21 +221,21 @@ class FakeNvml:
     # --- library ----------------------------------------------------------------
 
     def nvmlInit(self) -> None:
-        self.calls["nvmlInit"] += 1
+        self._count("nvmlInit")
         if self.init_error is not None:
             self._raise(self.init_error)
         self._initialized = True
         self._session += 1
 
     def nvmlShutdown(self) -> None:
-        self.calls["nvmlShutdown"] += 1
+        self._count("nvmlShutdown")
         if not self._initialized:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         self._initialized = False
 
     def _system(self, fn: str, value: Any) -> Any:
         """A system-wide read: ``value``, or FUNCTION_NOT_FOUND where it is None."""
-        self.calls[fn] += 1
+        self._count(fn)
         if not self._initialized:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         if value is None:
@@ -235,13 +249,13 @@ class FakeNvml:
         return self._system("nvmlSystemGetCudaDriverVersion_v2", self.cuda_driver_version)
 
     def nvmlDeviceGetCount(self) -> int:
-        self.calls["nvmlDeviceGetCount"] += 1
+        self._count("nvmlDeviceGetCount")
         if not self._initialized:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         return len(self.gpus)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
-        self.calls["nvmlDeviceGetHandleByIndex"] += 1
+        self._count("nvmlDeviceGetHandleByIndex")
         if not self._initialized:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         if not 0 <= index < len(self.gpus):
@@ -266,7 +280,16 @@ class FakeNvml:
 
     def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> _Utilization:
         gpu = self._gpu("nvmlDeviceGetUtilizationRates", handle)
+        if gpu.mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE:
+            self._raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return _Utilization(gpu.util_gpu, gpu.util_memory)
+
+    def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
+        """[current, pending], as pynvml returns them."""
+        gpu = self._gpu("nvmlDeviceGetMigMode", handle)
+        if gpu.mig_mode is None:
+            self._raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [gpu.mig_mode, gpu.mig_mode if gpu.mig_pending is None else gpu.mig_pending]
 
     def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> _Memory:
         gpu = self._gpu("nvmlDeviceGetMemoryInfo", handle)
@@ -298,7 +321,7 @@ class FakeNvml:
     # --- events ---------------------------------------------------------------
 
     def nvmlEventSetCreate(self) -> _EventSet:
-        self.calls["nvmlEventSetCreate"] += 1
+        self._count("nvmlEventSetCreate")
         if not self._initialized:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         event_set = _EventSet(self._session)
@@ -312,7 +335,7 @@ class FakeNvml:
         event_set.registered[handle.index] = event_set.registered.get(handle.index, 0) | event_types
 
     def nvmlEventSetWait_v2(self, event_set: _EventSet, timeout_ms: int) -> _EventData:
-        self.calls["nvmlEventSetWait_v2"] += 1
+        self._count("nvmlEventSetWait_v2")
         if event_set.freed or event_set.session != self._session:
             self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if not event_set.pending:
@@ -320,7 +343,7 @@ class FakeNvml:
         return event_set.pending.pop(0)
 
     def nvmlEventSetFree(self, event_set: _EventSet) -> None:
-        self.calls["nvmlEventSetFree"] += 1
+        self._count("nvmlEventSetFree")
         event_set.freed = True
 
     def xid(self, index: int, code: int) -> None:
@@ -360,7 +383,7 @@ class FakeNvml:
     def nvmlDeviceGetTopologyCommonAncestor(self, a: _Handle, b: _Handle) -> int:
         self._gpu("nvmlDeviceGetTopologyCommonAncestor", a)
         self._gpu("nvmlDeviceGetTopologyCommonAncestor", b)
-        self.calls["nvmlDeviceGetTopologyCommonAncestor"] -= 1  # one call, two handles
+        self._count("nvmlDeviceGetTopologyCommonAncestor", -1)  # one call, two handles
         key = (a.index, b.index)
         level = self.topology.get(key, self.topology.get(key[::-1]))
         return pynvml.NVML_TOPOLOGY_HOSTBRIDGE if level is None else level

@@ -4,14 +4,30 @@ NVML's structs and ``NVMLError`` stop here (STYLE.md #9): each read is a
 call into the library followed by a small pure parser to our types, and each
 error becomes a ``None`` field, a health value or ``BackendUnavailable``:
 
-- ``NVML_ERROR_NOT_SUPPORTED``: the GPU does not have the field. It stays
-  ``None`` and is never asked for again (consumer cards have no ECC).
+- ``NVML_ERROR_NOT_SUPPORTED``: the GPU does not have the field (consumer
+  cards have no ECC; a MIG-enabled GPU has no utilisation). It stays
+  ``None`` and is asked for again only once a minute (``REPROBE_S``) and
+  after a re-init, so a GPU whose MIG mode is turned off gets its
+  utilisation back.
 - any other error on one read: those fields are ``None`` this round and the
   reason is in ``sample.errors[field]``.
 - every read of a GPU failing, or its handle: health ``READ_FAILED``.
+- a GPU whose reads have not returned ``read_timeout_s`` (2 s) into the
+  round: health ``READ_FAILED`` with "nvml call timed out" in
+  ``sample.errors["nvml"]``; the other GPUs report as usual. Each GPU is
+  read on a daemon thread of its own, and a GPU whose read is still stuck
+  gets no new one (at most one read in flight per GPU; it stays
+  ``READ_FAILED`` until the call returns). ``close`` joins none of them, so
+  a process whose NVML is wedged still stops promptly.
 - ``NVML_ERROR_GPU_IS_LOST``: health ``LOST``; the backend re-initialises
   NVML (``nvmlShutdown`` + ``nvmlInit``) with exponential backoff measured on
   the injected clock. It never sleeps: the other GPUs keep being sampled.
+  The re-init finds each GPU by UUID; a GPU whose UUID NVML no longer lists
+  stays ``LOST``, never re-opened by index (the index may now be another
+  GPU's). When the set of GPUs NVML lists is not the one registered (a count
+  that changed, a UUID not registered) ``sample`` raises
+  ``InventoryChanged``: ``gpulb-agent`` exits 75 and a new process
+  registers the GPUs as they are.
 - NVML not loadable or no GPU at construction: ``BackendUnavailable``.
 
 A GPU whose readings stop moving while it runs compute processes is reported
@@ -27,9 +43,9 @@ agent started; absent where the GPU cannot deliver the events).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +58,7 @@ from agent.backend import (
     GpuProcess,
     GpuSample,
     Health,
+    InventoryChanged,
     TopologyLink,
 )
 from protos import telemetry_pb2 as pb
@@ -57,6 +74,8 @@ __all__ = [
     "link_kind",
     "build_topology",
     "DEFAULT_FROZEN_AFTER",
+    "READ_TIMEOUT_S",
+    "REPROBE_S",
 ]
 
 log = structlog.get_logger("gpulb.agent.nvml")
@@ -89,6 +108,22 @@ XID_MEANINGS: dict[int, str] = {
 }
 _REINIT_BACKOFF_S = 1.0
 _REINIT_BACKOFF_MAX_S = 60.0
+
+#: How long a round waits for one GPU's reads, s. A healthy GPU takes about
+#: 45 ms (two 20 ms PCIe throughput reads and a few fast calls), so 2 s is
+#: some 40 times that: only a call that hangs (a wedged driver, a GPU in a
+#: bad state) misses it. And it is a fifth of the 10 s heartbeat interval:
+#: a round that waits this long still leaves the agent time to send its
+#: heartbeat before its node is judged unreachable (10 s + 1 s). A
+#: constant, not a share of the heartbeat interval, because the backend
+#: does not know that interval (the coordinator sets it) and because a
+#: deadline far below 2 s would turn a GPU that is merely slow to answer
+#: under load into a READ_FAILED one.
+READ_TIMEOUT_S = 2.0
+#: How often a read that said NOT_SUPPORTED is asked again, s: MIG mode, for
+#: one, can be turned off (and utilisation come back) without the agent
+#: restarting; a consumer card's missing ECC costs one failing call a minute.
+REPROBE_S = 60.0
 
 BusKey = tuple[int, int, int, int]  # PCI domain, bus, device, function
 
@@ -337,19 +372,65 @@ _READS: tuple[_Read, ...] = (
 _PARSE_ERRORS = (AttributeError, TypeError, ValueError, OverflowError)
 
 
+class _Job:
+    """One round's reads of one GPU on a daemon thread of its own. The
+    thread only reads: the result is applied to the GPU's state by the
+    round that waits for it, and dropped if that round gave up on it."""
+
+    __slots__ = ("done", "result", "error", "call", "started", "stuck_on")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: _Result | None = None
+        self.error: BaseException | None = None
+        self.call = "handle"  # the read in progress: what a timeout names
+        self.started = time.monotonic()
+        self.stuck_on = ""  # the read it was in when its round gave up on it
+
+
+@dataclass(slots=True)
+class _Result:
+    """What one GPU's reads found; applied on the sampling thread."""
+
+    sample: GpuSample
+    handle: Any | None
+    read_s: dict[str, float]
+    #: reads that said NOT_SUPPORTED this time
+    unsupported: set[str] = field(default_factory=set)
+    #: every read attempted failed
+    all_failed: bool = False
+    #: why the GPU is lost (GPU_IS_LOST, or another GPU at its index)
+    lost: str | None = None
+    #: the GPU at this index is not the one registered there
+    changed: str | None = None
+
+
 @dataclass(slots=True)
 class _Gpu:
     index: int
     uuid: str
     handle: Any | None
     unsupported: set[str] = field(default_factory=set)
+    #: when the unsupported reads are asked again (injected clock)
+    reprobe_at: float | None = None
     lost: bool = False
+    #: the read in flight on its own thread (threaded backends), or None
+    job: _Job | None = None
     frozen: FrozenDetector = field(default_factory=FrozenDetector)
     #: seconds each read took in the last round (``gpulb-agent --check``)
     read_s: dict[str, float] = field(default_factory=dict)
     #: Xid events registered for this GPU; the last code seen (0: none)
     xid_watched: bool = False
     xid_last: int = 0
+
+
+#: what the agent and ``gpulb-agent --check`` say of a GPU in MIG mode
+MIG_WARNING = (
+    "MIG mode is enabled: gpulb schedules whole GPUs, not MIG instances, and NVML does not "
+    "report this GPU's utilisation under MIG (util_gpu_pct not reported; the scheduler scores the GPU as fully "
+    "busy); its memory, power and temperature are still reported. To schedule it with gpulb, turn MIG "
+    "off (nvidia-smi -i INDEX -mig 0, then reset the GPU): the agent reads its utilisation again within a minute"
+)
 
 
 class NvmlBackend:
@@ -360,11 +441,14 @@ class NvmlBackend:
     backoff. ``frozen_after`` is how many unchanged samples with running
     processes make a GPU ``FROZEN``.
 
-    ``parallel`` reads the GPUs of a round on one thread each (default: with
-    the real pynvml and more than one GPU). NVML is thread-safe, and each
-    PCIe throughput read blocks for the 20 ms over which the driver counts
-    bytes, so one GPU costs ~45 ms a round: read one after another, an
-    8-GPU host would take longer than the 200 ms fast period.
+    Each GPU of a round is read on a daemon thread of its own (NVML is
+    thread-safe), so the GPUs are read in parallel and a round waits at most
+    ``read_timeout_s`` for any of them (see the module docstring). Each PCIe
+    throughput read blocks for the 20 ms over which the driver counts bytes,
+    so one GPU costs ~45 ms a round: read one after another, an 8-GPU host
+    would take longer than the 200 ms fast period. ``parallel=False`` reads
+    them on the caller's thread one after another instead, without a
+    deadline (a hung call then hangs the round): for comparisons and tests.
     """
 
     name = "nvml"
@@ -377,8 +461,8 @@ class NvmlBackend:
         reinit_backoff_s: float = _REINIT_BACKOFF_S,
         reinit_backoff_max_s: float = _REINIT_BACKOFF_MAX_S,
         parallel: bool | None = None,
+        read_timeout_s: float = READ_TIMEOUT_S,
     ) -> None:
-        real_nvml = nvml is None
         if nvml is None:
             try:
                 import pynvml as nvml
@@ -386,6 +470,8 @@ class NvmlBackend:
                 raise BackendUnavailable(f"pynvml is not installed: {exc}") from exc
         if not 0 < reinit_backoff_s <= reinit_backoff_max_s:
             raise ValueError("need 0 < reinit_backoff_s <= reinit_backoff_max_s")
+        if not 0 < read_timeout_s < float("inf"):
+            raise ValueError("need 0 < read_timeout_s < inf")
         self._nv = nvml
         self._err: type[Exception] = nvml.NVMLError
         self._clock = clock
@@ -395,6 +481,12 @@ class NvmlBackend:
         self._backoff = reinit_backoff_s
         self._reinit_at: float | None = None
         self._closed = False
+        self._read_timeout = float(read_timeout_s)
+        self._threaded = parallel is None or bool(parallel)
+        #: one round at a time, and close() not in the middle of one
+        self._lock = threading.Lock()
+        #: why the GPUs are no longer the registered ones; sample() raises
+        self._changed: str | None = None
 
         try:
             nvml.nvmlInit()
@@ -419,11 +511,10 @@ class NvmlBackend:
         self._topology = self._read_topology()
         self._events: Any = None
         self._watch_xids()
-        if parallel is None:
-            parallel = real_nvml and count > 1
-        self._pool: ThreadPoolExecutor | None = None
-        if parallel and count > 1:
-            self._pool = ThreadPoolExecutor(max_workers=min(count, 16), thread_name_prefix="nvml")
+        for index, enabled in self.mig_modes().items():
+            if enabled:
+                log.warning("gpu_mig_enabled", gpu=index, uuid=self._gpus[index].uuid,
+                            detail=MIG_WARNING.replace("INDEX", str(index)))
 
     def _read_driver_version(self) -> str:
         """"580.159.04, CUDA 13.0": what an operator compares first when a
@@ -451,41 +542,82 @@ class NvmlBackend:
         return list(self._topology)
 
     def sample(self) -> list[GpuSample]:
-        if self._closed:
-            raise BackendError("NVML backend is closed")
-        now = self._clock()
-        reinit_tried = False
-        if self._reinit_at is not None and now >= self._reinit_at:
-            reinit_tried = True
-            self._reinit_at = None
-            self._reinit()
-        self._drain_xids()
-        if self._pool is not None:
-            samples = list(self._pool.map(self._sample_gpu, self._gpus))
-        else:
-            samples = [self._sample_gpu(gpu) for gpu in self._gpus]
-        if any(gpu.lost for gpu in self._gpus):
-            if self._reinit_at is None:
-                if reinit_tried:
-                    # The last re-init did not bring it back: wait longer.
-                    self._backoff = min(self._backoff_max, self._backoff * 2)
-                self._reinit_at = now + self._backoff
-        elif reinit_tried:
-            self._backoff = self._backoff_base
-        return samples
+        """A reading of every GPU, within ``read_timeout_s`` or so. Raises
+        ``InventoryChanged`` once NVML lists other GPUs than the registered
+        ones (and at every call after)."""
+        with self._lock:
+            if self._closed:
+                raise BackendError("NVML backend is closed")
+            if self._changed is not None:
+                raise InventoryChanged(self._changed)
+            now = self._clock()
+            reinit_tried = False
+            if self._reinit_at is not None and now >= self._reinit_at and not self._stuck():
+                # (while a read is stuck in NVML the re-init waits: shutting
+                # NVML down under a call in flight is not defined)
+                reinit_tried = True
+                self._reinit_at = None
+                self._reinit()
+            self._raise_if_changed()
+            self._drain_xids()
+            samples = self._read_all(now)
+            self._raise_if_changed()
+            if any(gpu.lost for gpu in self._gpus):
+                if self._reinit_at is None:
+                    if reinit_tried:
+                        # The last re-init did not bring it back: wait longer.
+                        self._backoff = min(self._backoff_max, self._backoff * 2)
+                    self._reinit_at = now + self._backoff
+            elif reinit_tried:
+                self._backoff = self._backoff_base
+            return samples
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+        """Release NVML. Joins no read thread: one stuck in NVML is a daemon
+        thread left to the process exit, and NVML is then left initialised
+        (shutting it down under the stuck call could hang as well)."""
+        if self._closed:
+            return
+        self._closed = True
+        # A round in progress ends by its deadline (on a serial backend, or
+        # in the re-init, it may not): wait that long, not for ever.
+        locked = self._lock.acquire(timeout=self._read_timeout + 1.0)
+        try:
+            stuck = self._stuck()
+            if stuck or not locked:
+                log.warning("nvml_left_initialised", gpus_stuck=stuck, round_in_progress=not locked,
+                            detail="an NVML call has not returned; NVML is released when the process exits")
+                return
             self._free_events()
             self._shutdown()
+        finally:
+            if locked:
+                self._lock.release()
 
     @property
     def parallel(self) -> bool:
         """Whether a round reads the GPUs concurrently."""
-        return self._pool is not None
+        return self._threaded and len(self._gpus) > 1
+
+    @property
+    def read_timeout_s(self) -> float:
+        """How long a round waits for one GPU's reads (threaded backends)."""
+        return self._read_timeout
+
+    def mig_modes(self) -> dict[int, bool | None]:
+        """Per GPU index: whether its MIG mode is enabled now (None: the GPU,
+        driver or library cannot say, as on a GPU without MIG)."""
+        nv, out = self._nv, {}
+        for gpu in self._gpus:
+            out[gpu.index] = None
+            if gpu.handle is None or gpu.lost:
+                continue
+            try:
+                current, _pending = nv.nvmlDeviceGetMigMode(gpu.handle)
+                out[gpu.index] = int(current) == int(nv.NVML_DEVICE_MIG_ENABLE)
+            except (self._err, *_PARSE_ERRORS):
+                continue
+        return out
 
     def read_seconds(self) -> dict[int, dict[str, float]]:
         """Per GPU index: how long each NVML read took in the last round, s
@@ -647,44 +779,143 @@ class NvmlBackend:
 
     # --- sampling -----------------------------------------------------------------
 
-    def _sample_gpu(self, gpu: _Gpu) -> GpuSample:
+    def _stuck(self) -> list[int]:
+        """GPUs whose read is still in NVML, from this round or an earlier one."""
+        return [gpu.index for gpu in self._gpus if gpu.job is not None and not gpu.job.done.is_set()]
+
+    def _read_all(self, now: float) -> list[GpuSample]:
+        """Every GPU's sample this round: on a thread per GPU with one
+        deadline for all, or (``parallel=False``) one after another here."""
+        if not self._threaded:
+            return [
+                self._lost_sample(gpu)
+                if gpu.lost
+                else self._apply(gpu, self._read_gpu(gpu.index, gpu.uuid, gpu.handle, self._plan(gpu, now), None), now)
+                for gpu in self._gpus
+            ]
+        samples: list[GpuSample | None] = [None] * len(self._gpus)
+        waiting: list[tuple[int, _Gpu, _Job]] = []
+        for i, gpu in enumerate(self._gpus):
+            if gpu.lost:
+                samples[i] = self._lost_sample(gpu)
+                continue
+            job = gpu.job
+            if job is not None:
+                if not job.done.is_set():
+                    # Still stuck since an earlier round: no second thread
+                    # for this GPU while it is.
+                    samples[i] = self._timed_out(gpu, job)
+                    continue
+                gpu.job = None  # came back after its round gave up on it: dropped
+                log.info("nvml_call_returned", gpu=gpu.index, read=job.stuck_on,
+                         after_s=round(time.monotonic() - job.started, 1))
+            job = _Job()
+            gpu.job = job
+            threading.Thread(
+                target=self._run_job,
+                args=(job, gpu.index, gpu.uuid, gpu.handle, self._plan(gpu, now)),
+                name=f"nvml-gpu{gpu.index}",
+                daemon=True,
+            ).start()
+            waiting.append((i, gpu, job))
+        deadline = time.monotonic() + self._read_timeout
+        for i, gpu, job in waiting:
+            if not job.done.wait(max(0.0, deadline - time.monotonic())):
+                samples[i] = self._timed_out(gpu, job)
+                continue
+            gpu.job = None
+            if job.error is not None:
+                raise job.error
+            assert job.result is not None
+            samples[i] = self._apply(gpu, job.result, now)
+        return [s for s in samples if s is not None]
+
+    def _run_job(self, job: _Job, index: int, uuid: str, handle: Any, skip: frozenset[str]) -> None:
+        try:
+            job.result = self._read_gpu(index, uuid, handle, skip, job)
+        except BaseException as exc:  # handed to the round, which raises it
+            job.error = exc
+        finally:
+            job.done.set()
+
+    def _plan(self, gpu: _Gpu, now: float) -> frozenset[str]:
+        """The reads this round leaves out: the unsupported ones, but once
+        a minute (REPROBE_S) none, to see whether they came back."""
+        if gpu.unsupported and gpu.reprobe_at is not None and now >= gpu.reprobe_at:
+            gpu.unsupported.clear()
+            gpu.reprobe_at = None
+        return frozenset(gpu.unsupported)
+
+    def _lost_sample(self, gpu: _Gpu) -> GpuSample:
+        # Until NVML is re-initialised every call would say the same.
+        return GpuSample(index=gpu.index, health=Health.LOST)
+
+    def _timed_out(self, gpu: _Gpu, job: _Job) -> GpuSample:
+        waited = time.monotonic() - job.started
+        sample = GpuSample(index=gpu.index, health=Health.READ_FAILED)
+        sample.errors["nvml"] = (
+            f"nvml call timed out: the {job.call} read of GPU {gpu.index} has not returned after {waited:.1f} s"
+        )
+        if gpu.xid_watched:
+            sample.xid_last = gpu.xid_last
+        gpu.frozen.reset()
+        gpu.read_s = {job.call: waited}  # --check shows how long it has hung
+        if not job.stuck_on:
+            job.stuck_on = job.call
+            log.warning("nvml_call_timed_out", gpu=gpu.index, uuid=gpu.uuid, read=job.call,
+                        timeout_s=self._read_timeout,
+                        detail="the GPU reports read_failed, and gets no new read, until the call returns")
+        return sample
+
+    def _read_gpu(self, index: int, uuid: str, handle: Any, skip: frozenset[str], job: _Job | None) -> _Result:
+        """One GPU's reads, but ``skip``. Touches no GPU state (it may run
+        on a thread that its round gave up on): what it finds is returned."""
         nv, err = self._nv, self._err
-        sample = GpuSample(index=gpu.index)
-        if gpu.lost:
-            # Until NVML is re-initialised every call would say the same.
-            sample.health = Health.LOST
-            return sample
-        if gpu.handle is None:
+        sample = GpuSample(index=index)
+        read_s: dict[str, float] = {}
+        if handle is None:
             try:
-                gpu.handle = nv.nvmlDeviceGetHandleByIndex(gpu.index)
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                # The index may be another GPU's now (a renumbering NVML
+                # did): a handle is only this GPU's if the UUID says so.
+                found = _text(nv.nvmlDeviceGetUUID(handle)) if uuid else uuid
             except err as exc:
                 if self._code(exc) == nv.NVML_ERROR_GPU_IS_LOST:
-                    return self._lose(gpu, sample, _reason(exc))
+                    return _Result(sample, None, read_s, lost=_reason(exc))
                 sample.health = Health.READ_FAILED
                 sample.errors["handle"] = _reason(exc)
-                return sample
+                return _Result(sample, None, read_s)
+            except _PARSE_ERRORS as exc:
+                sample.health = Health.READ_FAILED
+                sample.errors["handle"] = f"unreadable UUID: {exc}"
+                return _Result(sample, None, read_s)
+            if found != uuid:
+                why = f"GPU index {index} is now {found}, not the registered {uuid}"
+                return _Result(sample, None, read_s, lost=why, changed=why)
         attempted = failed = 0
-        gpu.read_s.clear()
+        unsupported: set[str] = set()
         for read in _READS:
-            if read.name in gpu.unsupported:
+            if read.name in skip:
                 continue
+            if job is not None:
+                job.call = read.name
             attempted += 1
             started = time.perf_counter()
             try:
                 try:
-                    raw = read.call(nv, gpu.handle)
+                    raw = read.call(nv, handle)
                 finally:
-                    gpu.read_s[read.name] = time.perf_counter() - started
+                    read_s[read.name] = time.perf_counter() - started
                 values = read.parse(raw)
             except err as exc:
                 code = self._code(exc)
                 if code == nv.NVML_ERROR_NOT_SUPPORTED:
-                    gpu.unsupported.add(read.name)
-                    gpu.read_s.pop(read.name, None)
+                    unsupported.add(read.name)
+                    read_s.pop(read.name, None)
                     attempted -= 1
                     continue
                 if code == nv.NVML_ERROR_GPU_IS_LOST:
-                    return self._lose(gpu, GpuSample(index=gpu.index), _reason(exc))
+                    return _Result(GpuSample(index=index), None, read_s, lost=_reason(exc))
                 failed += 1
                 for name in read.fields:
                     sample.errors[name] = _reason(exc)
@@ -696,9 +927,26 @@ class NvmlBackend:
                 continue
             for name, value in values.items():
                 setattr(sample, name, value)
+        return _Result(sample, handle, read_s, unsupported=unsupported, all_failed=bool(attempted) and failed == attempted)
+
+    def _apply(self, gpu: _Gpu, result: _Result, now: float) -> GpuSample:
+        """A read's result into the GPU's state; its sample, health decided."""
+        gpu.read_s = result.read_s
+        if result.changed is not None and self._changed is None:
+            self._changed = result.changed
+        if result.lost is not None:
+            return self._lose(gpu, GpuSample(index=gpu.index), result.lost)
+        gpu.handle = result.handle
+        if result.unsupported:
+            gpu.unsupported |= result.unsupported
+            if gpu.reprobe_at is None:
+                gpu.reprobe_at = now + REPROBE_S
+        sample = result.sample
         if gpu.xid_watched:
             sample.xid_last = gpu.xid_last
-        if attempted and failed == attempted:
+        if sample.health == Health.READ_FAILED:  # no handle
+            gpu.frozen.reset()
+        elif result.all_failed:
             sample.health = Health.READ_FAILED
             gpu.frozen.reset()
         elif gpu.frozen.update(
@@ -715,10 +963,20 @@ class NvmlBackend:
         sample.errors["handle"] = reason
         return sample
 
+    def _raise_if_changed(self) -> None:
+        if self._changed is None:
+            return
+        log.error("gpu_inventory_changed", reason=self._changed, exit_code=InventoryChanged(self._changed).code,
+                  detail="NVML lists other GPUs than this process registered: a new process registers them")
+        raise InventoryChanged(self._changed)
+
     def _reinit(self) -> None:
-        """Restart NVML and find every GPU's new handle (by UUID, since a
-        reset may renumber them). A failure leaves the lost GPUs lost; the
-        caller schedules the next attempt."""
+        """Restart NVML and find every GPU's new handle by UUID, since a
+        reset may renumber them. A GPU whose UUID NVML no longer lists stays
+        lost (its index may be another GPU's now); if the set of GPUs is not
+        the registered one, ``_changed`` says how (``sample`` raises). A
+        failing ``nvmlInit`` leaves the lost GPUs lost; the caller schedules
+        the next attempt."""
         nv, err = self._nv, self._err
         self._free_events()  # an event set lives and dies with its session
         self._shutdown()
@@ -728,23 +986,40 @@ class NvmlBackend:
             for gpu in self._gpus:
                 gpu.handle = None  # handles died with the shutdown
             return
+        registered = {gpu.uuid: gpu.index for gpu in self._gpus if gpu.uuid}
         by_uuid: dict[str, Any] = {}
+        changes: list[str] = []
         try:
             count = int(nv.nvmlDeviceGetCount())
         except err:
             count = len(self._gpus)
+        else:
+            if count != len(self._gpus):
+                changes.append(f"NVML lists {count} GPU(s), this process registered {len(self._gpus)}")
         for index in range(count):
             try:
                 handle = nv.nvmlDeviceGetHandleByIndex(index)
-                by_uuid[_text(nv.nvmlDeviceGetUUID(handle))] = handle
-            except err:
-                continue
+                uuid = _text(nv.nvmlDeviceGetUUID(handle))
+            except (err, *_PARSE_ERRORS):
+                continue  # unreadable now (off the bus, say): not a change by itself
+            by_uuid[uuid] = handle
+            if uuid not in registered:
+                changes.append(f"GPU index {index} is {uuid}, which this process did not register")
         for gpu in self._gpus:
-            # No handle here: the sample re-opens it by index (and finds
-            # out whether the GPU is still lost).
             gpu.handle = by_uuid.get(gpu.uuid) if gpu.uuid else None
-            gpu.lost = False
+            if gpu.uuid and gpu.handle is None:
+                if not gpu.lost:
+                    log.warning("gpu_not_found", gpu=gpu.index, uuid=gpu.uuid,
+                                detail="NVML does not list this GPU after its re-init: it stays lost")
+                gpu.lost = True
+            else:
+                gpu.lost = False
             gpu.frozen.reset()
+            # what the GPU did not support may have changed with the reset
+            gpu.unsupported.clear()
+            gpu.reprobe_at = None
+        if changes and self._changed is None:
+            self._changed = "; ".join(changes)
         self._watch_xids()
 
 

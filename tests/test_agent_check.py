@@ -120,8 +120,10 @@ def test_parallel_rounds_read_the_same_values_as_serial_ones() -> None:
     assert parallel.parallel and not serial.parallel
     for _ in range(3):
         assert parallel.sample() == serial.sample()
-    # the real pynvml default: only a host of several GPUs gets threads
+    # one GPU is read on a thread of its own too (its deadline needs it),
+    # but there is nothing to read in parallel with it
     assert not NvmlBackend(nvml=FakeNvml.with_gpus(1), parallel=True).parallel
+    assert NvmlBackend(nvml=_gpus()).parallel  # the default, fake NVML or real
     parallel.close()
     with pytest.raises(BackendError, match="closed"):
         parallel.sample()
