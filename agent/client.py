@@ -15,11 +15,22 @@ can recover) are logged as errors each time and retried with the backoff
 growing to its cap; the GPUs are read once, at start, so after
 ``HARDWARE_RETRIES`` such refusals ``run`` returns with ``reread_wanted`` set
 and the agent exits for a new process to read them again.
+
+While a round is being sampled (an NVML call can hang for tens of seconds on
+a wedged driver) the stream still heartbeats on schedule: the round runs as a
+task of its own, and the node stays alive to the coordinator. While no stream
+is registered (connecting, registering, waiting out the backoff) rounds are
+sampled into the outage buffer, sent first on the next stream. A stream that
+is silently dead (a network partition, the coordinator's host gone) is found
+by gRPC keepalive pings and by the coordinator's acks: an envelope that the
+coordinator owes an ack for and that none follows within the heartbeat
+timeout ends the stream, and the agent reconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections import deque
 import socket
@@ -31,7 +42,7 @@ import grpc
 import numpy as np
 import structlog
 
-from agent.backend import GpuBackend, GpuProcess, driver_version_of
+from agent.backend import GpuBackend, GpuProcess, InventoryChanged, driver_version_of
 from agent.sampler import AdaptiveInterval
 from agent.telemetry import movement, process_lists, register_message, samples_to_matrix
 from protos import telemetry_pb2 as pb
@@ -68,6 +79,10 @@ class AgentConfig:
     key_file: str = ""
     #: bearer token (agent role), when the coordinator authenticates agents by token
     token: str = ""
+    #: the file ``token`` was read from: read again at each connection (a
+    #: rotated token is taken without a restart; one that cannot be read
+    #: leaves the last good token in use)
+    token_file: str = ""
 
 
 @dataclass
@@ -81,6 +96,7 @@ class AgentStats:
     samples: int = 0
     buffered_rounds: int = 0  # rounds sampled while disconnected, sent on reconnect
     dropped_rounds: int = 0  # rounds dropped because the outage buffer was full
+    task_events_dropped: int = 0  # task events dropped because TASK_EVENTS_KEPT waited unsent
     last_error: str = ""  # status of the last stream that ended with an error
 
 
@@ -112,6 +128,36 @@ class _SessionEnded(Exception):
 
 
 _REGISTER_TIMEOUT_S = 10.0
+
+#: task events kept unsent while the coordinator is away (each is one
+#: task's start or end: a host runs far fewer at once)
+TASK_EVENTS_KEPT = 10_000
+
+#: gRPC keepalive of the agent's channel (plaintext and TLS alike): a ping
+#: once nothing came from the coordinator for 10 s, the connection dropped
+#: when its answer takes over 5 s, so a silently dead connection (a partition, the coordinator's host
+#: gone) ends within about 15 s rather than when TCP gives up (~15 min). The
+#: coordinator lets pings through down to 10 s apart
+#: (``grpc.http2.min_recv_ping_interval_without_data_ms``, coordinator/server.py);
+#: more often and it would end the connection with GOAWAY too_many_pings.
+#: grpcio 1.85 waits for a keepalive ping's answer for the ping timeout
+#: (``ping_timeout_ms``, 1 min by default), not ``keepalive_timeout_ms``, so
+#: both are set: the connection then ends "Stream removed (ping timeout)".
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+#: the coordinator acks an applied envelope at most this often per stream
+#: (coordinator.gateway._ACK_EVERY_S, held equal by a test): an envelope
+#: sent at least this long after the last ack arrived is owed one at once
+COORDINATOR_ACK_EVERY_S = 5.0
+#: the coordinator's heartbeat timeout is its heartbeat interval plus a grace
+#: (1 s): an owed ack missing that long ends the stream (never under the floor)
+_ACK_GRACE_S = 1.0
+_ACK_TIMEOUT_FLOOR_S = 2.0
 
 #: statuses of a refused registration that retrying cannot fix: the agent stops
 FATAL_AT_REGISTRATION = {
@@ -176,10 +222,7 @@ class Agent:
         self.clock = clock
         self.wall_ns = wall_ns
         self._channel_factory = channel_factory or self._default_channel
-        self._call_metadata = None
-        if config.token and not (config.ca_file or config.cert_file):
-            # plaintext with a token: only against a coordinator in insecure mode
-            self._call_metadata = (("authorization", f"Bearer {config.token}"),)
+        self._call_metadata = self._metadata()
         self._outage: deque = deque(maxlen=max(1, config.outage_buffer_rounds))
         self._rng = random.Random(seed)
         self.session_id = self._rng.getrandbits(63)
@@ -203,7 +246,48 @@ class Agent:
         self._sent_processes: dict[int, tuple[GpuProcess, ...]] = {}
         self._sent_host_io: tuple[int | None, int | None] | None = None
         self._last_ack = 0
+        #: clock() when the last ack arrived, and when an envelope went out
+        #: that the coordinator owes an ack for (None: none owed)
+        self._last_ack_at = -math.inf
+        self._ack_owed_since: float | None = None
+        #: the backend read in progress (``_sampling``), shared by the stream
+        #: and the outage sampler: never two reads at once
+        self._inflight: asyncio.Future | None = None
+        #: (wall ns when taken from the backend, event) not written yet: kept
+        #: across a stream's end and sent on the next one, with that time
+        self._task_events: deque = deque(maxlen=TASK_EVENTS_KEPT)
         self._log = log.bind(node_id=config.node_id)
+
+    def _metadata(self):
+        cfg = self.config
+        if cfg.token and not (cfg.ca_file or cfg.cert_file):
+            # plaintext with a token: only against a coordinator in insecure mode
+            return (("authorization", f"Bearer {cfg.token}"),)
+        return None
+
+    def _refresh_token(self) -> None:
+        """Read the token file again before a connection, so that a token
+        rotated on disk is sent from the next connection on; one that cannot
+        be read (or holds no token) is logged and the last good one kept."""
+        cfg = self.config
+        if not cfg.token_file:
+            return
+        from coordinator.security import SecurityConfigError, token_problem
+
+        try:
+            with open(cfg.token_file) as fh:
+                token = fh.read().strip()
+            problem = token_problem(token)
+            if problem:
+                raise SecurityConfigError(problem)
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError, SecurityConfigError
+            self._log.error("token_file_unreadable", path=cfg.token_file, error=str(exc),
+                            detail="connecting with the token read before")
+            return
+        if token != cfg.token:
+            self._log.info("token_file_changed", path=cfg.token_file)
+            cfg.token = token
+        self._call_metadata = self._metadata()
 
     def _default_channel(self, target: str) -> grpc.aio.Channel:
         cfg = self.config
@@ -219,8 +303,8 @@ class Agent:
             except SecurityConfigError as exc:
                 self._log.error("tls_credentials_unusable", error=str(exc), detail="the coordinator will refuse this connection")
             creds = channel_credentials(cfg.ca_file or None, cfg.cert_file or None, cfg.key_file or None, cfg.token or None)
-            return grpc.aio.secure_channel(target, creds)
-        return grpc.aio.insecure_channel(target)
+            return grpc.aio.secure_channel(target, creds, options=list(KEEPALIVE_OPTIONS))
+        return grpc.aio.insecure_channel(target, options=list(KEEPALIVE_OPTIONS))
 
     @property
     def outage_buffer_len(self) -> int:
@@ -228,6 +312,19 @@ class Agent:
 
     # ---- lifecycle -------------------------------------------------------
     async def run(self) -> None:
+        away = asyncio.create_task(self._sample_while_away())
+        try:
+            await self._reconnecting()
+        finally:
+            away.cancel()
+            await asyncio.gather(away, return_exceptions=True)
+            # the caller closes the backend next (gpulb-agent): no read of it
+            # may still be going on in a thread then
+            inflight = self._inflight
+            if inflight is not None and not inflight.done():
+                await asyncio.wait({inflight})
+
+    async def _reconnecting(self) -> None:
         backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
         hardware_refusals = 0
         while not self._stop.is_set():
@@ -274,31 +371,72 @@ class Agent:
                                 retrying=True, in_s=round(delay, 2), attempt=backoff.attempt)
             else:
                 self._log.info("reconnecting", in_s=round(delay, 2), attempt=backoff.attempt, buffered=len(self._outage))
-            await self._sample_while_away(delay)
+            await self._stopped_within(delay)
 
-    async def _sample_while_away(self, duration_s: float) -> None:
-        """Keep sampling while the coordinator is unreachable, into a bounded
-        buffer sent on reconnect (oldest rounds dropped first, and counted)."""
-        end = self.clock() + duration_s
-        while not self._stop.is_set():
+    async def _stopped_within(self, seconds: float) -> bool:
+        """Wait ``seconds`` or until stopped; True when stopped."""
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout=max(0.0, seconds))
+        except asyncio.TimeoutError:
+            pass
+        return self._stop.is_set()
+
+    def _sampling(self) -> asyncio.Future:
+        """The backend read in progress, else a new one. One read at a time:
+        a round a stream left behind (it ended while NVML hung) is taken over
+        by the outage sampler, and the outage sampler's by the next stream's
+        first round, rather than a second thread reading alongside the first.
+        Await it through ``asyncio.shield`` or ``asyncio.wait``: it is never
+        cancelled, so that it says when the read is over."""
+        if self._inflight is None or self._inflight.done():
+            self._inflight = asyncio.ensure_future(self._read_backend())
+            # a failure no one waited for is not "never retrieved"
+            self._inflight.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._inflight
+
+    async def _read_backend(self) -> list | None:
+        """A round's samples; None once the host's GPUs are no longer the
+        ones registered (``InventoryChanged``): ``run`` then returns with
+        ``reread_wanted`` set and ``gpulb-agent`` exits 75, having logged
+        why and closed its stream and backend as at any stop."""
+        try:
+            if self.backend.name == "nvml":
+                # NVML calls block for up to milliseconds per GPU (and hang on a
+                # wedged driver); keep the loop free.
+                return await asyncio.to_thread(self.backend.sample)
+            return self.backend.sample()
+        except InventoryChanged as exc:
+            if self.reread_wanted is None:
+                self.reread_wanted = ("GPU_INVENTORY_CHANGED", str(exc))
+            self._stop.set()
+            self._wake.set()
+            return None
+
+    async def _sample_while_away(self) -> None:
+        """Runs as long as ``run``: while no stream is registered (the agent
+        connecting, waiting for the registration's ack, or waiting out its
+        backoff), a round every ``interval_max`` into a bounded buffer sent
+        first on the next stream (oldest rounds dropped first, and counted).
+        A round that ends after a stream registered meanwhile is not kept:
+        the buffer went out already, and the stream reads on live."""
+        while not await self._stopped_within(self.config.interval_max_s):
+            if self.connected.is_set():
+                continue
             now = self.clock()
-            if now >= end:
-                return
             try:
-                samples = await asyncio.to_thread(self.backend.sample) if self.backend.name == "nvml" else self.backend.sample()
+                samples = await asyncio.shield(self._sampling())
+            except asyncio.CancelledError:
+                raise
             except Exception:
                 self._log.exception("sample_failed")
-                samples = []
-            if samples:
+                continue
+            self._collect_task_events()
+            if samples and not self.connected.is_set():
                 values, present = samples_to_matrix(samples, self.gpu_order)
                 if len(self._outage) == self._outage.maxlen:
                     self.stats.dropped_rounds += 1
                 self._outage.append((now, self.wall_ns(), values, present))
                 self.stats.buffered_rounds += 1
-            try:
-                await asyncio.wait_for(self._stop.wait(), timeout=min(self.config.interval_max_s, max(0.0, end - now)))
-            except asyncio.TimeoutError:
-                pass
 
     async def _send_outage_buffer(self, call) -> None:
         """The rounds sampled while away, oldest first: a keyframe, then deltas."""
@@ -308,10 +446,42 @@ class Agent:
             if env is None:
                 continue
             msg = pb.AgentMessage(telemetry=env)
+            self._envelope_sent()
             await call.write(msg)
             self.stats.envelopes += 1
             self.stats.bytes_sent += msg.ByteSize()
             self.stats.keyframes += int(batch.keyframe)
+
+    def _envelope_sent(self) -> None:
+        """Before an envelope is written: the coordinator acks the first
+        envelope it applies at least ``COORDINATOR_ACK_EVERY_S`` after its
+        last ack, so one sent that long after the last ack arrived is owed
+        an ack (``_watch_acks``)."""
+        now = self.clock()
+        if self._ack_owed_since is None and now - self._last_ack_at >= COORDINATOR_ACK_EVERY_S:
+            self._ack_owed_since = now
+
+    def ack_timeout_s(self) -> float:
+        """How long an owed ack may be missing before the stream is taken
+        for dead: the heartbeat timeout (the coordinator's heartbeat
+        interval, which it sends, plus its grace)."""
+        return max(_ACK_TIMEOUT_FLOOR_S, self.config.heartbeat_interval_s + _ACK_GRACE_S)
+
+    async def _watch_acks(self) -> str:
+        """Returns (why) once an owed ack is missing past ``ack_timeout_s``:
+        the connection is silently dead (packets vanish: a partition, the
+        coordinator's host lost power), though writes into it still succeed
+        until TCP gives up, ~15 min on Linux. Heartbeats are not acked, so a
+        stream that sends only heartbeats (a round that hangs) owes none."""
+        while True:
+            timeout = self.ack_timeout_s()
+            owed = self._ack_owed_since
+            waited = 0.0 if owed is None else self.clock() - owed
+            if waited >= timeout:
+                return (f"no ack from the coordinator {waited:.1f} s after an envelope it acks (bound {timeout:g} s, "
+                        f"the heartbeat timeout): the connection is taken for dead (a network partition, or the "
+                        f"coordinator's host gone)")
+            await asyncio.sleep(min(1.0, timeout - waited))
 
     async def stop(self) -> None:
         self._stop.set()
@@ -320,6 +490,7 @@ class Agent:
     # ---- one stream ------------------------------------------------------
     async def _session(self, backoff: Backoff) -> None:
         cfg = self.config
+        self._refresh_token()
         async with self._channel_factory(cfg.coordinator) as channel:
             stub = pb_grpc.AgentGatewayStub(channel)
             call = stub.Connect(metadata=self._call_metadata)
@@ -327,6 +498,7 @@ class Agent:
             self.encoder.restart_stream()
             self._sent_processes.clear()
             self._sent_host_io = None
+            self._last_ack_at, self._ack_owed_since = -math.inf, None  # the stream's first envelope is acked
             register = register_message(
                 node_id=cfg.node_id,
                 hostname=cfg.hostname,
@@ -341,60 +513,53 @@ class Agent:
                 driver_version=driver_version_of(self.backend),
                 running_task_ids=self._running_task_ids(),
             )
-            await call.write(pb.AgentMessage(register=register))
+            # The write waits for the connection (gRPC gives a coordinator
+            # that accepts TCP but says nothing 20 s): a stop does not.
+            stopped = asyncio.ensure_future(self._stop.wait())
+            writing = asyncio.ensure_future(call.write(pb.AgentMessage(register=register)))
+            try:
+                await asyncio.wait({writing, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if not writing.done():
+                    writing.cancel()
+                    await asyncio.gather(writing, return_exceptions=True)
+                    call.cancel()
+                    return  # stopped while connecting
+                writing.result()
+            finally:
+                writing.cancel()
+                stopped.cancel()
             reader = asyncio.create_task(self._read_loop(call))
             try:
                 # Stream nothing until the coordinator accepted the registration:
                 # a refused stream then ends with the coordinator's status, not a
                 # local error from writing into a closed stream.
                 accepted = asyncio.create_task(self.connected.wait())
-                await asyncio.wait({accepted, reader}, timeout=_REGISTER_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+                stopped = asyncio.ensure_future(self._stop.wait())
+                await asyncio.wait({accepted, reader, stopped}, timeout=_REGISTER_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
                 accepted.cancel()
+                stopped.cancel()
+                if self._stop.is_set() and not self.connected.is_set() and not reader.done():
+                    return  # stopped while waiting for the registration's ack
                 if reader.done():
                     reader.result()  # raises the coordinator's status
                     raise _SessionEnded("coordinator closed the stream before accepting the registration")
                 if not self.connected.is_set():
                     raise _SessionEnded(f"no registration ack within {_REGISTER_TIMEOUT_S:g} s")
-                if self._outage:
-                    self._log.info("sending_outage_buffer", rounds=len(self._outage), dropped=self.stats.dropped_rounds)
-                    await self._send_outage_buffer(call)
-                first = True
-                last_sent = self.clock()
-                next_round = last_sent  # the first round at once
-                woken = False
-                while not self._stop.is_set():
-                    if reader.done():
-                        reader.result()  # raises the stream's error
-                        raise _SessionEnded("coordinator closed the stream")
-                    now = self.clock()
-                    if woken or now >= next_round:
-                        sent = await self._round(call, now)
-                        next_round = now + self._period
-                        if first and self.connected.is_set():
-                            first = False
-                            backoff.reset()
-                            self._log.info("streaming", coordinator=cfg.coordinator, gpus=len(self.gpu_order))
-                        if sent:
-                            last_sent = now
-                    if now - last_sent >= cfg.heartbeat_interval_s:
-                        await call.write(
-                            pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at_ns=self.wall_ns(), last_seq=self.encoder.seq))
-                        )
-                        self.stats.heartbeats += 1
-                        last_sent = now
-                    await self._send_task_events(call)
-                    self._wake.clear()
-                    # until the next round or, if sooner, the next heartbeat: a
-                    # sampling period above the heartbeat interval (interval_max
-                    # may be 60 s) had left the node UNREACHABLE between rounds
-                    wait_s = min(next_round, last_sent + cfg.heartbeat_interval_s) - self.clock()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, wait_s))
-                        woken = True
-                    except asyncio.TimeoutError:
-                        woken = False
-                if self._stop.is_set():
-                    await call.done_writing()
+                # The stream, watched for acks: a write into a dead connection
+                # can block for good (HTTP/2 flow control), so the watch is a
+                # task of its own that ends the stream from outside.
+                streaming = asyncio.create_task(self._stream(call, reader, backoff))
+                watch = asyncio.create_task(self._watch_acks())
+                try:
+                    done, _ = await asyncio.wait({streaming, watch}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watch.cancel()
+                    streaming.cancel()
+                    await asyncio.gather(streaming, watch, return_exceptions=True)
+                if streaming in done:
+                    streaming.result()  # raises the stream's error
+                else:
+                    raise _SessionEnded(watch.result())
             except grpc.aio.AioRpcError as exc:
                 # A write into a stream the coordinator already closed fails
                 # locally (INTERNAL); the reader sees the coordinator's real status.
@@ -408,15 +573,80 @@ class Agent:
                     pass
                 call.cancel()
 
+    async def _stream(self, call, reader: asyncio.Task, backoff: Backoff) -> None:
+        """A registered stream until stopped or broken: the outage buffer,
+        then a round per sampling period and a heartbeat whenever nothing
+        else went out for the heartbeat interval. A round is sampled in a
+        task of its own (``_sampling``), and heartbeats and task events go
+        out while it is in flight: an NVML call that hangs for a minute
+        leaves the node's readings stale, but the node alive and its tasks
+        leased, not declared lost and placed a second time."""
+        cfg = self.config
+        if self._outage:
+            self._log.info("sending_outage_buffer", rounds=len(self._outage), dropped=self.stats.dropped_rounds)
+            await self._send_outage_buffer(call)
+        first = True
+        last_sent = self.clock()
+        next_round = last_sent  # the first round at once
+        woken = False
+        sampling: asyncio.Future | None = None  # this stream's round being read
+        round_at = 0.0
+        while not self._stop.is_set():
+            if reader.done():
+                reader.result()  # raises the stream's error
+                raise _SessionEnded("coordinator closed the stream")
+            now = self.clock()
+            # A wake (a resync request, a hint, a reload's ack) while a round
+            # is in flight is served by that round: it is encoded after.
+            if sampling is None and (woken or now >= next_round):
+                sampling, round_at = self._sampling(), now
+            if sampling is not None and sampling.done():
+                samples = sampling.result()  # the backend's error ends the stream, as it always did
+                sampling = None
+                if samples is None:
+                    continue  # the GPUs changed: the agent stops (reread_wanted)
+                sent = await self._send_round(call, round_at, samples)
+                next_round = round_at + self._period
+                if first and self.connected.is_set():
+                    first = False
+                    backoff.reset()
+                    self._log.info("streaming", coordinator=cfg.coordinator, gpus=len(self.gpu_order))
+                if sent:
+                    last_sent = self.clock()
+            now = self.clock()
+            if now - last_sent >= cfg.heartbeat_interval_s:
+                await call.write(
+                    pb.AgentMessage(heartbeat=pb.Heartbeat(sent_at_ns=self.wall_ns(), last_seq=self.encoder.seq))
+                )
+                self.stats.heartbeats += 1
+                last_sent = now
+            await self._send_task_events(call)
+            self._wake.clear()
+            # until the next heartbeat, the next round (none while one is in
+            # flight: until it ends), a wake, or the stream's end: a sampling
+            # period above the heartbeat interval (interval_max may be 60 s),
+            # or a round that hangs, had left the node UNREACHABLE
+            due = last_sent + cfg.heartbeat_interval_s
+            if sampling is None:
+                due = min(due, next_round)
+            woken = await self._wait(due - self.clock(), reader, sampling)
+        await call.done_writing()
+
+    async def _wait(self, timeout_s: float, *futures: asyncio.Future | None) -> bool:
+        """Until ``timeout_s`` passed, one of ``futures`` is done (never
+        cancelling them) or the loop is woken; True when woken."""
+        wake = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({wake, *(f for f in futures if f is not None)}, timeout=max(0.0, timeout_s),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+        return self._wake.is_set()
+
     _period: float = 2.0
 
-    async def _round(self, call, now: float) -> bool:
-        """Sample, encode and send one round; True when an envelope went out."""
-        if self.backend.name == "nvml":
-            # NVML calls block for up to milliseconds per GPU; keep the loop free.
-            samples = await asyncio.to_thread(self.backend.sample)
-        else:
-            samples = self.backend.sample()
+    async def _send_round(self, call, now: float, samples) -> bool:
+        """Encode and send one round sampled from ``now``; True when an envelope went out."""
         self.stats.samples += len(samples)
         values, present = samples_to_matrix(samples, self.gpu_order)
         keyframe = self.encoder.keyframe_due(now)
@@ -438,6 +668,7 @@ class Agent:
         if env is None:
             return False
         msg = pb.AgentMessage(telemetry=env)
+        self._envelope_sent()
         await call.write(msg)
         self.stats.envelopes += 1
         self.stats.bytes_sent += msg.ByteSize()
@@ -478,28 +709,50 @@ class Agent:
                 )
         return out
 
-    async def _send_task_events(self, call) -> None:
+    def _collect_task_events(self) -> None:
+        """Take the backend's task events, each stamped with the wall time now
+        (within a round of when it happened), whether or not a stream is up:
+        the coordinator times a task's start and end by it (``at_ns``), so a
+        task that ended during an outage is not recorded as ending at the
+        reconnect, its run time stretched by the outage (QA pass 24)."""
         drain = getattr(self.backend, "drain_events", None)
         if drain is None:
             return
-        kinds = {
-            "started": pb.TASK_EVENT_KIND_STARTED,
-            "finished": pb.TASK_EVENT_KIND_FINISHED,
-            "failed": pb.TASK_EVENT_KIND_FAILED,
-            "oom_killed": pb.TASK_EVENT_KIND_OOM_KILLED,
-        }
-        for event in drain():
+        events = drain()
+        if not events:
+            return
+        now_ns = self.wall_ns()
+        for event in events:
+            if len(self._task_events) == self._task_events.maxlen:
+                self.stats.task_events_dropped += 1
+            self._task_events.append((now_ns, event))
+
+    _EVENT_KINDS = {
+        "started": pb.TASK_EVENT_KIND_STARTED,
+        "finished": pb.TASK_EVENT_KIND_FINISHED,
+        "failed": pb.TASK_EVENT_KIND_FAILED,
+        "oom_killed": pb.TASK_EVENT_KIND_OOM_KILLED,
+    }
+
+    async def _send_task_events(self, call) -> None:
+        """Write the task events not sent yet, oldest first; one is dropped
+        from the queue only once written, so a stream that breaks mid-way
+        loses none (the next stream sends them)."""
+        self._collect_task_events()
+        while self._task_events:
+            at_ns, event = self._task_events[0]
             await call.write(
                 pb.AgentMessage(
                     task_event=pb.TaskEvent(
                         task_id=event.task_id,
-                        kind=kinds.get(event.kind, pb.TASK_EVENT_KIND_UNSPECIFIED),
-                        at_ns=self.wall_ns(),
+                        kind=self._EVENT_KINDS.get(event.kind, pb.TASK_EVENT_KIND_UNSPECIFIED),
+                        at_ns=at_ns,
                         detail=event.detail,
                         peak_vram_mib=getattr(event, "peak_vram_mib", 0.0),
                     )
                 )
             )
+            self._task_events.popleft()
 
     def _running_task_ids(self) -> list[str]:
         """Tasks the backend runs for the coordinator (a simulated host), for
@@ -512,7 +765,10 @@ class Agent:
             body = msg.WhichOneof("body")
             if body == "ack":
                 self._last_ack = msg.ack.seq
+                self._last_ack_at, self._ack_owed_since = self.clock(), None
             elif body == "resync":
+                # an answer to an envelope too: the coordinator reads the stream
+                self._ack_owed_since = None
                 self.stats.resyncs_requested += 1
                 self._log.info("keyframe_requested", expected_seq=msg.resync.expected_seq, reason=msg.resync.reason)
                 self.encoder.request_keyframe()

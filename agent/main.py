@@ -21,6 +21,8 @@ from agent.backend import BackendUnavailable, GpuBackend, driver_version_of
 from agent.client import Agent, AgentConfig
 from coordinator.sdnotify import Notifier, WatchdogPinger
 from coordinator.view import _NODE_ID as NODE_ID  # the rule the coordinator registers node ids by
+from coordinator.view import RegistrationError, validate_register  # and labels by
+from protos import telemetry_pb2 as pb
 from protos.runtime import LOG_LEVELS, configure_logging
 
 __all__ = ["main", "build_backend", "open_backend", "parse_args", "build_parser", "EXIT_USAGE", "EXIT_REFUSED"]
@@ -36,10 +38,11 @@ EXIT_REFUSED = 78
 EXIT_REREAD = 75
 
 _EPILOG = (
-    "exit status: 0 stopped (SIGTERM, SIGINT); 2 a bad flag or --config option, or the backend, the token file or "
+    "exit status: 0 stopped (SIGTERM, SIGINT; SIGHUP is logged and changes nothing); 2 a bad flag or --config option "
+    "(a --coordinator that is not HOST:PORT, a node id or label the coordinator would refuse), or the backend, the token file or "
     "the TLS files cannot be used (unreadable, a key that is not the certificate's, a certificate expired or not yet "
     "valid); 78 the coordinator refused the registration with INVALID_ARGUMENT, UNAUTHENTICATED or "
-    "PERMISSION_DENIED (a label it refuses, a wrong token or certificate; a node id it would refuse exits 2 at start): the log line registration_refused "
+    "PERMISSION_DENIED (a wrong token or certificate; a node id or label it would refuse exits 2 at start): the log line registration_refused "
     "says what to fix, and retrying would not help (systemd: RestartPreventExitStatus=78); 75 the GPUs read wrong "
     "through NVML (a GPU that fell off the bus or a driver not up yet: refused as register.gpus) 5 times in a row, "
     "so a new process (systemd restarts it) reads them again. A node id or GPU held "
@@ -114,6 +117,14 @@ def _fail(message: str) -> None:
     raise SystemExit(EXIT_USAGE)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (argparse prints its whole usage,
+    a dozen lines, before it) and a pointer to --help; exit status 2."""
+
+    def error(self, message: str):
+        _fail(f"{message} (gpulb-agent --help lists the flags)")
+
+
 def _label(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -126,10 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpulb-agent", description="Stream this host's GPU telemetry to a gpulb coordinator.",
+    p = _Parser(prog="gpulb-agent", description="Stream this host's GPU telemetry to a gpulb coordinator.",
                                 epilog=_EPILOG)
     p.add_argument("--config", type=Path, help="TOML file; flags override it")
-    p.add_argument("--coordinator", help="HOST:PORT of the coordinator (default 127.0.0.1:50051)")
+    p.add_argument("--coordinator", help="HOST:PORT of the coordinator, port 1..65535, an IPv6 address in brackets "
+                                         "([::1]:50051) (default 127.0.0.1:50051)")
     p.add_argument("--node-id", help=f"this node's cluster-unique name, {NODE_ID_RULE} (default: the hostname)")
     p.add_argument("--backend", choices=("nvml", "sim", "auto"),
                    help="GPU backend (default auto: NVML, else simulated GPUs, which --check fails)")
@@ -137,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-seed", type=_number_flag("sim_seed"),
                    help="seed of the simulated GPUs' readings (default: from the node id); their UUIDs derive from node id, seed and index")
     p.add_argument("--sim-workload", choices=("synthetic", "idle", "replay"), help="simulated load (default synthetic)")
-    p.add_argument("--label", action="append", type=_label, default=[], help="node label KEY=VALUE (repeatable)")
+    p.add_argument("--label", action="append", type=_label, default=[], help="node label KEY=VALUE (repeatable); checked at start by the coordinator's rule: "
+                   "keys 1-63 of [A-Za-z0-9._/-] starting alphanumeric, values at most 256 characters, at most 64 labels")
     p.add_argument("--interval-min", type=_number_flag("interval_min"), help="fastest sampling period, s, 0.01..60 (default 0.2)")
     p.add_argument("--interval-max", type=_number_flag("interval_max"),
                    help="slowest sampling period, s, 0.01..60, at least --interval-min (default 2.0)")
@@ -206,7 +219,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             settings[key] = value
             where[key] = "--" + key.replace("_", "-")
     settings["labels"] = {**settings["labels"], **dict(args.label)}
+    _check_coordinator(settings["coordinator"], where["coordinator"], args.config)
     _check_node_id(settings["node_id"], where["node_id"], args.config)
+    _check_labels(settings["labels"], dict(args.label), args.config)
     if settings["interval_min"] > settings["interval_max"]:
         def said(key: str) -> str:
             value = f"{settings[key]:g} s"
@@ -226,6 +241,74 @@ def _check_node_id(node_id: str, where: str, path: Path | None) -> None:
               f"{NODE_ID_RULE}; give one with --node-id or node_id in --config")
     said = "argument --node-id:" if where.startswith("--") else f"{path}: option 'node_id'"
     _fail(f"{said} {node_id!r} is not a node id the coordinator accepts: it must be {NODE_ID_RULE}")
+
+
+def coordinator_problem(target: str) -> str | None:
+    """Why ``target`` is not HOST:PORT to dial, or None. The port is 1..65535
+    (gRPC would dial 443 for a missing one and another port for one past
+    65535); an IPv6 address goes in brackets, as the coordinator's own
+    listen addresses are written ([::1]:50051)."""
+    host, sep, port = target.rpartition(":")
+    if not sep or target.endswith("]"):
+        return "no port"
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        return f"the port must be 1..65535, got {port!r}"
+    if host.startswith("[") or host.endswith("]"):
+        inner = host[1:-1] if host.startswith("[") and host.endswith("]") else ""
+        if not inner or "[" in inner or "]" in inner or any(c.isspace() for c in inner):
+            return f"{host!r} is not an address in brackets"
+        return None
+    if not host:
+        return "no host"
+    if any(c.isspace() or c in "/?#@[]" for c in host):  # a URI ("dns:///h:1"), a typo
+        return f"{host!r} is not a host name or address"
+    if ":" in host:
+        return "an IPv6 address goes in brackets, as in [::1]:50051"
+    return None
+
+
+def _check_coordinator(target: str, where: str, path: Path | None) -> None:
+    """Exit 2 at start on a coordinator address that is not HOST:PORT: it
+    was dialled as it came, retried for ever under systemd."""
+    problem = coordinator_problem(target)
+    if problem is None:
+        return
+    said = "argument --coordinator:" if where.startswith("--") else f"{path}: option 'coordinator'"
+    _fail(f"{said} {target!r} is not HOST:PORT ({problem})")
+
+
+def _check_labels(labels: dict[str, str], from_flags: dict[str, str], path: Path | None) -> None:
+    """Exit 2 at start on labels the coordinator refuses at registration,
+    checked by its own rule (``validate_register``): found there, it was
+    exit 78 after connecting, and a failed systemd unit."""
+    if not labels:
+        return
+
+    def said(key: str) -> str:
+        if key in from_flags:
+            return f"argument --label: {f'{key}={labels[key]}'!r}"
+        return f"{path}: [agent.labels] {key!r} = {labels[key]!r}"
+
+    # a registration valid but for the labels: only they can be refused
+    probe = pb.Register(node_id="label-check", backend="sim",
+                        gpus=[pb.GpuInfo(index=0, uuid="GPU-label-check", memory_total_mib=1)])
+    for key, value in labels.items():
+        try:
+            probe.labels[key] = value
+        except ValueError as exc:  # UnicodeEncodeError: bytes of no encoding on the command line
+            _fail(f"{said(key)}: not UTF-8 text ({exc})")
+    try:
+        validate_register(probe)
+    except RegistrationError as exc:
+        if not exc.field.startswith("register.labels"):
+            return  # the probe's own fields: nothing the operator gave
+        rule = str(exc)[len(exc.field) + 2:]
+        key = next((k for k in labels if exc.field == f"register.labels[{k!r}]"), None)
+        if key is None:  # the labels as a whole: too many
+            where = (f"--label and [agent.labels] in {path}" if path is not None and from_flags
+                     else "--label" if from_flags else f"{path}: [agent.labels]")
+            _fail(f"{where}: {rule}: the coordinator refuses them at registration")
+        _fail(f"{said(key)} is a label the coordinator refuses at registration: {rule}")
 
 
 def _checked_option(key: str, value: Any, path: Path) -> Any:
@@ -364,6 +447,7 @@ async def _run(settings: dict[str, Any]) -> int:
         cert_file=settings["cert_file"],
         key_file=settings["key_file"],
         token=token,
+        token_file=settings["token_file"],
     )
     agent = Agent(config, backend, io_monitor=DiskIoMonitor())
     notifier = Notifier.from_environ(os.environ)
@@ -376,6 +460,9 @@ async def _run(settings: dict[str, Any]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
+    # SIGHUP (a `kill -HUP`, or `pkill -HUP gpulb` meant for the coordinator)
+    # had ended the agent silently, a clean exit to systemd: not restarted
+    loop.add_signal_handler(signal.SIGHUP, _sighup)
     rewind = getattr(backend, "rewind_background", None)
     if rewind is not None:
         # The simulator only: SIGUSR1 replays the other tenants' load from its
@@ -412,6 +499,12 @@ async def _run(settings: dict[str, Any]) -> int:
             return exit_code
     log.info("agent_stopped", node_id=config.node_id, envelopes=agent.stats.envelopes, bytes=agent.stats.bytes_sent)
     return 0
+
+
+def _sighup() -> None:
+    log.info("sighup", reloaded="nothing",
+             detail="the agent reads its token file and TLS certificate files again at each connection to the "
+                    "coordinator; any other change (agent.toml, flags) needs a restart: systemctl restart gpulb-agent")
 
 
 async def _report_status(agent: Agent, notifier: Notifier, backend: str) -> None:

@@ -224,7 +224,8 @@ class TelemetryIngest:
             for i in np.flatnonzero(bad):
                 p = pending[int(items[order[i]])]
                 if p.node.node_id not in out:
-                    value = float(ds[i]) if too_big[i] else float(new[i])
+                    # the reading: a delta too big to sum was left out of new
+                    value = float(int(new[i]) + int(ds[i])) if too_big[i] else float(new[i])
                     out[p.node.node_id] = self._rejection(p.node, int(rows[order[i]]), int(col_sorted[i]), value)
             return list(out.values())
         lasts = np.append(firsts[1:] - 1, ks.size - 1)

@@ -119,12 +119,21 @@ def test_node_ids_are_checked_by_the_coordinators_rule(monkeypatch, capsys):
 
 def test_check_rounds_0_is_a_usage_error_like_any_bad_flag(capsys):
     """`--check --check-rounds 0` printed a bare "--check-rounds must be >= 1,
-    got 0" (no program name, no usage line), --json or not: now argparse's
-    error and exit 2, as for any other bad flag."""
+    got 0" (no program name), --json or not: now the error line of any other
+    bad flag, and exit 2."""
     for extra in ([], ["--json"]):
         code, err = _exit(["--check", "--no-coordinator", "--check-rounds", "0", *extra], capsys)
-        assert code == 2 and err.startswith("usage: gpulb-agent"), err
-        assert err.rstrip().endswith("gpulb-agent: error: argument --check-rounds: must be an integer >= 1, got 0"), err
+        assert code == 2 and err.startswith("gpulb-agent: error: argument --check-rounds: must be an integer >= 1, got 0"), err
+
+
+@pytest.mark.parametrize("argv", [["--sim-gpus", "0"], ["--bogus"], ["--backend", "cuda"], ["--node-id"], ["--interval-max", "x"]])
+def test_a_bad_flag_is_one_error_line_with_a_pointer_to_help(argv, capsys):
+    """README: "one error line naming it". argparse printed its usage first,
+    12 lines in all: now the error line alone, which points to --help."""
+    code, err = _exit(argv, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("gpulb-agent: error: ") and "gpulb-agent --help" in err, err
+    assert "usage:" not in err
 
 
 def test_every_flag_says_what_it_does():
@@ -145,3 +154,91 @@ def test_the_command_line_exits_2_without_a_traceback():
     out = subprocess.run([sys.executable, "-m", "agent.main", "--backend", "sim", "--sim-gpus", "0"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "--sim-gpus" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+# ---- --coordinator: HOST:PORT, checked at start -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target, problem",
+    [
+        ("127.0.0.1", "no port"),  # gRPC dialled 443
+        (":99999", "the port must be 1..65535, got '99999'"),  # dialled 99999 mod 65536
+        ("h:0", "the port must be 1..65535, got '0'"),
+        ("h:-1", "the port must be 1..65535, got '-1'"),
+        ("h:http", "the port must be 1..65535, got 'http'"),
+        ("", "no port"),  # "the target uri is not valid: dns:///", retried for ever
+        ("not a target", "no port"),
+        (":50051", "no host"),
+        ("::1:50051", "an IPv6 address goes in brackets, as in [::1]:50051"),
+        ("[::1]", "no port"),
+        ("[]:50051", "'[]' is not an address in brackets"),
+        ("a b:50051", "'a b' is not a host name or address"),
+        ("dns:///h:50051", "'dns:///h' is not a host name or address"),
+    ],
+)
+def test_a_coordinator_that_is_not_host_port_exits_2_at_start(target, problem, capsys):
+    """QA: `127.0.0.1` dialled port 443, `:99999` another port, `""` retried
+    for ever, and `--check --no-coordinator` passed them all."""
+    for extra in ([], ["--check", "--no-coordinator"]):
+        code, err = _exit([*extra, "--coordinator", target], capsys)
+        assert code == 2 and err == f"gpulb-agent: error: argument --coordinator: {target!r} is not HOST:PORT ({problem})\n", err
+
+
+def test_a_coordinator_in_the_config_file_is_named_with_the_file(tmp_path, capsys):
+    path = tmp_path / "agent.toml"
+    path.write_text('[agent]\ncoordinator = "10.0.0.5"\n')
+    with pytest.raises(SystemExit) as info:
+        agent_main.main(["--backend", "sim", "--config", str(path), "--check", "--no-coordinator"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err == f"gpulb-agent: error: {path}: option 'coordinator' '10.0.0.5' is not HOST:PORT (no port)\n", err
+    # a flag overrides the file, and only what is used is checked
+    settings = agent_main._settings(agent_main.parse_args(["--config", str(path), "--coordinator", "10.0.0.5:50051"]))
+    assert settings["coordinator"] == "10.0.0.5:50051"
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:50051", "[::1]:50051", "[fe80::1%eth0]:1", "gpu-coord.example.org:65535", "h:1"])
+def test_host_port_coordinators_are_taken(target):
+    assert agent_main._settings(agent_main.parse_args(["--coordinator", target]))["coordinator"] == target
+
+
+# ---- labels: the coordinator's rule, at start -----------------------------------------------------
+
+
+LABEL_RULE = "keys are 1-63 of [A-Za-z0-9._/-], values at most 256 characters"
+
+
+@pytest.mark.parametrize(
+    "label, said",
+    [
+        ("a b=c", "argument --label: 'a b=c'"),
+        ("-rack=r1", "argument --label: '-rack=r1'"),
+        ("k" * 64 + "=v", "argument --label: 'kkk"),
+        ("rack=" + "v" * 257, "argument --label: 'rack=vvv"),
+    ],
+)
+def test_a_label_the_coordinator_refuses_exits_2_at_start(label, said, capsys):
+    """QA: `--label "a b=c" --check` passed, and a run exited 78 after
+    connecting (registration_refused, a failed unit)."""
+    for extra in (["--check", "--no-coordinator"], []):
+        code, err = _exit([*extra, "--label", "rack=r1", f"--label={label}"], capsys)
+        assert code == 2 and err.startswith(f"gpulb-agent: error: {said}") and len(err.splitlines()) == 1, err
+        assert err.rstrip().endswith(f"is a label the coordinator refuses at registration: {LABEL_RULE}"), err
+
+
+def test_labels_from_the_file_are_named_with_the_file_and_too_many_are_refused(tmp_path, capsys):
+    path = tmp_path / "agent.toml"
+    path.write_text('[agent]\nnode_id = "n1"\n[agent.labels]\nrack = "r1"\n"a b" = "c"\n')
+    with pytest.raises(SystemExit) as info:
+        agent_main.main(["--backend", "sim", "--config", str(path), "--check", "--no-coordinator"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err == (f"gpulb-agent: error: {path}: [agent.labels] 'a b' = 'c' is a label the "
+                                            f"coordinator refuses at registration: {LABEL_RULE}\n"), err
+    code, err = _exit([arg for i in range(65) for arg in ("--label", f"k{i}=v")], capsys)
+    assert code == 2 and err == "gpulb-agent: error: --label: 65 labels; at most 64: the coordinator refuses them at registration\n", err
+
+
+def test_labels_the_coordinator_takes_are_taken():
+    labels = ["rack=r1", "topology.kubernetes.io/zone=eu-1a", "k" * 63 + "=" + "v" * 256, "empty="]
+    settings = agent_main._settings(agent_main.parse_args([arg for label in labels for arg in ("--label", label)]))
+    assert settings["labels"] == dict(label.split("=", 1) for label in labels)

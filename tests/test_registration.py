@@ -305,10 +305,22 @@ async def test_an_agent_refused_with_invalid_argument_stops_instead_of_retrying(
     assert len(refused) == 1 and refused[0]["log_level"] == "error" and refused[0]["retrying"] is False
 
 
-async def test_gpulb_agent_exits_78_naming_the_refused_field(coord):
+async def test_gpulb_agent_exits_78_naming_the_refused_field(tmp_path):
+    """A token the coordinator does not know (a bad node id or label is
+    refused at start: exit 2, test_agent_flags.py)."""
+    import json
+
+    from coordinator.security import Security, TokenAuth, hash_token
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tokens": {hash_token("agent-tok"): {"role": "agent", "name": "gpu-hosts"}}}))
+    token_file = tmp_path / "agent.token"
+    token_file.write_text("not-a-known-token\n")
+    coord = Coordinator(CoordinatorConfig(listen="127.0.0.1:0"), security=Security(tokens=TokenAuth.from_file(tokens), insecure=True))
+    port = await coord.start()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agent.main", "--coordinator", f"127.0.0.1:{coord.port}", "--node-id", "good-id",
-        "--label", "bad key!=x", "--backend", "sim", "--sim-gpus", "1", "--log-format", "json",
+        sys.executable, "-m", "agent.main", "--coordinator", f"127.0.0.1:{port}", "--node-id", "good-id",
+        "--token-file", str(token_file), "--backend", "sim", "--sim-gpus", "1", "--log-format", "json",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
@@ -316,10 +328,10 @@ async def test_gpulb_agent_exits_78_naming_the_refused_field(coord):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        await coord.stop(grace_s=0.1)
     text = out.decode()
     assert proc.returncode == 78, text
-    # a label the coordinator refuses (a bad node id is refused at start: exit 2, test_agent_flags.py)
-    assert '"event": "registration_refused"' in text and "register.labels" in text and "INVALID_ARGUMENT" in text
+    assert '"event": "registration_refused"' in text and "UNAUTHENTICATED" in text
     assert '"exit_code": 78' in text
 
 
