@@ -45,13 +45,14 @@ import structlog
 from agent.backend import GpuBackend, GpuProcess, InventoryChanged, driver_version_of
 from agent.sampler import AdaptiveInterval
 from agent.telemetry import movement, process_lists, register_message, samples_to_matrix
+from protos.runtime import release
 from protos import telemetry_pb2 as pb
 from protos import telemetry_pb2_grpc as pb_grpc
 from protos.codec import DEADBANDS, TelemetryEncoder
 
 __all__ = ["AgentConfig", "Agent", "AgentStats", "Backoff", "AGENT_VERSION", "FATAL_AT_REGISTRATION"]
 
-AGENT_VERSION = "0.1.0"
+AGENT_VERSION = release()  # the package version, and its commit when run from a checkout
 log = structlog.get_logger("gpulb.agent")
 
 # host IO deadbands: 1 ms of await, 1 % of busy time

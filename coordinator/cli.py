@@ -648,7 +648,8 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         # page by page (a reply holds what fits in a message), up to --limit in all
         while True:
             reply = stub.ListTasks(
-                tpb.ListTasksRequest(state=state, tenant=args.tenant or "", limit=limit - len(tasks), page_token=token),
+                tpb.ListTasksRequest(state=state, tenant=args.tenant or "", limit=limit - len(tasks), page_token=token,
+                                     paged=True),
                 timeout=args.timeout,
             )
             tasks.extend(reply.tasks)
@@ -658,6 +659,9 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     _print_tasks(tasks, args.json, wide=args.wide, args=args)
     if token and len(tasks) >= limit and not args.json:
         print(f"gpulb: tasks: the first {limit}; there are more (--limit N, --state, --tenant)", file=sys.stderr)
+    elif not token and len(tasks) >= limit and not args.json:
+        # a coordinator from before paging sends no token: a full page may not be all
+        print(f"gpulb: tasks: the first {limit}; there may be more (--limit N, --state, --tenant)", file=sys.stderr)
     return 0
 
 
@@ -808,7 +812,7 @@ def cmd_advisor(args: argparse.Namespace) -> int:
             # the backfill's margin once above backfill_estimate_factor
             print(render_table(["MODEL", "KIND", "SLOWDOWN", "PRIOR", "SAMPLES", "MAPE", "OVERRUN P90"],
                                [[f.model, f.kind or "(all)", f"{f.slowdown:.3f}", f"{f.prior:.3f}", f.samples, _ratio_pct(f.mape_ratio),
-                                 "-" if math.isnan(f.overrun_ratio) else f"{f.overrun_ratio:.2f}x"]
+                                 "-" if not f.overrun_ratio > 0 else f"{f.overrun_ratio:.2f}x"]
                                 for f in got.models]))
             if got.nodes:
                 print(render_table(["NODE", "RESIDUAL", "SAMPLES", "MAPE"],

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import importlib.metadata
 import itertools
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -42,6 +41,7 @@ from prometheus_client.utils import floatToGoString
 from coordinator.advisor import ADVISOR_METRIC_NAMES
 from coordinator.config import CoordinatorConfig
 from coordinator.security import AuthError
+from protos.runtime import release
 from protos import cluster_pb2 as cpb
 from protos.fields import BY_NAME
 
@@ -60,13 +60,6 @@ def _label(value: str) -> str:
 
 def _help(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _release() -> str:
-    try:
-        return importlib.metadata.version("gpulb")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout not installed
-        return "unknown"
 
 
 # The *_created series double the exposition for no alerting or dashboard use.
@@ -300,8 +293,8 @@ class CoordinatorMetrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
-        Gauge("gpulb_coordinator_info", "The coordinator's release (always 1)", ["version"],
-              registry=r).labels(_release()).set(1)
+        Gauge("gpulb_coordinator_info", "The coordinator's release (always 1): the package version, and its commit "
+              "when run from a checkout", ["version"], registry=r).labels(release()).set(1)
         # Prometheus' own names for its configuration reloads
         self.reload_successful = Gauge(
             "gpulb_config_last_reload_successful",

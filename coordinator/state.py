@@ -99,7 +99,13 @@ __all__ = [
 log = structlog.get_logger("gpulb.state")
 
 DB_NAME = "gpulb.sqlite3"
-SCHEMA_VERSION = 1
+#: 1: tasks, policy, learned state. 2: node_admin (cordons and drains) is
+#: part of the state: a release that reads 1 would open a state of 2 and drop
+#: its cordons without a word (QA pass 24: work placed on a node under
+#: maintenance after a rollback, and the stale cordon back after the next
+#: upgrade), so it must refuse it, which is what the version is for. A
+#: table whose loss changes what the coordinator does bumps it.
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -390,6 +396,7 @@ class TaskStore:
             # kinds) are the cluster's business, not every local user's. SQLite
             # gives its -wal and -shm files the database file's mode.
             os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+            self._owner_only()
             self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
             self._init_db()
         except BaseException as exc:
@@ -407,6 +414,20 @@ class TaskStore:
             self._checkpointer.start()
 
     # ---- opening -----------------------------------------------------------------
+    def _owner_only(self) -> None:
+        """A database (and its -wal, -shm) made by an older release, or by
+        hand, open to group or others is made owner-only, as a new one is
+        created: the mode applies at creation only, so an upgrade kept the
+        tenants' specs readable by every local user (QA pass 24)."""
+        for path in (self.path, Path(f"{self.path}-wal"), Path(f"{self.path}-shm")):
+            try:
+                mode = path.stat().st_mode & 0o777
+                if mode & 0o077:
+                    os.chmod(path, mode & 0o700)
+                    log.warning("state_file_mode_fixed", path=str(path), was=oct(mode), now=oct(mode & 0o700))
+            except FileNotFoundError:
+                continue
+
     @staticmethod
     def _take_lock(lock_path: Path) -> int:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -436,9 +457,15 @@ class TaskStore:
             db.execute("PRAGMA wal_autocheckpoint=0")
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
-            raise StateError(f"{self.path}: schema version {version} is newer than this gpulb ({SCHEMA_VERSION})")
+            raise StateError(f"{self.path}: schema version {version} is newer than this gpulb ({SCHEMA_VERSION}): a "
+                             "newer release wrote it; run that release, or put back the copy of the state taken "
+                             "before the upgrade (README, \"Upgrading\")")
         # one script, one transaction: a crash while creating leaves no half schema
         db.executescript(f"BEGIN IMMEDIATE;{_SCHEMA};PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
+        if 0 < version < SCHEMA_VERSION:
+            log.warning("state_schema_upgraded", path=str(self.path), old=version, new=SCHEMA_VERSION,
+                        detail="releases before this one refuse this state from now on: to roll back, put back the "
+                               "copy taken before the upgrade (database and -wal file)")
         row = db.execute("SELECT COALESCE(MAX(MAX(submit_seq), MAX(entry_seq)), 0) FROM tasks").fetchone()
         self._seq = int(row[0])
 

@@ -6,12 +6,15 @@ a terminal gets structlog's readable console renderer.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
 import sys
+from pathlib import Path
 
 import structlog
 
-__all__ = ["configure_logging", "LOG_LEVELS"]
+__all__ = ["configure_logging", "LOG_LEVELS", "release"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -91,3 +94,40 @@ def _route_stdlib_logging(level: str, renderer, stream) -> None:
     root.setLevel(max(wanted, logging.WARNING))
     for package in ("scheduler", "coordinator", "agent", "protos"):
         logging.getLogger(package).setLevel(wanted)
+
+
+@functools.cache
+def release() -> str:
+    """This gpulb's release, as agents register it (``agent_version``, in
+    ``gpulb nodes`` and ``gpulb_node_info``) and the coordinator exports it
+    (``gpulb_coordinator_info``): the package version, and, run from a git
+    checkout, its commit (``0.24.0+g1a2b3c4d5e``, a PEP 440 local version),
+    so that a rolling upgrade shows which hosts run what even between two
+    version bumps (QA pass 24: every commit said 0.1.0)."""
+    try:
+        version = importlib.metadata.version("gpulb")
+    except importlib.metadata.PackageNotFoundError:  # run from a tree not installed
+        version = "0+unknown"
+    commit = _checkout_commit(Path(__file__).resolve().parents[1] / ".git")
+    return f"{version}+g{commit[:10]}" if commit and "+" not in version else version
+
+
+def _checkout_commit(git: Path) -> str | None:
+    """The commit a git checkout's HEAD names, read from its files (no git
+    binary on a GPU host, say); None when there is no checkout or it cannot
+    be read."""
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head if len(head) >= 40 else None  # a detached HEAD
+        ref = head[5:]
+        loose = git / ref
+        if loose.is_file():
+            return loose.read_text().strip()
+        for line in (git / "packed-refs").read_text().splitlines():
+            sha, _, name = line.partition(" ")
+            if name == ref:
+                return sha
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None

@@ -196,16 +196,18 @@ class GetTaskRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ...) -> None: ...
 
 class ListTasksRequest(_message.Message):
-    __slots__ = ("state", "tenant", "limit", "page_token")
+    __slots__ = ("state", "tenant", "limit", "page_token", "paged")
     STATE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAGED_FIELD_NUMBER: _ClassVar[int]
     state: TaskState
     tenant: str
     limit: int
     page_token: str
-    def __init__(self, state: _Optional[_Union[TaskState, str]] = ..., tenant: _Optional[str] = ..., limit: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    paged: bool
+    def __init__(self, state: _Optional[_Union[TaskState, str]] = ..., tenant: _Optional[str] = ..., limit: _Optional[int] = ..., page_token: _Optional[str] = ..., paged: _Optional[bool] = ...) -> None: ...
 
 class ListTasksResponse(_message.Message):
     __slots__ = ("tasks", "next_page_token")

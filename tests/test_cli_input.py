@@ -482,3 +482,42 @@ def test_what_agents_and_tenants_write_cannot_drive_the_operators_terminal():
     assert len(table.splitlines()) == 4  # header, rule, two rows: no injected row
     assert "\\x1b]0;PWNED\\x07" in table and "\\n" in table and "\\u202e" in table
     assert "rack=r2 🚀" in table and safe_text("plain text, é") == "plain text, é"
+
+
+def test_the_cli_against_a_coordinator_from_before_paging_and_the_overrun_column(capsys):
+    """QA pass 24 (upgrades): a coordinator from before ListTasks paging
+    sends no next_page_token, so a full page ended the listing without the
+    'may be more' the CLI said before; and one from before overrun_ratio
+    sends 0, which read as '0.00x' (a run taking none of its predicted time)."""
+    from concurrent import futures
+
+    import grpc
+
+    from protos import advisor_pb2 as apb
+    from protos import advisor_pb2_grpc as apb_grpc
+    from protos import tasks_pb2_grpc as tpb_grpc
+
+    class OldScheduler(tpb_grpc.SchedulerServicer):
+        def ListTasks(self, request, context):  # ignores page_token and paged, as an old one does
+            return tpb.ListTasksResponse(tasks=[tpb.Task(spec=tpb.TaskSpec(task_id=f"t{i}")) for i in range(request.limit)])
+
+    class OldAdvisor(apb_grpc.AdvisorServicer):
+        def GetPredictions(self, request, context):
+            return apb.GetPredictionsResponse(samples=3, models=[
+                apb.SpeedFactor(model="RTX 4090", kind="training", slowdown=1.1, prior=1.0, samples=3)])
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    tpb_grpc.add_SchedulerServicer_to_server(OldScheduler(), server)
+    apb_grpc.add_AdvisorServicer_to_server(OldAdvisor(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        argv = ["--coordinator", f"127.0.0.1:{port}"]
+        assert main(argv + ["tasks", "--limit", "3"]) == 0
+        captured = capsys.readouterr()
+        assert "t2" in captured.out and "the first 3; there may be more" in captured.err
+        assert main(argv + ["advisor", "predictions"]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if "training" in line)
+        assert row.rstrip().endswith("-") and "0.00x" not in row
+    finally:
+        server.stop(0)

@@ -291,7 +291,7 @@ def _labels(i: int) -> dict[str, str]:
 async def _pages(stub, md, **request) -> list[tpb.ListTasksResponse]:
     pages, token = [], ""
     while True:
-        reply = await stub.ListTasks(tpb.ListTasksRequest(page_token=token, **request), metadata=md, timeout=10)
+        reply = await stub.ListTasks(tpb.ListTasksRequest(page_token=token, paged=True, **request), metadata=md, timeout=10)
         pages.append(reply)
         token = reply.next_page_token
         if not token:
@@ -316,7 +316,14 @@ async def test_list_tasks_pages_stay_under_the_message_limit_and_reach_every_tas
                                          metadata=ALICE, timeout=10)
             order = [f"big-{i:03d}" for i in range(20)] + ["bob-0", "bob-1"] + [f"big-{i:03d}" for i in range(20, 40)]
 
-            # the default call: one page under the limit (was RESOURCE_EXHAUSTED), then the rest
+            # a client that does not say it pages (one written before paging,
+            # which would take a short page for the whole listing) is told
+            # the listing does not fit, naming the field, as before paging
+            error = await _error(stub.ListTasks(tpb.ListTasksRequest(), metadata=ADMIN, timeout=10))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error.details().startswith("paged: ")
+            assert len((await stub.ListTasks(tpb.ListTasksRequest(limit=5), metadata=ADMIN, timeout=10)).tasks) == 5
+
+            # paged: one page under the limit (was RESOURCE_EXHAUSTED), then the rest
             pages = await _pages(stub, ADMIN)
             assert len(pages) > 1 and all(p.ByteSize() < limit for p in pages)
             assert [t.spec.task_id for p in pages for t in p.tasks] == order

@@ -171,3 +171,24 @@ def test_print_config_shows_the_warnings_the_daemon_would_log(monkeypatch, capsy
     monkeypatch.setenv("GPULB_HEARTBEAT_INTERVAL_SS", "5")
     assert coordinator_main.main(["--insecure", "--print-config"]) == 0
     assert "did you mean GPULB_HEARTBEAT_INTERVAL_S" in capsys.readouterr().err
+
+
+def test_the_release_names_the_version_and_the_checkouts_commit() -> None:
+    """QA pass 24 (upgrades): every commit registered and exported 0.1.0, so
+    a rolling upgrade over days could not show which hosts were done."""
+    import re
+
+    from agent.client import AGENT_VERSION
+    from protos.runtime import _checkout_commit, release
+
+    root = Path(__file__).resolve().parents[1]
+    version = release()
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\+g[0-9a-f]{10})?", version), version
+    assert AGENT_VERSION == version
+    commit = _checkout_commit(root / ".git")
+    if commit is not None:  # a git checkout (CI runs in a clone)
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        if head.returncode == 0:
+            assert commit == head.stdout.strip()
+        assert version.endswith("+g" + commit[:10])
+    assert _checkout_commit(root / "no-such-dir") is None

@@ -434,6 +434,34 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
         TaskStore(tmp_path / "s.db")
 
 
+def test_a_schema_1_state_is_upgraded_with_its_cordons_and_made_owner_only(tmp_path: Path) -> None:
+    """A state written by a release of schema 1 (before cordons were part of
+    it, as far as the version said) opens, keeps its tasks, and is marked 2,
+    so that a release reading 1 refuses it instead of dropping its cordons
+    (QA pass 24: a rollback placed work on a node under maintenance). One
+    left readable by others by that release is made owner-only."""
+    from structlog.testing import capture_logs
+
+    path = tmp_path / "s.db"
+    with TaskStore(path) as store:
+        store.save_tasks([queued_task(1)])
+        store.save_node_admin("gpu-01", "CORDONED")
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version=1")
+    db.close()
+    os.chmod(path, 0o644)
+    with capture_logs() as logs:
+        with TaskStore(path) as store:
+            assert [t.task_id for t in store.load().tasks] == [queued_task(1).task_id]
+            assert store.load_node_admin() == {"gpu-01": "CORDONED"}
+    assert SCHEMA_VERSION == 2
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    events = {e["event"]: e for e in logs}
+    assert events["state_schema_upgraded"]["old"] == 1
+    assert events["state_file_mode_fixed"]["was"] == "0o644"
+
+
 def test_background_checkpoint_keeps_the_wal_small(tmp_path: Path) -> None:
     with TaskStore(tmp_path / "s.db", background_checkpoint_s=0.05) as store:
         store.save_tasks(queued_task(i) for i in range(2000))
