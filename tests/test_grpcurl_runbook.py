@@ -141,6 +141,12 @@ async def test_runbook_commands_work_through_reflection_alone():
             # queue
             queue = _objects(await grpcurl(target, "gpulb.v1.Scheduler/GetQueue"))[0]
             assert 1 <= int(queue["placed"]) <= 3  # runbook-1, and enc-1/2 once placed (uint64 is a JSON string)
+            # list tasks a page at a time, as the runbook's line does
+            page = _objects(await grpcurl(target, "gpulb.v1.Scheduler/ListTasks", data={"limit": 1, "paged": True}))[0]
+            assert len(page["tasks"]) == 1 and page["next_page_token"]
+            rest = _objects(await grpcurl(target, "gpulb.v1.Scheduler/ListTasks",
+                                          data={"limit": 100, "paged": True, "page_token": page["next_page_token"]}))[0]
+            assert page["tasks"][0]["spec"]["task_id"] not in {t["spec"]["task_id"] for t in rest["tasks"]}
             # drain a node
             drained = _objects(await grpcurl(target, "gpulb.v1.ClusterOperator/DrainNode", data={"node_id": "sim-02", "reason": "runbook"}))[0]
             assert drained["node"]["state"] == "NODE_STATE_DRAINING"
