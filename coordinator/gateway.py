@@ -380,6 +380,13 @@ class AgentGateway(pb_grpc.AgentGatewayServicer):
         bound = self.alive_window_s()
         if unread <= bound:
             return
+        # time the coordinator itself did not run (its event loop held by a
+        # long dispatch pass, a GC pause, SIGSTOP) is not the agent's: it
+        # could not write then (QA pass 24: a 100k-task queue's passes closed
+        # every agent's stream as "not reading" while the loop was the one stuck)
+        unread -= self.coordinator.liveness.stalled_within(unread)
+        if unread <= bound:
+            return
         self.closed_not_reading += 1
         session.not_reading = True
         waiting = len(session.control) + len(session.chatter) + (session.writing_since is not None)

@@ -62,6 +62,7 @@ watcher can tell without comparing snapshots.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import inspect
 import time
@@ -198,6 +199,8 @@ class NodeLiveness:
         self._nodes: dict[str, _Node] = {}
         self._events: list[LivenessEvent] = []
         self.version = 0  # bumps when a node's state as shown may have changed
+        #: (when it was measured, s long) of the coordinator's recent stalls
+        self._stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
 
     # ------------------------------------------------------------ internals
     def _get(self, node_id: str) -> _Node:
@@ -332,12 +335,20 @@ class NodeLiveness:
         if seconds <= 0:
             return 0
         now = self._clock()
+        self._stalls.append((now, float(seconds)))
         excused = 0
         for node in self._nodes.values():
             if node.liveness is not Liveness.REMOVED:
                 node.excused_s = min(node.excused_s + seconds, max(0.0, now - node.last_seen_s))
                 excused += 1
         return excused
+
+    def stalled_within(self, window_s: float) -> float:
+        """Seconds the coordinator did not run, of stalls measured within the
+        last ``window_s`` (a wait that long is not a peer's fault for that
+        much: the gateway's not-reading check)."""
+        since = self._clock() - window_s
+        return sum(seconds for at, seconds in self._stalls if at >= since)
 
     def sweep(self) -> list[LivenessEvent]:
         """Apply the silence deadlines; return every transition since the last sweep."""
