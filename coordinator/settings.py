@@ -43,6 +43,7 @@ from scheduler.memgrowth import MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig
 
 __all__ = [
+    "ConfigErrors",
     "Bounds",
     "ConfigError",
     "Option",
@@ -73,6 +74,23 @@ class ConfigError(ValueError):
         self.source = source
         self.message = message
         super().__init__(f"{_describe_source(source)}: {option}: {message}")
+
+
+class ConfigErrors(ConfigError):
+    """Several values out of range at once: the first is this error's
+    ``option``, ``source`` and ``message``; ``errors`` holds them all, and
+    the text names every one, so that an upgrade that meets several options
+    whose range tightened is fixed in one pass, not one restart per value
+    (QA pass 24)."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        first = errors[0]
+        super().__init__(first.option, first.source, first.message)
+        self.errors = list(errors)
+        self.args = ("; and ".join(str(e) for e in errors),)
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 def _describe_source(source: str) -> str:
@@ -599,6 +617,7 @@ def load_settings(
 
     built: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    problems: list[ConfigError] = []  # every value out of range, not only the first
     for section in SECTIONS:
         kwargs = {}
         for opt in by_section[section.name].values():
@@ -607,12 +626,19 @@ def load_settings(
             sources[opt.key] = source
             problem = _check_value(opt, value)
             if problem:
-                raise ConfigError(opt.key, source, problem)
+                problems.append(ConfigError(opt.key, source, problem))
+                continue
             if opt.key in chosen:
                 kwargs[opt.name] = value
+        if problems:
+            continue  # the rules across options need every value in range first
         config = section.cls(**kwargs)
         _validate(section, config, sources)
         built[section.name] = config
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigErrors(problems)
     return Settings(sources=sources, config_path=path, warnings=tuple(warnings), **built)
 
 

@@ -739,3 +739,29 @@ def test_print_config_says_when_the_daemon_would_not_start(capsys) -> None:
     out, err = capsys.readouterr()
     assert "INSECURE_MODE" not in out and err == ""
     assert tomllib.loads(out)["coordinator"]["insecure"] is True
+
+
+def test_every_value_out_of_range_is_named_at_once(tmp_path) -> None:
+    """QA pass 24 (upgrades): values an older release took and this one
+    refuses (ranges tightened over time) were named one per start, so an
+    upgrade was a restart loop fixed one value at a time. All are named now;
+    a single one reads as before."""
+    from coordinator import main as coordinator_main
+    from coordinator.settings import ConfigError, ConfigErrors, load_settings
+
+    path = tmp_path / "coordinator.toml"
+    path.write_text("[coordinator]\ninsecure = true\nheartbeat_interval_s = 0.05\nsignal_window = 2000\n"
+                    "[scheduler]\nlease_s = 0\n")
+    with pytest.raises(ConfigErrors) as caught:
+        load_settings(path, {}, {})
+    names = [e.option for e in caught.value.errors]
+    assert "coordinator.heartbeat_interval_s" in names and "coordinator.signal_window" in names
+    assert len(names) >= 2 and all(n in str(caught.value) for n in names)
+    assert caught.value.option == names[0]  # a ConfigError as before, for its first
+
+    path.write_text("[coordinator]\ninsecure = true\nheartbeat_interval_s = 0.05\n")
+    with pytest.raises(ConfigError) as single:
+        load_settings(path, {}, {})
+    assert not isinstance(single.value, ConfigErrors)
+    assert str(single.value).endswith("coordinator.heartbeat_interval_s: " + single.value.message)
+    assert coordinator_main.main(["--config", str(path), "--print-config"]) == 2
