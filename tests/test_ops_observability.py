@@ -37,6 +37,7 @@ from coordinator.demo import free_port
 from coordinator.security import Security
 from coordinator.server import Coordinator
 from protos.runtime import configure_logging
+from waiting import CoordinatorProcess
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -122,22 +123,8 @@ def test_a_reload_says_which_file_edits_a_variable_overrides_and_when_it_was_rej
     config = tmp_path / "coordinator.toml"
     config.write_text(f'[coordinator]\nlisten = "127.0.0.1:{port}"\nmetrics_listen = "127.0.0.1:{mport}"\n'
                       'log_format = "json"\ninsecure = true\n\n[scheduler]\npolicy = "load_aware"\n')
-    log_path = tmp_path / "coordinator.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPULB_SCHEDULER_POLICY": "binpack"}
-    with open(log_path, "wb") as log:
-        coord = subprocess.Popen([sys.executable, "-m", "coordinator.main", "--config", str(config)], env=env,
-                                 stdout=log, stderr=subprocess.STDOUT)
-
-    def events(name: str) -> list[dict]:
-        return [json.loads(line) for line in log_path.read_text().splitlines()
-                if line.startswith("{") and f'"event": "{name}"' in line]
-
-    def wait_for(predicate, what: str) -> None:
-        deadline = time.monotonic() + 30
-        while not predicate():
-            assert coord.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, f"{what}: {log_path.read_text()[-2000:]}"
-            time.sleep(0.1)
+    daemon = CoordinatorProcess(config, tmp_path / "coordinator.log", env={"GPULB_SCHEDULER_POLICY": "binpack"})
+    coord, events, wait_for = daemon.proc, daemon.events, daemon.wait_for
 
     def reload_ok() -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as reply:
@@ -160,11 +147,7 @@ def test_a_reload_says_which_file_edits_a_variable_overrides_and_when_it_was_rej
         wait_for(lambda: events("reload_rejected"), "rejected")
         assert reload_ok() == 0
     finally:
-        coord.send_signal(signal.SIGTERM)
-        try:
-            coord.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            coord.kill()
+        daemon.stop()
 
 
 def test_print_config_shows_the_warnings_the_daemon_would_log(monkeypatch, capsys) -> None:

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -35,7 +31,7 @@ from protos import cluster_pb2 as cpb
 from protos import cluster_pb2_grpc as cpb_grpc
 from protos import tasks_pb2 as tpb
 from protos import tasks_pb2_grpc as tpb_grpc
-from waiting import until
+from waiting import CoordinatorProcess, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -108,14 +104,8 @@ def test_a_sighup_reloads_the_token_file_and_keeps_the_old_one_when_the_new_does
     config = tmp_path / "coordinator.toml"
     config.write_text(f'[coordinator]\nlisten = "127.0.0.1:{port}"\nlog_format = "json"\ninsecure = true\n'
                       f'token_file = "{token_file}"\n')
-    log_path = tmp_path / "coordinator.log"
-    with open(log_path, "wb") as log:
-        coord = subprocess.Popen([sys.executable, "-m", "coordinator.main", "--config", str(config)],
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
-
-    def events(name: str) -> list[dict]:
-        return [json.loads(line) for line in log_path.read_text().splitlines()
-                if line.startswith("{") and f'"event": "{name}"' in line]
+    daemon = CoordinatorProcess(config, tmp_path / "coordinator.log")
+    coord, events, wait_for = daemon.proc, daemon.events, daemon.wait_for
 
     def status(token: str) -> grpc.StatusCode:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -124,13 +114,6 @@ def test_a_sighup_reloads_the_token_file_and_keeps_the_old_one_when_the_new_does
             except grpc.RpcError as exc:
                 return exc.code()
             return grpc.StatusCode.OK
-
-    def wait_for(predicate, what: str) -> None:
-        deadline = time.monotonic() + 30
-        while not predicate():
-            assert coord.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, f"{what}: {log_path.read_text()[-2000:]}"
-            time.sleep(0.1)
 
     try:
         wait_for(lambda: events("coordinator_listening"), "the coordinator started")
@@ -152,8 +135,4 @@ def test_a_sighup_reloads_the_token_file_and_keeps_the_old_one_when_the_new_does
         assert status("bob-tok") == grpc.StatusCode.OK  # the tokens served before
         assert coord.poll() is None
     finally:
-        coord.send_signal(signal.SIGTERM)
-        try:
-            coord.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            coord.kill()
+        daemon.stop()
