@@ -263,7 +263,9 @@ class Agent:
         cfg = self.config
         if cfg.token and not (cfg.ca_file or cfg.cert_file):
             # plaintext with a token: only against a coordinator in insecure mode
-            return (("authorization", f"Bearer {cfg.token}"),)
+            from coordinator.security import bearer_metadata
+
+            return bearer_metadata(cfg.token)
         return None
 
     def _refresh_token(self) -> None:
@@ -273,14 +275,10 @@ class Agent:
         cfg = self.config
         if not cfg.token_file:
             return
-        from coordinator.security import SecurityConfigError, token_problem
+        from coordinator.security import read_token_file
 
         try:
-            with open(cfg.token_file) as fh:
-                token = fh.read().strip()
-            problem = token_problem(token)
-            if problem:
-                raise SecurityConfigError(problem)
+            token = read_token_file(cfg.token_file)
         except (OSError, ValueError) as exc:  # UnicodeDecodeError, SecurityConfigError
             self._log.error("token_file_unreadable", path=cfg.token_file, error=str(exc),
                             detail="connecting with the token read before")

@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from agent.backend import BackendUnavailable, GpuBackend, driver_version_of
+from agent.backend import EXIT_REREAD, BackendUnavailable, GpuBackend, driver_version_of
 from agent.client import Agent, AgentConfig
 from coordinator.sdnotify import Notifier, WatchdogPinger
 from coordinator.view import _NODE_ID as NODE_ID  # the rule the coordinator registers node ids by
@@ -33,9 +33,10 @@ log = structlog.get_logger("gpulb.agent")
 EXIT_USAGE = 2
 #: the coordinator refused the registration for good (sysexits' EX_CONFIG): retrying cannot help
 EXIT_REFUSED = 78
-#: the GPUs read wrong (refused as register.gpus / topology) several times:
-#: a new process reads them again (sysexits' EX_TEMPFAIL; systemd restarts it)
-EXIT_REREAD = 75
+# EXIT_REREAD (75, agent.backend): the GPUs read wrong (refused as
+# register.gpus / topology several times, or NVML lists others after a
+# re-init): a new process reads them again (sysexits' EX_TEMPFAIL; systemd
+# restarts it)
 
 _EPILOG = (
     "exit status: 0 stopped (SIGTERM, SIGINT; SIGHUP is logged and changes nothing); 2 a bad flag or --config option "
@@ -339,14 +340,9 @@ def _read_token(settings: dict[str, Any]) -> str:
     file holds no token gRPC can send (empty, the coordinator's digest file)."""
     if not settings["token_file"]:
         return ""
-    from coordinator.security import SecurityConfigError, token_problem
+    from coordinator.security import read_token_file
 
-    with open(settings["token_file"]) as fh:
-        token = fh.read().strip()
-    problem = token_problem(token)
-    if problem:
-        raise SecurityConfigError(problem)
-    return token
+    return read_token_file(settings["token_file"])
 
 
 def _option(args: argparse.Namespace, key: str) -> str:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import ssl
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -75,10 +74,7 @@ def pem_not_after(pem: bytes | str) -> float | None:
     certificate as gRPC's auth context gives it); None when it cannot be read."""
     data = pem.encode() if isinstance(pem, str) else pem
     try:
-        # a scratch file for CPython's decoder when cryptography is missing (a
-        # peer certificate is public)
-        with tempfile.NamedTemporaryFile(suffix=".pem") as scratch:
-            validity = certificate_validity(scratch.name, pem=data)
+        validity = certificate_validity(pem=data)
         return None if validity is None else validity[1].timestamp()
     except (ValueError, OSError):
         return None

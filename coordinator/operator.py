@@ -46,12 +46,13 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
         self.c.authorize(context, admin=False)
         if request.state not in cpb.NodeState.values():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"state: unknown node state {request.state}")
+        # filtered before the messages are built (each reads its GPUs'
+        # reservations): gpulb nodes asks a second time for the removed ones
         nodes = [
             self.c.node_message(node)
             for node in sorted(self.c.view.nodes.values(), key=lambda n: n.node_id)
+            if not request.state or self.c.node_state(node.node_id) == request.state
         ]
-        if request.state:
-            nodes = [n for n in nodes if n.state == request.state]
         if request.state == cpb.NODE_STATE_REMOVED:
             # they left the view, not the liveness records: what
             # gpulb_nodes{state="removed"} counts (and GpulbNodeUnreachable

@@ -209,6 +209,18 @@ def token_problem(text: str) -> str | None:
     return None
 
 
+def read_token_file(path: str | Path) -> str:
+    """The bearer token a client's token file holds (its first line, stripped):
+    OSError if unreadable, ValueError (SecurityConfigError, UnicodeDecodeError)
+    when it holds no token gRPC can send (empty, the coordinator's digest file)."""
+    with open(path) as fh:
+        token = fh.read().strip()
+    problem = token_problem(token)
+    if problem:
+        raise SecurityConfigError(problem)
+    return token
+
+
 def _tenant_problem(tenant: str) -> str | None:
     """Why ``tenant`` cannot be a task tenant (the limits TaskSpec applies), else None."""
     if len(tenant) > MAX_TENANT_LEN:
@@ -474,13 +486,13 @@ _CERT_MARKER = "-----BEGIN CERTIFICATE-----"
 _KEY_MARKER = "PRIVATE KEY-----"
 
 
-def certificate_validity(path: str | Path, pem: bytes | None = None) -> tuple[dt.datetime, dt.datetime] | None:
+def certificate_validity(path: str | Path | None = None, pem: bytes | None = None) -> tuple[dt.datetime, dt.datetime] | None:
     """(notBefore, notAfter), in UTC, of the first certificate of the PEM file
     ``path`` (a chain's leaf), or of the PEM text ``pem`` when given (a peer's
-    certificate; ``path`` is then a scratch file CPython's decoder may need),
-    read with ``cryptography`` when installed, else with CPython's own decoder
-    (``ssl._ssl._test_decode_cert``, which reads files only); None when neither
-    is there. ValueError or OSError when it cannot be decoded."""
+    certificate), read with ``cryptography`` when installed, else with
+    CPython's own decoder (``ssl._ssl._test_decode_cert``, which reads files
+    only: ``pem`` then goes through a scratch file, made only then); None when
+    neither is there. ValueError or OSError when it cannot be decoded."""
     try:
         from cryptography import x509
     except ImportError:
@@ -495,8 +507,14 @@ def certificate_validity(path: str | Path, pem: bytes | None = None) -> tuple[dt
     if decode is None:  # pragma: no cover - a Python without it, and no cryptography
         return None
     if pem is not None:
-        Path(path).write_bytes(pem)
-    fields = decode(str(path))
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".pem") as scratch:  # a peer certificate is public
+            scratch.write(pem)
+            scratch.flush()
+            fields = decode(scratch.name)
+    else:
+        fields = decode(str(path))
 
     def when(text: str) -> dt.datetime:
         return dt.datetime.fromtimestamp(ssl.cert_time_to_seconds(text), dt.timezone.utc)

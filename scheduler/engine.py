@@ -46,12 +46,15 @@ again as a new task, whose record replaces the rejected one
 
 from __future__ import annotations
 
+import bisect
 import copy
 import heapq
+import itertools
 import logging
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
@@ -82,6 +85,8 @@ __all__ = ["Scheduler", "SchedulerConfig", "ClassSummary", "QueueSummary", "Poli
 
 #: how the reason of a run lost because its GPU left the node begins (``gpus_gone``)
 GPU_GONE = "GPU "
+
+_SEQ = attrgetter("seq")
 
 log = logging.getLogger(__name__)
 
@@ -271,9 +276,11 @@ class Scheduler:
         tasks in ``seq`` order, and a task forgotten since does not move the
         place)."""
         out: list[Task] = []
-        for task in self._tasks.values():
-            if after_seq and task.seq <= after_seq:
-                continue
+        tasks = list(self._tasks.values())
+        # the table is in seq order: a later page starts by bisection, not by
+        # walking past every task of the pages before it
+        start = bisect.bisect_right(tasks, after_seq, key=_SEQ) if after_seq else 0
+        for task in itertools.islice(tasks, start, None):
             if state is not None and task.state != state:
                 continue
             if tenant and task.spec.tenant != tenant:
