@@ -162,8 +162,16 @@ async def test_an_agent_that_does_not_read_is_closed_and_its_registration_gets_e
             scrape = coord.metrics.exposition(per_gpu=False).decode()
             assert "gpulb_agent_streams_closed_not_reading_total 1.0" in scrape  # what an operator sees
             got, code, detail = await deaf.read_all(timeout=10)
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, detail)
-            assert "not reading its stream" in detail and "deaf-1" in detail
+            # The status reaches a peer that does not read only when the
+            # coordinator's cancelled write had not yet been handed to gRPC's
+            # core; with a write still pending there (more often on a loaded
+            # machine: 2 runs in 4 with four at once, at 07c2242 too) the abort
+            # ends the call as "Internal error from Core". Either way the
+            # stream is closed, counted, and the registration below sets the
+            # node's tasks right, which is what this test is about.
+            assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL), (code, detail)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                assert "not reading its stream" in detail and "deaf-1" in detail
             placed = {m.place.task_id for m in got if m.WhichOneof("body") == "place"}
             assert 0 < len(placed) < len(ids)  # what it read before the stream closed
             # the leases stay: closing a stream is not losing a node
