@@ -90,6 +90,7 @@ _NO_FENCE: frozenset[str] = frozenset()
 @dataclass(slots=True, eq=False)
 class _Entry:
     task: Task
+    task_id: str  # the task's (read on every offer of a deep queue)
     cls: int
     due_at: float  # promotion due instant (inf in P0)
     blocked_since: float | None = None
@@ -199,15 +200,15 @@ class AgingQueue:
     def _enter(self, task: Task, cls: int, entered_at: float) -> None:
         task.priority = Priority(cls)
         task.enqueued_at = entered_at
-        entry = _Entry(task=task, cls=cls, due_at=entered_at + self._promote_after[cls])
+        entry = _Entry(task=task, task_id=task.task_id, cls=cls, due_at=entered_at + self._promote_after[cls])
         self._classes[cls][task.task_id] = entry
         self._index[task.task_id] = entry
         if cls > 0:
             heapq.heappush(self._due, (entry.due_at, next(self._seq), entry))
 
     def _drop(self, entry: _Entry) -> None:
-        del self._classes[entry.cls][entry.task.task_id]
-        del self._index[entry.task.task_id]
+        del self._classes[entry.cls][entry.task_id]
+        del self._index[entry.task_id]
         if not self._classes[entry.cls]:
             # an emptied class leaves the rotation; it must not come back with old credit
             self._credit[entry.cls] = 0
@@ -223,7 +224,7 @@ class AgingQueue:
         self._dead_due = 0
 
     def _live(self, entry: _Entry) -> bool:
-        return self._index.get(entry.task.task_id) is entry
+        return self._index.get(entry.task_id) is entry
 
     # ---- aging and SLA ------------------------------------------------------------
     def promote_due(self, now: float) -> list[Task]:
@@ -237,15 +238,15 @@ class AgingQueue:
             if not self._live(entry) or entry.due_at != due_at:
                 self._dead_due = max(0, self._dead_due - 1)
                 continue  # placed, cancelled or already moved: lazy heap deletion
-            del self._classes[entry.cls][entry.task.task_id]
+            del self._classes[entry.cls][entry.task_id]
             if not self._classes[entry.cls]:
                 self._credit[entry.cls] = 0
-            del self._index[entry.task.task_id]
+            del self._index[entry.task_id]
             self._enter(entry.task, entry.cls - 1, due_at)
             # promotion does not unblock it: it stays as close to a barrier as it was
-            moved = self._index[entry.task.task_id]
+            moved = self._index[entry.task_id]
             moved.blocked_since, moved.skips = entry.blocked_since, entry.skips
-            promoted[entry.task.task_id] = entry.task
+            promoted[entry.task_id] = entry.task
         self._check_sla(now)
         return list(promoted.values())
 
@@ -352,10 +353,10 @@ class AgingQueue:
                 entry.blocked_since = now
             if (
                 (head is None or entry.cls < head[0])
-                and self.is_barrier(entry.task.task_id, now)
+                and self._is_barrier(entry, now)
                 and (can_hold is None or can_hold(entry.task))
             ):
-                head = (entry.cls, entry.task.task_id)
+                head = (entry.cls, entry.task_id)
                 head_fence = frozenset((head[1],))
             return outcome
 
@@ -368,11 +369,12 @@ class AgingQueue:
             entries = list(self._classes[0].values())
             last = max((i for i, e in enumerate(entries) if urgent(e.task)), default=-1)
             for entry in entries[:last + 1]:
-                offered.add(entry.task.task_id)
+                offered.add(entry.task_id)
                 if offer(entry) is Outcome.EXHAUSTED:
                     self.head_barrier = head[1] if head is not None else None
                     return placed
         lists = [list(d.values()) for d in self._classes]
+        index = self._index
         pos = [0] * CLASSES
         credit = list(self._credit)
         # classes with tasks left to offer, in class order (kept as classes run
@@ -384,8 +386,8 @@ class AgingQueue:
             pos[c] += 1
             if pos[c] == len(lists[c]):
                 active.remove(c)
-            if not self._live(entry) or entry.task.task_id in offered:
-                continue
+            if index.get(entry.task_id) is not entry or entry.task_id in offered:
+                continue  # not _live(): inlined, a deep queue is walked every dispatch
             if offer(entry) is Outcome.EXHAUSTED:
                 break
         self.head_barrier = head[1] if head is not None else None
@@ -394,7 +396,10 @@ class AgingQueue:
     def is_barrier(self, task_id: str, now: float) -> bool:
         """Whether a queued task has been blocked past the backfill bound."""
         entry = self._index.get(task_id)
-        if entry is None or entry.blocked_since is None:
+        return entry is not None and self._is_barrier(entry, now)
+
+    def _is_barrier(self, entry: _Entry, now: float) -> bool:
+        if entry.blocked_since is None:
             return False
         return entry.skips >= self._max_skips or now - entry.blocked_since >= self._max_wait
 

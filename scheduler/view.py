@@ -573,6 +573,7 @@ class PlacementView:
         self.load = self.util_base + self.res_util
         self.avail = self.base_ok & ~(self.stale & (self.active > 0))
         self._any_room: bool | None = None  # any_room's answer until the next refresh
+        self._memo: dict[object, object] = {}  # memo's values until the next refresh
         if self.any_stale:
             free = np.bincount(
                 self.node[self.stale & (self.active == 0)], minlength=self.node_count
@@ -593,6 +594,8 @@ class PlacementView:
         row_of = self.row_of
         derived = tuple(self._derived.values())
         self._any_room = None
+        if self._memo:
+            self._memo = {}
         stale_rows = []
         changed = []
         for gpu_uuid in gpu_uuids:
@@ -639,6 +642,17 @@ class PlacementView:
     def attach(self, reservations: Reservations) -> None:
         """Use ``reservations`` for later ``refresh`` calls (views built without any)."""
         self._reservations = reservations
+
+    def memo(self, key: object, compute: Callable[[], object]) -> object:
+        """``compute()``, kept until the next ``refresh`` (or a new view): for
+        answers that depend on the dynamic columns as a whole. A dispatch over
+        a deep queue asks the same question of thousands of tasks of a few
+        shapes while nothing is placed. Do not modify what it returns."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = self._memo[key] = compute()
+            return value
 
     def any_room(self) -> bool:
         """Whether any GPU could take any task at all right now (every task needs

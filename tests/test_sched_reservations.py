@@ -217,6 +217,30 @@ def test_incremental_refresh_equals_a_rebuilt_view(used: list[float], ops: list)
     )
 
 
+def test_a_memo_holds_until_a_reservation_changes_the_view() -> None:
+    """A dispatch asks the same question of every queued task of a shape; the
+    answer is kept until a placement (or release) refreshes the view, and
+    never outlives it: a stale answer would place on memory just taken."""
+    snap = ClusterSnapshot.build(NODES, memory_used_mib=[0.0] * COUNT)
+    res = Reservations()
+    view = PlacementView(snap, res)
+    view.attach(res)
+    calls = []
+
+    def free_on_first_gpu() -> float:
+        calls.append(1)
+        return float(view.headroom[0])
+
+    full = view.memo("free", free_on_first_gpu)
+    assert view.memo("free", free_on_first_gpu) == full and len(calls) == 1
+    res.add("a", [UUIDS[0]], 6_000.0, 50.0, [0.0])
+    view.refresh([UUIDS[0]])
+    assert view.memo("free", free_on_first_gpu) == full - 6_000.0 and len(calls) == 2
+    view.refresh(res.release("a"))
+    assert view.memo("free", free_on_first_gpu) == full and len(calls) == 3
+    assert PlacementView(snap, res).memo("free", lambda: -1.0) == -1.0  # a new view starts empty
+
+
 # ---- leases ----------------------------------------------------------------------------------------------
 
 
