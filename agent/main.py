@@ -114,16 +114,80 @@ def _number_flag(key: str):
 
 def _fail(message: str) -> None:
     """An argparse-style error: one line on stderr, exit 2."""
-    print(f"gpulb-agent: error: {message}", file=sys.stderr)
+    _fail_all([message])
+
+
+def _fail_all(messages: list[str]) -> None:
+    """Every problem found, one argparse-style line each, then exit 2: an
+    agent.toml or command line with several mistakes is fixed in one pass,
+    not one restart per mistake."""
+    for message in messages:
+        print(f"gpulb-agent: error: {message}", file=sys.stderr)
     raise SystemExit(EXIT_USAGE)
+
+
+#: what a flag's error line ends with
+_HELP_POINTER = " (gpulb-agent --help lists the flags)"
+
+
+class _Refused:
+    """A flag's value that did not convert or is not one of its choices (the
+    problem is in ``flag_problems``): not taken, as if the flag were not given."""
+
+    def __repr__(self) -> str:
+        return "<refused>"
+
+
+_REFUSED = _Refused()
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (argparse prints its whole usage,
-    a dozen lines, before it) and a pointer to --help; exit status 2."""
+    a dozen lines, before it) and a pointer to --help; exit status 2.
+
+    A flag's value that does not convert or is not one of its choices, and a
+    flag it does not know, do not stop the parse: ``parse_args`` returns with
+    every such problem in the namespace's ``flag_problems`` ((dest, line)
+    pairs; dest "" for an unknown flag), for ``_settings`` to report with the
+    --config file's. Only what argparse cannot parse past (a flag without its
+    value) ends the parse at once, with the problems found before it."""
+
+    #: while parse_args runs: the problems found so far (None: argparse's own way, stop at the first)
+    _problems: list[tuple[str, str]] | None = None
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._problems = []
+        try:
+            namespace, extras = self.parse_known_args(args, namespace)
+            if extras:
+                self._problems.append(("", f"unrecognized arguments: {' '.join(extras)}{_HELP_POINTER}"))
+            namespace.flag_problems = self._problems
+        finally:
+            self._problems = None
+        return namespace
+
+    def _get_value(self, action, arg_string):
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError as exc:
+            if self._problems is None:
+                raise
+            self._problems.append((action.dest, f"{exc}{_HELP_POINTER}"))
+            return _REFUSED
+
+    def _check_value(self, action, value):
+        if value is _REFUSED:
+            return
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            if self._problems is None:
+                raise
+            self._problems.append((action.dest, f"{exc}{_HELP_POINTER}"))
 
     def error(self, message: str):
-        _fail(f"{message} (gpulb-agent --help lists the flags)")
+        found = self._problems or []
+        _fail_all([line for _, line in found] + [f"{message}{_HELP_POINTER}"])
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -179,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Defaults, then the config file, then the flags."""
+    """Defaults, then the config file, then the flags; exit 2 naming every
+    problem found (one line each: the file's options, the flags, then what
+    the merged values break), not only the first."""
     settings: dict[str, Any] = {
         "coordinator": "127.0.0.1:50051",
         "node_id": socket.gethostname(),
@@ -199,49 +265,83 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "outage_buffer": 300,
     }
     where = {key: "default" for key in settings}
+    problems: list[str] = []
+    #: options whose value was refused (in the file or as a flag) and not set right by a flag:
+    #: the checks of the merged values leave them out rather than judge a value not meant
+    refused: set[str] = set()
+    #: the file could not be read, is not TOML, or its [agent] is not a table: its values are unknown
+    file_unknown = False
     if args.config is not None:
+        data: dict[str, Any] | None = None
         try:
             with args.config.open("rb") as fh:
                 data = tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError) as exc:
-            _fail(f"--config {args.config}: {exc}")
-        section = data.get("agent", data)
+            problems.append(f"--config {args.config}: {exc}")
+            file_unknown = True
+        section = data.get("agent", data) if data is not None else {}
         if not isinstance(section, dict):
-            _fail(f"{args.config}: [agent] must be a table")
+            problems.append(f"{args.config}: [agent] must be a table")
+            file_unknown, section = True, {}
         for key, value in section.items():
             if key not in settings:
-                _fail(f"{args.config}: unknown option {key!r} (known: {', '.join(sorted(settings))})")
-            settings[key] = _checked_option(key, value, args.config)
+                problems.append(f"{args.config}: unknown option {key!r} (known: {', '.join(sorted(settings))})")
+                continue
+            try:
+                settings[key] = _checked_option(key, value, args.config)
+            except ValueError as exc:
+                problems.append(str(exc))
+                refused.add(key)
+                continue
             where[key] = f"{key} in {args.config}"
+    flag_problems = getattr(args, "flag_problems", [])
+    problems += [line for _, line in flag_problems]
+    refused_flags = {dest for dest, _ in flag_problems}
     for key in ("coordinator", "node_id", "backend", "sim_gpus", "sim_seed", "sim_workload", "interval_min", "interval_max",
                 "log_level", "log_format", "ca_file", "cert_file", "key_file", "token_file", "outage_buffer"):
+        if key in refused_flags:
+            refused.add(key)
+            continue
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
             where[key] = "--" + key.replace("_", "-")
-    settings["labels"] = {**settings["labels"], **dict(args.label)}
-    _check_coordinator(settings["coordinator"], where["coordinator"], args.config)
-    _check_node_id(settings["node_id"], where["node_id"], args.config)
-    _check_labels(settings["labels"], dict(args.label), args.config)
-    if settings["interval_min"] > settings["interval_max"]:
+            refused.discard(key)  # the flag wins over the file's refused value
+    flag_labels = dict(label for label in args.label if label is not _REFUSED)
+    settings["labels"] = {**settings["labels"], **flag_labels}
+
+    def known(key: str) -> bool:
+        """Whether ``key``'s value is the one meant: not refused, nor a default the unread file may set."""
+        return key not in refused and not (file_unknown and where[key] == "default")
+
+    if known("coordinator"):
+        problems += _coordinator_problems(settings["coordinator"], where["coordinator"], args.config)
+    if known("node_id"):
+        problems += _node_id_problems(settings["node_id"], where["node_id"], args.config)
+    problems += _label_problems(settings["labels"], flag_labels, args.config)
+    if known("interval_min") and known("interval_max") and settings["interval_min"] > settings["interval_max"]:
         def said(key: str) -> str:
             value = f"{settings[key]:g} s"
             return f"the default {key} {value}" if where[key] == "default" else f"{where[key]} ({value})"
 
-        _fail(f"{said('interval_min')} is above {said('interval_max')}: the fastest sampling period cannot exceed the slowest")
+        problems.append(f"{said('interval_min')} is above {said('interval_max')}: "
+                        "the fastest sampling period cannot exceed the slowest")
+    if problems:
+        _fail_all(problems)
     return settings
 
 
-def _check_node_id(node_id: str, where: str, path: Path | None) -> None:
-    """Exit 2 at start on a node id the coordinator refuses at registration:
-    found there, it was exit 78 after connecting, and a failed systemd unit."""
+def _node_id_problems(node_id: str, where: str, path: Path | None) -> list[str]:
+    """A node id the coordinator refuses at registration, said (exit 2 at
+    start: found there, it was exit 78 after connecting, and a failed
+    systemd unit); [] when it takes it."""
     if NODE_ID.match(node_id):
-        return
+        return []
     if where == "default":
-        _fail(f"the hostname {node_id!r} (node_id's default) is not a node id the coordinator accepts: it must be "
-              f"{NODE_ID_RULE}; give one with --node-id or node_id in --config")
+        return [f"the hostname {node_id!r} (node_id's default) is not a node id the coordinator accepts: it must be "
+                f"{NODE_ID_RULE}; give one with --node-id or node_id in --config"]
     said = "argument --node-id:" if where.startswith("--") else f"{path}: option 'node_id'"
-    _fail(f"{said} {node_id!r} is not a node id the coordinator accepts: it must be {NODE_ID_RULE}")
+    return [f"{said} {node_id!r} is not a node id the coordinator accepts: it must be {NODE_ID_RULE}"]
 
 
 def coordinator_problem(target: str) -> str | None:
@@ -268,69 +368,82 @@ def coordinator_problem(target: str) -> str | None:
     return None
 
 
-def _check_coordinator(target: str, where: str, path: Path | None) -> None:
-    """Exit 2 at start on a coordinator address that is not HOST:PORT: it
-    was dialled as it came, retried for ever under systemd."""
+def _coordinator_problems(target: str, where: str, path: Path | None) -> list[str]:
+    """A coordinator address that is not HOST:PORT, said (exit 2 at start:
+    it was dialled as it came, retried for ever under systemd); [] if it is."""
     problem = coordinator_problem(target)
     if problem is None:
-        return
+        return []
     said = "argument --coordinator:" if where.startswith("--") else f"{path}: option 'coordinator'"
-    _fail(f"{said} {target!r} is not HOST:PORT ({problem})")
+    return [f"{said} {target!r} is not HOST:PORT ({problem})"]
 
 
-def _check_labels(labels: dict[str, str], from_flags: dict[str, str], path: Path | None) -> None:
-    """Exit 2 at start on labels the coordinator refuses at registration,
-    checked by its own rule (``validate_register``): found there, it was
-    exit 78 after connecting, and a failed systemd unit."""
+def _label_problems(labels: dict[str, str], from_flags: dict[str, str], path: Path | None) -> list[str]:
+    """Every label the coordinator refuses at registration, checked by its
+    own rule (``validate_register``), said (exit 2 at start: found there, it
+    was exit 78 after connecting, and a failed systemd unit): too many first,
+    then each label refused. [] when it takes them."""
     if not labels:
-        return
+        return []
 
     def said(key: str) -> str:
         if key in from_flags:
             return f"argument --label: {f'{key}={labels[key]}'!r}"
         return f"{path}: [agent.labels] {key!r} = {labels[key]!r}"
 
-    # a registration valid but for the labels: only they can be refused
-    probe = pb.Register(node_id="label-check", backend="sim",
-                        gpus=[pb.GpuInfo(index=0, uuid="GPU-label-check", memory_total_mib=1)])
-    for key, value in labels.items():
-        try:
+    def refusal(given: dict[str, str]) -> RegistrationError | None:
+        """What the coordinator says of a registration valid but for ``given`` labels (ValueError: not UTF-8)."""
+        probe = pb.Register(node_id="label-check", backend="sim",
+                            gpus=[pb.GpuInfo(index=0, uuid="GPU-label-check", memory_total_mib=1)])
+        for key, value in given.items():
             probe.labels[key] = value
+        try:
+            validate_register(probe)
+        except RegistrationError as exc:
+            if exc.field.startswith("register.labels"):  # else the probe's own fields: nothing the operator gave
+                return exc
+        return None
+
+    problems = []
+    # the labels as a whole, counted on stand-ins the rule takes: too many
+    count = refusal({f"label-check-{i}": "" for i in range(len(labels))})
+    if count is not None:
+        rule = str(count)[len(count.field) + 2:]
+        where = (f"--label and [agent.labels] in {path}" if path is not None and from_flags
+                 else "--label" if from_flags else f"{path}: [agent.labels]")
+        problems.append(f"{where}: {rule}: the coordinator refuses them at registration")
+    for key, value in labels.items():  # then each one
+        try:
+            refused = refusal({key: value})
         except ValueError as exc:  # UnicodeEncodeError: bytes of no encoding on the command line
-            _fail(f"{said(key)}: not UTF-8 text ({exc})")
-    try:
-        validate_register(probe)
-    except RegistrationError as exc:
-        if not exc.field.startswith("register.labels"):
-            return  # the probe's own fields: nothing the operator gave
-        rule = str(exc)[len(exc.field) + 2:]
-        key = next((k for k in labels if exc.field == f"register.labels[{k!r}]"), None)
-        if key is None:  # the labels as a whole: too many
-            where = (f"--label and [agent.labels] in {path}" if path is not None and from_flags
-                     else "--label" if from_flags else f"{path}: [agent.labels]")
-            _fail(f"{where}: {rule}: the coordinator refuses them at registration")
-        _fail(f"{said(key)} is a label the coordinator refuses at registration: {rule}")
+            problems.append(f"{said(key)}: not UTF-8 text ({exc})")
+            continue
+        if refused is not None:
+            rule = str(refused)[len(refused.field) + 2:]
+            problems.append(f"{said(key)} is a label the coordinator refuses at registration: {rule}")
+    return problems
 
 
 def _checked_option(key: str, value: Any, path: Path) -> Any:
-    """A --config option's value, or a clean error naming the option and file."""
+    """A --config option's value, or ValueError whose text is the error line
+    naming the option and file."""
     if key in _NUMBERS:
         if key == "sim_seed" and value is None:
             return value
         try:
             return _check_number(key, value)
         except ValueError as exc:
-            _fail(f"{path}: option {key!r} {exc}")
+            raise ValueError(f"{path}: option {key!r} {exc}") from None
     if key in _CHOICES:
         if value not in _CHOICES[key]:
-            _fail(f"{path}: option {key!r} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+            raise ValueError(f"{path}: option {key!r} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
         return value
     if key == "labels":
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            _fail(f"{path}: [agent.labels] must map names to strings, got {value!r}")
+            raise ValueError(f"{path}: [agent.labels] must map names to strings, got {value!r}")
         return dict(value)
     if not isinstance(value, str):
-        _fail(f"{path}: option {key!r} must be a string, got {value!r}")
+        raise ValueError(f"{path}: option {key!r} must be a string, got {value!r}")
     return value
 
 

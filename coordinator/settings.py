@@ -12,7 +12,8 @@ others; flags exist for the coordinator's options. Everything is derived by walk
 fields, so a field added there is configurable, documented in
 ``--print-config`` and reported by SIGHUP's diff without touching this module.
 Every error names the option and where its value came from (the file's path,
-the variable or the flag).
+the variable or the flag), and one run names every problem it finds
+(``ConfigErrors``), not only the first.
 """
 
 from __future__ import annotations
@@ -77,17 +78,20 @@ class ConfigError(ValueError):
 
 
 class ConfigErrors(ConfigError):
-    """Several values out of range at once: the first is this error's
-    ``option``, ``source`` and ``message``; ``errors`` holds them all, and
-    the text names every one, so that an upgrade that meets several options
-    whose range tightened is fixed in one pass, not one restart per value
-    (QA pass 24)."""
+    """Several problems at once: the first is this error's ``option``,
+    ``source`` and ``message``; ``errors`` holds them all, and the text
+    names every one, one a line (each as its own ``ConfigError`` says it),
+    after a line that counts them, so that a configuration with several
+    mistakes (values whose range tightened in an upgrade, QA pass 24; an
+    unknown option, a value of the wrong type, a bad variable or flag) is
+    fixed in one pass, not one restart per mistake."""
 
     def __init__(self, errors: list[ConfigError]) -> None:
         first = errors[0]
         super().__init__(first.option, first.source, first.message)
         self.errors = list(errors)
-        self.args = ("; and ".join(str(e) for e in errors),)
+        self.args = (f"{len(self.errors)} problems in the configuration:\n"
+                     + "\n".join(f"  {e}" for e in self.errors),)
 
     def __str__(self) -> str:
         return self.args[0]
@@ -535,30 +539,51 @@ def _read_file(path: str) -> dict[str, Any]:
         raise ConfigError("(syntax)", source, f"not valid TOML: {exc}") from None
 
 
-def _file_values(path: str, data: dict[str, Any], by_section: dict[str, dict[str, Option]]) -> dict[str, tuple[Any, str]]:
+#: in ``load_settings``'s bookkeeping: a problem that no one table owns (an
+#: unreadable file, an unknown table), after which no table's rules across
+#: options are checked
+_ALL_TABLES = "*"
+
+
+def _file_values(
+    path: str, data: dict[str, Any], by_section: dict[str, dict[str, Option]]
+) -> tuple[dict[str, tuple[Any, str]], list[ConfigError], set[str]]:
+    """The file's values that convert, every problem with the others (an
+    unknown table or option, a value of the wrong type), and the tables
+    those problems touch (``_ALL_TABLES`` for one no table owns)."""
     source = f"file:{path}"
     values: dict[str, tuple[Any, str]] = {}
+    problems: list[ConfigError] = []
+    touched: set[str] = set()
     for table, body in data.items():
         if table not in by_section:
+            touched.add(_ALL_TABLES)
             if not isinstance(body, dict):
                 homes = [s for s, opts in by_section.items() if table in opts]
                 hint = f"; put it under [{homes[0]}]" if homes else _suggest_option(table, by_section)
-                raise ConfigError(table, source, f"options belong in a table ([{'], ['.join(by_section)}]){hint}")
-            raise ConfigError(f"[{table}]", source, f"unknown table{_suggest(table, by_section)} (tables: {', '.join(by_section)})")
+                problems.append(ConfigError(table, source, f"options belong in a table ([{'], ['.join(by_section)}]){hint}"))
+            else:
+                problems.append(ConfigError(f"[{table}]", source, f"unknown table{_suggest(table, by_section)} (tables: {', '.join(by_section)})"))
+            continue
         if not isinstance(body, dict):
-            raise ConfigError(table, source, f"must be a table ([{table}]), got {body!r}")
+            touched.add(table)
+            problems.append(ConfigError(table, source, f"must be a table ([{table}]), got {body!r}"))
+            continue
         opts = by_section[table]
         for key, raw in body.items():
             if key not in opts:
                 elsewhere = [s for s, other in by_section.items() if s != table and key in other]
                 hint = f"; it belongs in [{elsewhere[0]}]" if elsewhere else _suggest(key, opts)
-                raise ConfigError(f"{table}.{key}", source, f"unknown option{hint}")
+                touched.update([table, *elsewhere[:1]])
+                problems.append(ConfigError(f"{table}.{key}", source, f"unknown option{hint}"))
+                continue
             opt = opts[key]
             try:
                 values[opt.key] = (_convert(raw, opt.type, text=False), source)
             except _Invalid as exc:
-                raise ConfigError(opt.key, source, str(exc)) from None
-    return values
+                touched.add(table)
+                problems.append(ConfigError(opt.key, source, str(exc)))
+    return values, problems, touched
 
 
 def _suggest_option(name: str, by_section: dict[str, dict[str, Option]]) -> str:
@@ -574,13 +599,33 @@ def load_settings(
 
     ``overrides`` are the flags: ``{option: value}`` for coordinator options or
     ``{"section.option": value}`` for any; None values are skipped (a flag not
-    given), strings are parsed like environment values. Raises ``ConfigError``.
+    given), strings are parsed like environment values. Raises ``ConfigError``
+    for one problem, ``ConfigErrors`` naming every one for several: an
+    unknown table or option, a value of the wrong type (in the file, a
+    variable or a flag) and a value out of range are all found in one run,
+    so that fixing a configuration is not one restart per mistake. Only a
+    file that cannot be read or is not TOML hides the file's other problems
+    (the variables and flags are still checked), and a table's rules across
+    its options (``validate()``: memory_warn_pct below memory_reject_pct)
+    are checked only once each of its values is taken.
     """
     by_section = {s.name: {o.name: o for o in options(s)} for s in SECTIONS}
     path = os.path.abspath(os.fspath(config_path)) if config_path is not None else None
     chosen: dict[str, tuple[Any, str]] = {}
+    problems: list[ConfigError] = []
+    #: tables with a value refused (or _ALL_TABLES): their rules across options wait for it
+    touched: set[str] = set()
     if path is not None:
-        chosen.update(_file_values(path, _read_file(path), by_section))
+        try:
+            data = _read_file(path)
+        except ConfigError as exc:  # unreadable, or not TOML: the one problem the file can show
+            problems.append(exc)
+            touched.add(_ALL_TABLES)
+        else:
+            values, file_problems, file_touched = _file_values(path, data, by_section)
+            chosen.update(values)
+            problems += file_problems
+            touched |= file_touched
 
     env_index = env_names()
     for name, opt in env_index.items():
@@ -589,7 +634,8 @@ def load_settings(
             try:
                 chosen[opt.key] = (_convert(env[name], opt.type, text=True), source)
             except _Invalid as exc:
-                raise ConfigError(opt.key, source, str(exc)) from None
+                problems.append(ConfigError(opt.key, source, str(exc)))
+                touched.add(opt.section)
     warnings = []
     for name in sorted(env):
         if name.startswith("GPULB_") and name not in env_index:
@@ -608,32 +654,40 @@ def load_settings(
         section_name = section_name if dot else SECTIONS[0].name
         opt = by_section.get(section_name, {}).get(name)
         if opt is None:
-            raise ConfigError(raw_key, "flag", "unknown option" + _suggest_option(name, by_section))
+            problems.append(ConfigError(raw_key, "flag", "unknown option" + _suggest_option(name, by_section)))
+            touched.add(section_name if section_name in by_section else _ALL_TABLES)
+            continue
         try:
             text = isinstance(value, str) and opt.type is not str
             chosen[opt.key] = (_convert(value, opt.type, text=text), "flag")
         except _Invalid as exc:
-            raise ConfigError(opt.key, "flag", str(exc)) from None
+            problems.append(ConfigError(opt.key, "flag", str(exc)))
+            touched.add(opt.section)
 
     built: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    problems: list[ConfigError] = []  # every value out of range, not only the first
     for section in SECTIONS:
         kwargs = {}
+        bad_values: list[ConfigError] = []  # every value out of range (or not a choice), not only the first
         for opt in by_section[section.name].values():
             value, source = chosen.get(opt.key, (opt.default, "default"))
             value = _canonical(opt, value)
             sources[opt.key] = source
             problem = _check_value(opt, value)
             if problem:
-                problems.append(ConfigError(opt.key, source, problem))
+                bad_values.append(ConfigError(opt.key, source, problem))
                 continue
             if opt.key in chosen:
                 kwargs[opt.name] = value
-        if problems:
-            continue  # the rules across options need every value in range first
+        problems += bad_values
+        if bad_values or section.name in touched or _ALL_TABLES in touched:
+            continue  # the rules across options need every value taken and in range first
         config = section.cls(**kwargs)
-        _validate(section, config, sources)
+        try:
+            _validate(section, config, sources)
+        except ConfigError as exc:
+            problems.append(exc)
+            continue
         built[section.name] = config
     if len(problems) == 1:
         raise problems[0]
