@@ -150,7 +150,8 @@ class FakeNvml:
     ``NVML_TOPOLOGY_HOSTBRIDGE``); ``init_error`` makes ``nvmlInit`` raise
     that NVML code (tests may change it between calls). ``calls`` counts
     every function called, by name (the backend reads GPUs on threads of
-    their own: counting is locked)."""
+    their own: counting is locked). ``hang`` makes a function block as it
+    does under a wedged driver, ``hung`` counts the calls that blocked."""
 
     NVMLError = pynvml.NVMLError
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
@@ -171,7 +172,11 @@ class FakeNvml:
         self.topology = dict(topology or {})
         self.init_error = init_error
         self.calls: Counter[str] = Counter()
+        #: calls that blocked in a hang, by function name
+        self.hung: Counter[str] = Counter()
         self._calls_lock = threading.Lock()
+        #: (function name, GPU index or None for any) -> its release
+        self._hangs: dict[tuple[str, int | None], threading.Event] = {}
         self.event_sets: list[_EventSet] = []
         self._initialized = False
         self._session = 0
@@ -196,9 +201,27 @@ class FakeNvml:
     def initialized(self) -> bool:
         return self._initialized
 
+    def hang(self, fn: str, gpu: int | None = None) -> threading.Event:
+        """From now on every call of ``fn`` (only on GPU ``gpu``'s handle,
+        if given) blocks, as under a wedged driver, until the returned event
+        is set; then it carries on as usual. Call again for a new hang."""
+        release = threading.Event()
+        self._hangs[(fn, gpu)] = release
+        return release
+
+    def _hang(self, fn: str, gpu: int | None) -> None:
+        release = self._hangs.get((fn, gpu))
+        if release is None or release.is_set():
+            return
+        with self._calls_lock:
+            self.hung[fn] += 1
+        release.wait()
+
     def _count(self, fn: str, n: int = 1) -> None:
         with self._calls_lock:
             self.calls[fn] += n
+        if self._hangs:
+            self._hang(fn, None)
 
     @staticmethod
     def _raise(code: int) -> None:
@@ -206,6 +229,8 @@ class FakeNvml:
 
     def _gpu(self, fn: str, handle: _Handle) -> FakeGpu:
         self._count(fn)
+        if self._hangs and isinstance(handle, _Handle):
+            self._hang(fn, handle.index)
         if not self._initialized:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         if not isinstance(handle, _Handle) or handle.session != self._session:
@@ -260,6 +285,8 @@ class FakeNvml:
             self._raise(pynvml.NVML_ERROR_UNINITIALIZED)
         if not 0 <= index < len(self.gpus):
             self._raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self._hangs:
+            self._hang("nvmlDeviceGetHandleByIndex", index)
         gpu = self.gpus[index]
         if gpu.lost:
             self._raise(pynvml.NVML_ERROR_GPU_IS_LOST)

@@ -15,10 +15,25 @@ error becomes a ``None`` field, a health value or ``BackendUnavailable``:
 - a GPU whose reads have not returned ``read_timeout_s`` (2 s) into the
   round: health ``READ_FAILED`` with "nvml call timed out" in
   ``sample.errors["nvml"]``; the other GPUs report as usual. Each GPU is
-  read on a daemon thread of its own, and a GPU whose read is still stuck
-  gets no new one (at most one read in flight per GPU; it stays
-  ``READ_FAILED`` until the call returns). ``close`` joins none of them, so
-  a process whose NVML is wedged still stops promptly.
+  read by a long-lived daemon worker thread of its own (``nvml-gpuN``,
+  started at its first call, handed each round's reads, told to stop by
+  ``close``), and a GPU whose call is still stuck gets no new one (at most
+  one call in flight per GPU; it stays ``READ_FAILED`` until the call
+  returns, and its worker then takes the next round's reads). ``close``
+  joins none of them, so a process whose NVML is wedged still stops
+  promptly.
+- NVML's re-init, the Xid drain and ``close``'s shutdown run on a worker of
+  their own (``nvml-control``), MIG mode reads on the GPU's worker, all
+  under the same deadline, so no NVML call can hang a round. A re-init that
+  has not returned by then (``nvml_reinit_timed_out``) leaves the round
+  to go on without it: the lost GPUs report ``LOST`` and the others
+  ``READ_FAILED`` ("nvml call timed out: NVML's re-init ..."), since NVML
+  was shut down for the re-init and no handle is valid until ``nvmlInit``
+  returns; no read and no second re-init starts until it returns, and the
+  first round after that applies it. An Xid drain that has not returned
+  (``nvml_xid_drain_timed_out``) leaves the GPUs read as usual, each
+  ``xid_last`` as it was; no drain or re-init starts until it returns, and
+  the events it took are logged then.
 - ``NVML_ERROR_GPU_IS_LOST``: health ``LOST``; the backend re-initialises
   NVML (``nvmlShutdown`` + ``nvmlInit``) with exponential backoff measured on
   the injected clock. It never sleeps: the other GPUs keep being sampled.
@@ -43,8 +58,11 @@ agent started; absent where the GPU cannot deliver the events).
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +123,14 @@ XID_MEANINGS: dict[int, str] = {
     95: "uncontained ECC error: reset the GPU",
     119: "GSP RPC timeout",
     120: "GSP error",
+}
+#: what a control call that missed its deadline holds up (its log line)
+_CONTROL_STUCK = {
+    "reinit": "NVML's re-init has not returned: until it does the GPUs are not read (lost ones report lost, the "
+              "others read_failed) and no second re-init starts; the first round after it returns applies it",
+    "xid_drain": "taking Xid events has not returned: the GPUs are read as usual; no Xid events are taken and NVML "
+                 "is not re-initialised until the call returns, and the events it took are logged then",
+    "shutdown": "nvmlShutdown has not returned: NVML is released when the process exits",
 }
 _REINIT_BACKOFF_S = 1.0
 _REINIT_BACKOFF_MAX_S = 60.0
@@ -373,19 +399,89 @@ _PARSE_ERRORS = (AttributeError, TypeError, ValueError, OverflowError)
 
 
 class _Job:
-    """One round's reads of one GPU on a daemon thread of its own. The
-    thread only reads: the result is applied to the GPU's state by the
-    round that waits for it, and dropped if that round gave up on it."""
+    """One piece of NVML work handed to a worker thread: a GPU's reads for a
+    round, its MIG mode, a re-init, an Xid drain. The worker only calls
+    NVML: what it found is applied to the backend's state on the sampling
+    thread, by the round that waits for it or, once it comes back after its
+    round gave up on it, by the next one (a GPU's reads are then dropped)."""
 
-    __slots__ = ("done", "result", "error", "call", "started", "stuck_on")
+    __slots__ = ("kind", "fn", "done", "result", "error", "call", "started", "stuck_on")
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str, fn: Callable[[_Job], Any], call: str) -> None:
+        self.kind = kind
+        self.fn: Callable[[_Job], Any] | None = fn
         self.done = threading.Event()
-        self.result: _Result | None = None
+        self.result: Any = None
         self.error: BaseException | None = None
-        self.call = "handle"  # the read in progress: what a timeout names
+        self.call = call  # the NVML call in progress: what a timeout names
         self.started = time.monotonic()
-        self.stuck_on = ""  # the read it was in when its round gave up on it
+        self.stuck_on = ""  # the call it was in when its round gave up on it
+
+    def run(self) -> None:
+        fn, self.fn = self.fn, None  # an idle worker keeps no backend alive
+        try:
+            assert fn is not None, "a job runs once"
+            self.result = fn(self)
+        except BaseException as exc:  # handed to the sampling thread, which raises it
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    """A worker thread's loop: each job handed to it, one at a time, until
+    told to stop (``None``). It holds its queue, never the backend."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job.run()
+        job = None  # not kept while waiting for the next one
+
+
+class _Worker:
+    """A long-lived daemon thread and its job queue, the thread started at
+    the first job. A worker stuck in NVML is handed nothing (the backend
+    checks first): it takes the next job once its call returns. ``stop``
+    asks it to end after what it is doing; nobody joins it."""
+
+    __slots__ = ("name", "jobs", "thread")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def submit(self, job: _Job) -> None:
+        if self.thread is None or not self.thread.is_alive():  # first job, or the thread died
+            self.thread = threading.Thread(target=_serve, args=(self.jobs,), name=self.name, daemon=True)
+            self.thread.start()
+        self.jobs.put(job)
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+
+def _stop_workers(workers: dict[int | str, _Worker]) -> None:
+    for worker in workers.values():
+        worker.stop()
+
+
+@dataclass(slots=True)
+class _Reinit:
+    """What a re-init found in NVML; applied on the sampling thread."""
+
+    #: why ``nvmlInit`` failed (None: it succeeded)
+    error: str | None = None
+    #: how many GPUs NVML lists (None: it could not say)
+    count: int | None = None
+    #: (index, UUID) of every GPU NVML lists that could be read
+    listed: list[tuple[int, str]] = field(default_factory=list)
+    #: registered GPU index -> its new handle, found by UUID
+    handles: dict[int, Any] = field(default_factory=dict)
+    #: the new Xid event set (None: none) and the GPU indices it watches
+    events: Any = None
+    watched: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -414,7 +510,7 @@ class _Gpu:
     #: when the unsupported reads are asked again (injected clock)
     reprobe_at: float | None = None
     lost: bool = False
-    #: the read in flight on its own thread (threaded backends), or None
+    #: the call in flight on the GPU's worker (threaded backends), or None
     job: _Job | None = None
     frozen: FrozenDetector = field(default_factory=FrozenDetector)
     #: seconds each read took in the last round (``gpulb-agent --check``)
@@ -441,14 +537,16 @@ class NvmlBackend:
     backoff. ``frozen_after`` is how many unchanged samples with running
     processes make a GPU ``FROZEN``.
 
-    Each GPU of a round is read on a daemon thread of its own (NVML is
+    Each GPU is read by a daemon worker thread of its own (NVML is
     thread-safe), so the GPUs are read in parallel and a round waits at most
     ``read_timeout_s`` for any of them (see the module docstring). Each PCIe
     throughput read blocks for the 20 ms over which the driver counts bytes,
     so one GPU costs ~45 ms a round: read one after another, an 8-GPU host
-    would take longer than the 200 ms fast period. ``parallel=False`` reads
-    them on the caller's thread one after another instead, without a
-    deadline (a hung call then hangs the round): for comparisons and tests.
+    would take longer than the 200 ms fast period. The workers live as long
+    as the backend: a thread started per GPU and round cost ~70 µs each.
+    ``parallel=False`` makes every NVML call on the caller's thread one
+    after another instead, without a deadline (a hung call then hangs the
+    round): for comparisons and tests.
     """
 
     name = "nvml"
@@ -487,6 +585,15 @@ class NvmlBackend:
         self._lock = threading.Lock()
         #: why the GPUs are no longer the registered ones; sample() raises
         self._changed: str | None = None
+        #: GPU index (its reads, its MIG mode) or "control" (re-init, Xid
+        #: drain, shutdown) -> its worker thread, started at its first job;
+        #: stopped by close(), or when the backend is dropped without it
+        self._workers: dict[int | str, _Worker] = {}
+        self._end_workers = weakref.finalize(self, _stop_workers, self._workers)
+        #: the re-init, Xid drain or shutdown in flight on the control worker
+        #: (threaded backends), or None; at most one at a time
+        self._control_job: _Job | None = None
+        self._events: Any = None
 
         try:
             nvml.nvmlInit()
@@ -509,8 +616,7 @@ class NvmlBackend:
             self._gpus.append(gpu)
             self._inventory.append(info)
         self._topology = self._read_topology()
-        self._events: Any = None
-        self._watch_xids()
+        self._watch(*self._register_xids({gpu.index: gpu.handle for gpu in self._gpus}))
         for index, enabled in self.mig_modes().items():
             if enabled:
                 log.warning("gpu_mig_enabled", gpu=index, uuid=self._gpus[index].uuid,
@@ -542,7 +648,8 @@ class NvmlBackend:
         return list(self._topology)
 
     def sample(self) -> list[GpuSample]:
-        """A reading of every GPU, within ``read_timeout_s`` or so. Raises
+        """A reading of every GPU, within ``read_timeout_s`` or so (twice
+        that in a round that re-initialises NVML). Raises
         ``InventoryChanged`` once NVML lists other GPUs than the registered
         ones (and at every call after)."""
         with self._lock:
@@ -551,47 +658,63 @@ class NvmlBackend:
             if self._changed is not None:
                 raise InventoryChanged(self._changed)
             now = self._clock()
-            reinit_tried = False
-            if self._reinit_at is not None and now >= self._reinit_at and not self._stuck():
-                # (while a read is stuck in NVML the re-init waits: shutting
+            reinit_done = self._collect_control()
+            if (self._reinit_at is not None and now >= self._reinit_at and self._control_job is None
+                    and not self._stuck()):
+                # (while a call is stuck in NVML the re-init waits: shutting
                 # NVML down under a call in flight is not defined)
-                reinit_tried = True
                 self._reinit_at = None
-                self._reinit()
+                job = self._start_reinit()
+                reinit_done = self._finish_control(job, time.monotonic() + self._read_timeout) or reinit_done
             self._raise_if_changed()
-            self._drain_xids()
-            samples = self._read_all(now)
+            reinit = self._control_job if self._control_job is not None and self._control_job.kind == "reinit" else None
+            if reinit is not None:
+                # NVML is down for the re-init: no handle is valid and no
+                # call is defined until nvmlInit returns
+                samples = [self._lost_sample(gpu) if gpu.lost else self._reinit_pending(gpu, reinit)
+                           for gpu in self._gpus]
+            else:
+                samples = self._read_all(now)
             self._raise_if_changed()
-            if any(gpu.lost for gpu in self._gpus):
+            if reinit is not None:
+                pass  # the next one is scheduled once this one is applied
+            elif any(gpu.lost for gpu in self._gpus):
                 if self._reinit_at is None:
-                    if reinit_tried:
+                    if reinit_done:
                         # The last re-init did not bring it back: wait longer.
                         self._backoff = min(self._backoff_max, self._backoff * 2)
                     self._reinit_at = now + self._backoff
-            elif reinit_tried:
+            elif reinit_done:
                 self._backoff = self._backoff_base
             return samples
 
     def close(self) -> None:
-        """Release NVML. Joins no read thread: one stuck in NVML is a daemon
-        thread left to the process exit, and NVML is then left initialised
-        (shutting it down under the stuck call could hang as well)."""
+        """Release NVML and tell the worker threads to end. Joins none of
+        them: one stuck in NVML is a daemon thread left to the process exit,
+        and NVML is then left initialised (shutting it down under the stuck
+        call could hang as well); so is it if the shutdown itself hangs."""
         if self._closed:
             return
         self._closed = True
-        # A round in progress ends by its deadline (on a serial backend, or
-        # in the re-init, it may not): wait that long, not for ever.
+        # A round in progress ends by its deadline (on a serial backend it
+        # may not): wait that long, not for ever.
         locked = self._lock.acquire(timeout=self._read_timeout + 1.0)
         try:
+            if locked:
+                self._collect_control()  # a late re-init's event set is freed below
             stuck = self._stuck()
-            if stuck or not locked:
+            control = self._control_job
+            if stuck or control is not None or not locked:
                 log.warning("nvml_left_initialised", gpus_stuck=stuck, round_in_progress=not locked,
+                            **({"call_stuck": f"{control.kind}: {control.call}"} if control is not None else {}),
                             detail="an NVML call has not returned; NVML is released when the process exits")
                 return
-            self._free_events()
-            self._shutdown()
+            events = self._take_events()
+            self._finish_control(self._start_control("shutdown", self._release_nvml, events, call="nvmlEventSetFree"),
+                                 time.monotonic() + self._read_timeout)
         finally:
             if locked:
+                self._end_workers()
                 self._lock.release()
 
     @property
@@ -606,83 +729,183 @@ class NvmlBackend:
 
     def mig_modes(self) -> dict[int, bool | None]:
         """Per GPU index: whether its MIG mode is enabled now (None: the GPU,
-        driver or library cannot say, as on a GPU without MIG)."""
-        nv, out = self._nv, {}
-        for gpu in self._gpus:
-            out[gpu.index] = None
-            if gpu.handle is None or gpu.lost:
-                continue
-            try:
-                current, _pending = nv.nvmlDeviceGetMigMode(gpu.handle)
-                out[gpu.index] = int(current) == int(nv.NVML_DEVICE_MIG_ENABLE)
-            except (self._err, *_PARSE_ERRORS):
-                continue
+        driver or library cannot say, as on a GPU without MIG, or it did
+        not answer within ``read_timeout_s``). Each GPU is asked on its
+        worker, as its reads are: one whose call is still stuck is not
+        asked again."""
+        out: dict[int, bool | None] = {gpu.index: None for gpu in self._gpus}
+        with self._lock:
+            if self._closed:
+                return out
+            waiting: list[tuple[_Gpu, _Job]] = []
+            for gpu in self._gpus:
+                # (a GPU's handle is None while NVML is re-initialised, too)
+                if gpu.handle is None or gpu.lost or not self._idle(gpu):
+                    continue
+                job = _Job("mig_mode", functools.partial(self._read_mig_mode, gpu.handle), "mig_mode")
+                gpu.job = job
+                self._dispatch(gpu.index, job)
+                waiting.append((gpu, job))
+            deadline = time.monotonic() + self._read_timeout
+            for gpu, job in waiting:
+                if not job.done.wait(max(0.0, deadline - time.monotonic())):
+                    self._note_timeout(gpu, job)
+                    continue
+                gpu.job = None
+                if job.error is not None:
+                    raise job.error
+                out[gpu.index] = job.result
         return out
+
+    def _read_mig_mode(self, handle: Any, job: _Job) -> bool | None:
+        nv = self._nv
+        try:
+            current, _pending = nv.nvmlDeviceGetMigMode(handle)
+            return int(current) == int(nv.NVML_DEVICE_MIG_ENABLE)
+        except (self._err, *_PARSE_ERRORS):
+            return None
 
     def read_seconds(self) -> dict[int, dict[str, float]]:
         """Per GPU index: how long each NVML read took in the last round, s
         (reads a GPU does not support are left out)."""
         return {gpu.index: dict(gpu.read_s) for gpu in self._gpus}
 
+    # --- the workers -------------------------------------------------------------
+
+    def _dispatch(self, key: int | str, job: _Job) -> None:
+        """``job`` to the worker of GPU ``key`` (or "control"); on a serial
+        backend it runs here and now."""
+        if not self._threaded:
+            job.run()
+            return
+        worker = self._workers.get(key)
+        if worker is None:
+            worker = self._workers[key] = _Worker(f"nvml-gpu{key}" if isinstance(key, int) else f"nvml-{key}")
+        worker.submit(job)
+
+    def _idle(self, gpu: _Gpu) -> bool:
+        """Whether the GPU's worker may be handed a job: none of its calls is
+        still in NVML. A job that came back after its round gave up on it is
+        dropped here."""
+        job = gpu.job
+        if job is None:
+            return True
+        if not job.done.is_set():
+            return False
+        gpu.job = None
+        log.info("nvml_call_returned", gpu=gpu.index, read=job.stuck_on,
+                 after_s=round(time.monotonic() - job.started, 1))
+        return True
+
+    def _start_control(self, kind: str, fn: Callable[..., Any], *args: Any, call: str) -> _Job:
+        job = _Job(kind, functools.partial(fn, *args), call)
+        self._control_job = job
+        self._dispatch("control", job)
+        return job
+
+    def _finish_control(self, job: _Job, deadline: float) -> bool:
+        """Wait for the control job until ``deadline``, then apply what it
+        found; True if that was a re-init. One that has not returned stays
+        in flight (logged once): the next round that finds it done applies it."""
+        if not job.done.wait(max(0.0, deadline - time.monotonic())):
+            if not job.stuck_on:
+                job.stuck_on = job.call
+                log.warning(f"nvml_{job.kind}_timed_out", gpu=None, call=job.call, timeout_s=self._read_timeout,
+                            detail=_CONTROL_STUCK[job.kind])
+            return False
+        self._control_job = None
+        if job.error is not None:
+            raise job.error
+        if job.kind == "reinit":
+            self._apply_reinit(job.result)
+            return True
+        if job.kind == "xid_drain":
+            self._apply_xids(job.result)
+        return False
+
+    def _collect_control(self) -> bool:
+        """Apply a control job that came back after its round gave up on it;
+        True if that was a re-init."""
+        job = self._control_job
+        if job is None or not job.done.is_set():
+            return False
+        log.info("nvml_call_returned", gpu=None, task=job.kind, read=job.stuck_on,
+                 after_s=round(time.monotonic() - job.started, 1))
+        return self._finish_control(job, 0.0)
+
     # --- Xid events ------------------------------------------------------------
 
-    def _watch_xids(self) -> None:
-        """Register every GPU that can for critical-error (Xid) events."""
+    def _register_xids(self, handles: Mapping[int, Any]) -> tuple[Any, frozenset[int]]:
+        """A new event set with every GPU of ``handles`` that can registered
+        for critical-error (Xid) events, and those GPUs' indices; (None,
+        none) if none can. Calls NVML only: see ``_watch``."""
         nv = self._nv
         try:
             events = nv.nvmlEventSetCreate()
         except (self._err, AttributeError):
-            return  # no event support in this driver or library
-        watched = 0
-        for gpu in self._gpus:
-            gpu.xid_watched = False
-            if gpu.handle is None:
+            return None, frozenset()  # no event support in this driver or library
+        watched: set[int] = set()
+        for index, handle in handles.items():
+            if handle is None:
                 continue
             try:
-                nv.nvmlDeviceRegisterEvents(gpu.handle, nv.nvmlEventTypeXidCriticalError, events)
+                nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, events)
             except self._err as exc:
                 if self._code(exc) == nv.NVML_ERROR_UNKNOWN:
-                    # NVML: the set is then in an undefined state; free it
-                    for other in self._gpus:
-                        other.xid_watched = False
-                    watched = 0
+                    watched.clear()  # NVML: the set is then in an undefined state; free it
                     break
                 continue  # NOT_SUPPORTED on this GPU: its xid_last stays absent
-            gpu.xid_watched = True
-            watched += 1
+            watched.add(index)
         if watched:
-            self._events = events
-        else:
-            try:
-                nv.nvmlEventSetFree(events)
-            except self._err:
-                pass
+            return events, frozenset(watched)
+        try:
+            nv.nvmlEventSetFree(events)
+        except self._err:
+            pass
+        return None, frozenset()
 
-    def _free_events(self) -> None:
+    def _watch(self, events: Any, watched: frozenset[int]) -> None:
+        self._events = events
+        for gpu in self._gpus:
+            gpu.xid_watched = gpu.index in watched
+
+    def _take_events(self) -> Any:
+        """The event set, no longer this backend's (its GPUs unwatched): for
+        the caller to free."""
+        events, self._events = self._events, None
         for gpu in self._gpus:
             gpu.xid_watched = False
-        if self._events is not None:
+        return events
+
+    def _free_events(self, events: Any) -> None:
+        if events is not None:
             try:
-                self._nv.nvmlEventSetFree(self._events)
+                self._nv.nvmlEventSetFree(events)
             except self._err:
                 pass  # gone with the session already
-            self._events = None
 
-    def _drain_xids(self) -> None:
-        """Take every pending Xid event, without waiting."""
-        nv = self._nv
-        if self._events is None:
-            return
+    def _drain_xids(self, events: Any, job: _Job) -> list[tuple[str, int]]:
+        """(UUID, Xid code) of every pending Xid event, taken without
+        waiting. Calls NVML only: ``_apply_xids`` logs them."""
+        nv, found = self._nv, []
         for _ in range(_MAX_EVENTS_PER_ROUND):
             try:
-                data = nv.nvmlEventSetWait_v2(self._events, 0)
+                data = nv.nvmlEventSetWait_v2(events, 0)
             except self._err:
-                return  # TIMEOUT: none pending (any other error: next round)
+                break  # TIMEOUT: none pending (any other error: next round)
+            try:
+                code = int(data.eventData)
+            except _PARSE_ERRORS:
+                continue
             try:
                 uuid = _text(nv.nvmlDeviceGetUUID(data.device))
             except (self._err, *_PARSE_ERRORS):
                 uuid = ""
-            code = int(data.eventData)
+            found.append((uuid, code))
+        return found
+
+    def _apply_xids(self, found: list[tuple[str, int]]) -> None:
+        for uuid, code in found:
             gpu = next((g for g in self._gpus if g.uuid and g.uuid == uuid), None)
             if gpu is not None:
                 gpu.xid_last = code
@@ -784,41 +1007,32 @@ class NvmlBackend:
         return [gpu.index for gpu in self._gpus if gpu.job is not None and not gpu.job.done.is_set()]
 
     def _read_all(self, now: float) -> list[GpuSample]:
-        """Every GPU's sample this round: on a thread per GPU with one
-        deadline for all, or (``parallel=False``) one after another here."""
-        if not self._threaded:
-            return [
-                self._lost_sample(gpu)
-                if gpu.lost
-                else self._apply(gpu, self._read_gpu(gpu.index, gpu.uuid, gpu.handle, self._plan(gpu, now), None), now)
-                for gpu in self._gpus
-            ]
+        """Every GPU's sample this round, read on its worker with one
+        deadline for all (the Xid drain on the control worker alongside),
+        or (``parallel=False``) one after another here."""
         samples: list[GpuSample | None] = [None] * len(self._gpus)
+        xids = None
+        if self._events is not None and self._control_job is None:
+            xids = self._start_control("xid_drain", self._drain_xids, self._events, call="nvmlEventSetWait_v2")
         waiting: list[tuple[int, _Gpu, _Job]] = []
         for i, gpu in enumerate(self._gpus):
             if gpu.lost:
                 samples[i] = self._lost_sample(gpu)
                 continue
-            job = gpu.job
-            if job is not None:
-                if not job.done.is_set():
-                    # Still stuck since an earlier round: no second thread
-                    # for this GPU while it is.
-                    samples[i] = self._timed_out(gpu, job)
-                    continue
-                gpu.job = None  # came back after its round gave up on it: dropped
-                log.info("nvml_call_returned", gpu=gpu.index, read=job.stuck_on,
-                         after_s=round(time.monotonic() - job.started, 1))
-            job = _Job()
+            if not self._idle(gpu):
+                # Still stuck since an earlier round: no second call for
+                # this GPU while it is.
+                assert gpu.job is not None
+                samples[i] = self._timed_out(gpu, gpu.job)
+                continue
+            job = _Job("read", functools.partial(self._read_gpu, gpu.index, gpu.uuid, gpu.handle, self._plan(gpu, now)),
+                       "handle")
             gpu.job = job
-            threading.Thread(
-                target=self._run_job,
-                args=(job, gpu.index, gpu.uuid, gpu.handle, self._plan(gpu, now)),
-                name=f"nvml-gpu{gpu.index}",
-                daemon=True,
-            ).start()
+            self._dispatch(gpu.index, job)
             waiting.append((i, gpu, job))
         deadline = time.monotonic() + self._read_timeout
+        if xids is not None:
+            self._finish_control(xids, deadline)  # before the reads: their samples carry xid_last
         for i, gpu, job in waiting:
             if not job.done.wait(max(0.0, deadline - time.monotonic())):
                 samples[i] = self._timed_out(gpu, job)
@@ -829,14 +1043,6 @@ class NvmlBackend:
             assert job.result is not None
             samples[i] = self._apply(gpu, job.result, now)
         return [s for s in samples if s is not None]
-
-    def _run_job(self, job: _Job, index: int, uuid: str, handle: Any, skip: frozenset[str]) -> None:
-        try:
-            job.result = self._read_gpu(index, uuid, handle, skip, job)
-        except BaseException as exc:  # handed to the round, which raises it
-            job.error = exc
-        finally:
-            job.done.set()
 
     def _plan(self, gpu: _Gpu, now: float) -> frozenset[str]:
         """The reads this round leaves out: the unsupported ones, but once
@@ -860,11 +1066,26 @@ class NvmlBackend:
             sample.xid_last = gpu.xid_last
         gpu.frozen.reset()
         gpu.read_s = {job.call: waited}  # --check shows how long it has hung
+        self._note_timeout(gpu, job)
+        return sample
+
+    def _note_timeout(self, gpu: _Gpu, job: _Job) -> None:
         if not job.stuck_on:
             job.stuck_on = job.call
             log.warning("nvml_call_timed_out", gpu=gpu.index, uuid=gpu.uuid, read=job.call,
                         timeout_s=self._read_timeout,
                         detail="the GPU reports read_failed, and gets no new read, until the call returns")
+
+    def _reinit_pending(self, gpu: _Gpu, job: _Job) -> GpuSample:
+        """A GPU not read because NVML's re-init has not returned."""
+        waited = time.monotonic() - job.started
+        sample = GpuSample(index=gpu.index, health=Health.READ_FAILED)
+        sample.errors["nvml"] = (
+            f"nvml call timed out: NVML's re-init ({job.call}) has not returned after {waited:.1f} s; "
+            f"GPU {gpu.index} is read again once it does"
+        )
+        gpu.frozen.reset()
+        gpu.read_s = {}
         return sample
 
     def _read_gpu(self, index: int, uuid: str, handle: Any, skip: frozenset[str], job: _Job | None) -> _Result:
@@ -970,43 +1191,67 @@ class NvmlBackend:
                   detail="NVML lists other GPUs than this process registered: a new process registers them")
         raise InventoryChanged(self._changed)
 
-    def _reinit(self) -> None:
-        """Restart NVML and find every GPU's new handle by UUID, since a
-        reset may renumber them. A GPU whose UUID NVML no longer lists stays
-        lost (its index may be another GPU's now); if the set of GPUs is not
-        the registered one, ``_changed`` says how (``sample`` raises). A
-        failing ``nvmlInit`` leaves the lost GPUs lost; the caller schedules
-        the next attempt."""
+    def _start_reinit(self) -> _Job:
+        """Hand NVML's re-init to the control worker (no call may be in
+        flight). The GPUs' handles die with the shutdown it begins with."""
+        events = self._take_events()  # an event set lives and dies with its session
+        for gpu in self._gpus:
+            gpu.handle = None
+        return self._start_control("reinit", self._reinit_nvml, events, call="nvmlEventSetFree")
+
+    def _reinit_nvml(self, events: Any, job: _Job) -> _Reinit:
+        """Restart NVML and find every registered GPU's new handle by UUID,
+        since a reset may renumber them; watch them for Xid events again.
+        Calls NVML only (on the control worker): ``_apply_reinit`` decides."""
         nv, err = self._nv, self._err
-        self._free_events()  # an event set lives and dies with its session
+        self._free_events(events)
+        job.call = "nvmlShutdown"
         self._shutdown()
+        job.call = "nvmlInit"
         try:
             nv.nvmlInit()
-        except (err, OSError):
-            for gpu in self._gpus:
-                gpu.handle = None  # handles died with the shutdown
-            return
-        registered = {gpu.uuid: gpu.index for gpu in self._gpus if gpu.uuid}
-        by_uuid: dict[str, Any] = {}
-        changes: list[str] = []
+        except (err, OSError) as exc:
+            return _Reinit(error=_reason(exc))
+        found = _Reinit()
+        job.call = "nvmlDeviceGetCount"
         try:
-            count = int(nv.nvmlDeviceGetCount())
+            found.count = int(nv.nvmlDeviceGetCount())
         except err:
-            count = len(self._gpus)
-        else:
-            if count != len(self._gpus):
-                changes.append(f"NVML lists {count} GPU(s), this process registered {len(self._gpus)}")
-        for index in range(count):
+            pass
+        job.call = "nvmlDeviceGetHandleByIndex"
+        by_uuid: dict[str, Any] = {}
+        for index in range(len(self._gpus) if found.count is None else found.count):
             try:
                 handle = nv.nvmlDeviceGetHandleByIndex(index)
                 uuid = _text(nv.nvmlDeviceGetUUID(handle))
             except (err, *_PARSE_ERRORS):
                 continue  # unreadable now (off the bus, say): not a change by itself
             by_uuid[uuid] = handle
+            found.listed.append((index, uuid))
+        found.handles = {gpu.index: by_uuid.get(gpu.uuid) if gpu.uuid else None for gpu in self._gpus}
+        job.call = "nvmlDeviceRegisterEvents"
+        found.events, found.watched = self._register_xids(found.handles)
+        return found
+
+    def _apply_reinit(self, found: _Reinit) -> None:
+        """A re-init's findings into the GPUs' state. A GPU whose UUID NVML
+        no longer lists stays lost (its index may be another GPU's now); if
+        the set of GPUs is not the registered one, ``_changed`` says how
+        (``sample`` raises). A failed ``nvmlInit`` leaves the lost GPUs
+        lost; the caller schedules the next attempt."""
+        if found.error is not None:
+            log.warning("nvml_reinit_failed", error=found.error,
+                        detail="nvmlInit failed: the lost GPUs stay lost and NVML is initialised again after a backoff")
+            return
+        registered = {gpu.uuid for gpu in self._gpus if gpu.uuid}
+        changes: list[str] = []
+        if found.count is not None and found.count != len(self._gpus):
+            changes.append(f"NVML lists {found.count} GPU(s), this process registered {len(self._gpus)}")
+        for index, uuid in found.listed:
             if uuid not in registered:
                 changes.append(f"GPU index {index} is {uuid}, which this process did not register")
         for gpu in self._gpus:
-            gpu.handle = by_uuid.get(gpu.uuid) if gpu.uuid else None
+            gpu.handle = found.handles.get(gpu.index)
             if gpu.uuid and gpu.handle is None:
                 if not gpu.lost:
                     log.warning("gpu_not_found", gpu=gpu.index, uuid=gpu.uuid,
@@ -1020,7 +1265,13 @@ class NvmlBackend:
             gpu.reprobe_at = None
         if changes and self._changed is None:
             self._changed = "; ".join(changes)
-        self._watch_xids()
+        self._watch(found.events, found.watched)
+
+    def _release_nvml(self, events: Any, job: _Job) -> None:
+        """``close``'s calls, on the control worker."""
+        self._free_events(events)
+        job.call = "nvmlShutdown"
+        self._shutdown()
 
 
 def _reason(exc: Exception) -> str:
