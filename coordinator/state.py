@@ -1017,6 +1017,7 @@ def restore_into(scheduler: "Scheduler", restored: Restored, now: float | None =
         s._reservations.add(a.lease_id, a.gpu_uuids, float(spec.vram_mib), 100.0 * spec.gpu_share,
                             [math.nan] * len(a.gpu_uuids), shown=True)
         s._by_node.setdefault(a.node_id, set()).add(task.task_id)
+        s.count_p0_lease(task, 1)
     s._view = None  # reservations changed under any view
 
     policy = None

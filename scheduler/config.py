@@ -90,6 +90,14 @@ class SchedulerConfig:
     # work from one that could, waiting for it at most until its SLA runs
     # out; then it takes the best GPU it fits. Needs preemption.
     preempt_for_growth: bool = True
+    # A P0 task (by spec) that fits only on GPUs whose compute its share
+    # would oversubscribe (gpulb's leases there by their shares, or the
+    # reading, whichever is higher, plus its own share over 100 %) goes to a
+    # GPU with that compute to spare when one can take it, and otherwise
+    # evicts lower-priority work from one, waiting for it at most until its
+    # SLA runs out; then it takes the best GPU it fits. While it runs, work
+    # below P0 may not take that GPU's compute past 100 %. Needs preemption.
+    preempt_for_compute: bool = True
     # s a lease must have run before it may be evicted (Slurm's
     # PreemptExemptTime): a task just restarted after an eviction is not the
     # victim again at once. 0 (the default): any lease of a victim class may go.

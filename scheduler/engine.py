@@ -215,6 +215,8 @@ class Scheduler:
         self._evicted: list[Task] = []
         self._evicted_at: float | None = None  # when the last eviction was (next_decision_at)
         self._evicted_for_growth: set[str] = set()  # queued P0 tasks that evicted for room to grow
+        self._evicted_for_compute: set[str] = set()  # queued P0 tasks that evicted for compute
+        self.p0_leases_on: dict[str, int] = {}  # GPU uuid -> live leases of P0 tasks (by spec) on it
         self._times_evicted: Counter[str] = Counter()  # live task id -> leases of it evicted so far
         # GPU uuid -> when gpulb's last lease on it ended (kept _RELEASE_SHOWS_S)
         self._emptied_at: dict[str, float] = {}
@@ -646,14 +648,15 @@ class Scheduler:
 
     def _expected_start(
         self, spec: TaskSpec, view: PlacementView, index: int, rows: np.ndarray, fits: np.ndarray,
-        now: float,
+        now: float, *, estimates_only: bool = False,
     ) -> float:
         """When ``spec`` is expected to fit on node ``index`` if nothing new
         went there: the ``num_gpus``-th earliest time one of its ``rows`` (the
         GPUs that could be free of gpulb's leases) is free: now where it fits
         now, else when the last lease on it is expected to end at the node's
         run factor (a lease without an estimate, or past it, as long again as
-        it has run); ``inf`` with too few rows."""
+        it has run; ``estimates_only``: never, so that only a lease's own
+        estimate can make it end soon); ``inf`` with too few rows."""
         free_at = {int(r): now for r in rows}
         for other_id in self._by_node.get(view.snapshot.node_ids[index], ()):
             other = self._tasks.get(other_id)
@@ -664,7 +667,7 @@ class Scheduler:
             if other.spec.duration_s <= 0 or end <= now:
                 # no estimate, or past it: expect it to run as long again as
                 # it has run (the age estimate of heavy-tailed runs), >= 1 s
-                end = now + max(now - started, 1.0)
+                end = math.inf if estimates_only else now + max(now - started, 1.0)
             for gpu_uuid in other.assignment.gpu_uuids:
                 row = view.row_of.get(gpu_uuid)
                 if row in free_at and not fits[row]:
@@ -769,6 +772,7 @@ class Scheduler:
             of_spec = self._spec_shapes[spec.task_id] = (
                 spec.num_gpus,
                 spec.vram_mib,
+                spec.gpu_share,  # GPUs running P0 work take a share up to 100 % (_p0_guarded)
                 self.config.memory_reject_for(spec.tenant),
                 spec.gpu_spec,
                 spec.needs_nvlink,
@@ -821,6 +825,9 @@ class Scheduler:
         reason = failed.get(shape)
         if reason is None:
             mask = feasible(view, spec, self.config)
+            guarded = self._p0_guarded(view, spec)
+            if guarded is not None:
+                mask &= ~guarded
             mine = None  # the GPUs evicted for this task, where it passes the filters
             if nominated is not None:
                 if own is None:
@@ -873,6 +880,8 @@ class Scheduler:
                 placement = choose(mask)
                 if placement is not None and spec.priority == Priority.P0:
                     placement, reason = self._urgent_room(task, view, now, held, mask, choose, placement)
+                    if placement is not None:
+                        placement, reason = self._urgent_compute(task, view, now, held, mask, choose, placement)
                     if placement is None:
                         if task.reason != reason:
                             task.reason = reason
@@ -920,6 +929,9 @@ class Scheduler:
                     self._unblocked(task.task_id)
                 return Outcome.PLACED
             reason = self._why_not(view, spec)
+            if guarded is not None and guarded.any():
+                reason += (f"; {int(guarded.sum())} GPU(s) running P0 work keep their compute for it "
+                           f"(its {spec.gpu_share:.0%} would take them over 100 %: preempt_for_compute)")
             if not self._reachable(spec, view)[1].any() and self._could_host(spec, view).any():
                 # the operator's next question: would it fit once gpulb's own work ends?
                 # (not where no node may take it at all: cordoned, unhealthy, the wrong model)
@@ -931,14 +943,22 @@ class Scheduler:
             evicted = self._nominations.get(spec.task_id)
             if evicted is None:
                 due = self._preempt_due.setdefault(spec.task_id, task.queued_at + self.config.preempt_after_s)
+                # a lease expected to end before its SLA runs out frees room for it:
+                # wait for that rather than evict (QA: half of the evictions of a P0
+                # run were for a task placed at once on a GPU another P0 lease freed,
+                # its victim placed back where it had been)
+                soon = self._room_before(task, view, now) if now >= due else None
                 # within one dispatch victims only go: a shape no eviction made room for once won't later
-                if now >= due and shape + ("preempt",) not in failed:
+                if now >= due and soon is None and shape + ("preempt",) not in failed:
                     evicted = self._preempt(task, view, now, held)
                     if evicted is None:
                         failed[shape + ("preempt",)] = reason
-                if now >= due and evicted is None:
+                if soon is not None:
+                    reason += (f"; node {view.snapshot.node_ids[soon[0]]}'s leases are expected to free room for it "
+                               f"in {max(soon[1] - now, 0.0):.1f} s, within its SLA: waiting for that, not evicting")
+                if now >= due and evicted is None and soon is None:
                     self._no_victims[spec.task_id] = self._victim_version
-                if now >= due and evicted is None:
+                if now >= due and evicted is None and soon is None:
                     # the operator's next question: why did it not evict?
                     linked = " NVLink-connected" if spec.needs_nvlink and spec.num_gpus > 1 else ""
                     classes = "/".join(f"P{p}" for p in range(self.config.preempt_min_victim_priority, 4))
@@ -1064,6 +1084,139 @@ class Scheduler:
                       f"growth {task.spec.kind or 'its'} tasks have shown); placing it there once their memory "
                       f"shows free, or at {kept.until - task.queued_at:g} s where it fits")
 
+    def _urgent_compute(
+        self, task: Task, view: PlacementView, now: float, fenced: frozenset[int], mask: np.ndarray,
+        choose: Callable[[np.ndarray], Placement | None], placement: Placement,
+    ) -> tuple[Placement | None, str]:
+        """Where a P0 task that fits now goes when ``placement`` would
+        oversubscribe its GPUs' compute (``preempt_for_compute``):
+        ``(placement, "")`` to place it, ``(None, reason)`` to wait for GPUs
+        evicted for it.
+
+        Memory decides where a task fits, and a saturated cluster's big cards
+        fit several batch tasks at once: QA (round 25) saw every P0 inference
+        task placed at once on an A100 already running three batch tasks of
+        a whole GPU's compute each, where it got about a quarter of the SMs,
+        with no preemption and no SLA miss counted: urgent work stuck behind
+        batch work on the GPU instead of in the queue. So a P0 task goes to a
+        GPU with its share of compute to spare (``_compute_demand``) when one
+        can take it; when none can, it evicts lower-priority work from one
+        (``_preempt`` for compute, the same choice of victims) and waits for
+        it until its SLA runs out, as for room to grow (``_urgent_room``);
+        then, or when nothing could be evicted, it takes ``placement``. It
+        evicts for compute once."""
+        cfg = self.config
+        share = 100.0 * task.spec.gpu_share
+        if not (cfg.preemption and cfg.preempt_for_compute) or share <= 0:
+            return placement, ""
+        demand = self._compute_demand(view)
+        spare = demand + share <= 100.0 + 1e-9
+        if all(spare[r] for r in placement.rows):
+            return placement, ""
+        # not where its kind's memory growth would not fit (_urgent_room chose for that first)
+        grown = self._growth_need(task.spec, view) if cfg.preempt_for_growth else None
+        if grown is not None:
+            spare = spare & (view.headroom >= grown[0])
+        kept = self._nominations.get(task.task_id)
+        if kept is not None:
+            # the GPUs evicted for it, once their memory shows free: their
+            # compute is free too (the readings fall behind, as for growth)
+            there = choose(mask & _rows_mask(view, kept.gpu_uuids))
+            if there is not None:
+                return there, ""
+        else:
+            roomy = choose(mask & (spare | self._just_emptied(view, now)))
+            if roomy is not None:
+                return roomy, ""
+            if task.task_id in self._evicted_for_compute:
+                return placement, ""  # it evicted once and the wait lapsed
+            until = task.queued_at + cfg.p0_sla_s - _SLA_MARGIN_S
+            if until - now >= _MIN_GROWTH_WAIT_S:
+                kept = self._preempt(task, view, now, fenced, want_compute=True, until=until, demand=demand,
+                                     want_mib=grown[0] if grown is not None else None)
+            if kept is None:
+                return placement, ""  # nothing to evict, or no time: the best GPU it fits
+            self._evicted_for_compute.add(task.task_id)
+            self.preemption_counts["for_compute"] += 1
+        return None, (f"waiting: {len(kept.victims)} lower-priority task(s) evicted for it from node "
+                      f"{kept.node_id}, for compute (every GPU it fits has less than its "
+                      f"{task.spec.gpu_share:.0%} to spare); placing it there once their memory shows free, "
+                      f"or at {kept.until - task.queued_at:g} s where it fits")
+
+    def _room_before(self, task: Task, view: PlacementView, now: float) -> tuple[int, float] | None:
+        """``(node index, when)``: the node where the blocked P0 ``task`` is
+        expected to fit soonest, if gpulb's leases there are expected to have
+        ended (``_expected_start``: their own estimates at the node's run
+        factor; a lease without one, or past it, is not expected to end)
+        before its SLA runs out; None when none is, or it has no time left.
+        An eviction costs its victim its run; waiting for a lease that ends
+        anyway costs the P0 task no SLA miss."""
+        until = task.queued_at + self.config.p0_sla_s - _SLA_MARGIN_S
+        if until <= now or not view.gpu_count:
+            return None
+        spec = task.spec
+
+        def soonest() -> tuple[int, float] | None:  # per shape and instant: a burst of P0 tasks asks alike
+            usable, candidates = self._reachable(spec, view)
+            if not candidates.any():
+                return None
+            fits = feasible(view, spec, self.config)
+            best: tuple[int, float] | None = None
+            for index in np.flatnonzero(candidates):
+                rows = np.flatnonzero(usable & (view.node == index))
+                start = self._expected_start(spec, view, int(index), rows, fits, now, estimates_only=True)
+                if best is None or start < best[1]:
+                    best = (int(index), start)
+            return best
+
+        best = view.memo((self._spec_shape(spec), "room_before", now), soonest)
+        return best if best is not None and best[1] <= until else None  # type: ignore[return-value,index]
+
+    def _p0_guarded(self, view: PlacementView, spec: TaskSpec) -> np.ndarray | None:
+        """Per GPU, for a task below P0: whether it runs P0 work whose
+        compute ``spec``'s share would oversubscribe (``_compute_demand`` plus
+        the share over 100 %), which it may then not take; None when no GPU
+        is so guarded (``preempt_for_compute`` off, a P0 task, no P0 lease).
+        Without it the batch work evicted for a P0 task's compute came back
+        to the same GPU as soon as the P0 task was placed there."""
+        cfg = self.config
+        if not self.p0_leases_on or spec.priority == Priority.P0 or not (cfg.preemption and cfg.preempt_for_compute):
+            return None
+
+        def rows_and_demand() -> tuple[np.ndarray, np.ndarray]:
+            rows = [view.row_of[u] for u in self.p0_leases_on if u in view.row_of]
+            index = np.asarray(rows, dtype=np.int64)
+            return index, self._compute_demand(view)[index]
+
+        rows, demand = view.memo("p0_compute", rows_and_demand)  # type: ignore[misc]
+        over = demand + 100.0 * spec.gpu_share > 100.0 + 1e-9
+        if not over.any():
+            return None
+        guarded = np.zeros(view.gpu_count, dtype=bool)
+        guarded[rows[over]] = True
+        return guarded
+
+    def _compute_demand(self, view: PlacementView) -> np.ndarray:
+        """Per GPU, % of its compute asked for: gpulb's leases there by their
+        shares, or the load (the reading and the reservations it does not
+        show yet), whichever is higher. The reading stops at 100 %, so three
+        batch tasks of a whole GPU each read as one. Do not modify it."""
+
+        def compute() -> np.ndarray:
+            demand = view.load.copy()
+            res = self._reservations
+            asked: dict[int, float] = {}
+            for gpu_uuid in res.reserved_gpus():
+                row = view.row_of.get(gpu_uuid)
+                gpu = res.gpu(gpu_uuid)
+                if row is not None and gpu is not None and gpu.members:
+                    asked[row] = sum(util for _, util in gpu.members.values())
+            for row, util in asked.items():
+                demand[row] = max(float(demand[row]), util)
+            return demand
+
+        return view.memo("compute_demand", compute)  # type: ignore[return-value]
+
     def _just_emptied(self, view: PlacementView, now: float) -> np.ndarray:
         """Per GPU: gpulb's last lease on it ended under ``_RELEASE_SHOWS_S``
         ago and none has come since, so its compute reading may still show
@@ -1140,6 +1293,7 @@ class Scheduler:
             del self._preempt_due[task_id]
             self._no_victims.pop(task_id, None)
         self._evicted_for_growth = {t for t in self._evicted_for_growth if self._is_queued(t)}
+        self._evicted_for_compute = {t for t in self._evicted_for_compute if self._is_queued(t)}
         for task_id, kept in list(self._nominations.items()):
             if not self._is_queued(task_id):
                 del self._nominations[task_id]
@@ -1158,6 +1312,7 @@ class Scheduler:
     def _preempt(
         self, task: Task, view: PlacementView, now: float, fenced: frozenset[int] = frozenset(),
         *, want_mib: float | None = None, want_compute: bool = False, until: float | None = None,
+        demand: np.ndarray | None = None,
     ) -> Nomination | None:
         """Evict lower-priority leases for the P0 ``task``, which fits nowhere,
         from where that costs least, and keep those GPUs for it; the
@@ -1189,7 +1344,8 @@ class Scheduler:
         ``want_mib``: memory each GPU must also have free for the task (room
         to grow, ``_urgent_room``); ``want_compute``: the victims must also
         free the compute its share needs (its GPU's load plus the share under
-        100 %, each victim freeing its own share); ``until``: when the kept
+        100 %, each victim freeing its own share), the load taken from
+        ``demand`` when given (``_compute_demand``); ``until``: when the kept
         GPUs lapse (default ``preempt_grace_s`` from now).
         """
         spec = task.spec
@@ -1213,7 +1369,7 @@ class Scheduler:
         if want_mib is not None:
             lack = np.maximum(lack, want_mib - view.headroom)
         # % of compute to free per GPU (none unless asked)
-        busy = view.load + 100.0 * spec.gpu_share - 100.0 if want_compute else None
+        busy = (view.load if demand is None else demand) + 100.0 * spec.gpu_share - 100.0 if want_compute else None
         min_victim = cfg.preempt_min_victim_priority
         on_row: dict[int, list[Task]] = {}
         for node_id, ids in self._by_node.items():
@@ -1392,6 +1548,7 @@ class Scheduler:
             run_started_at=task.assignment.run_start if moved and task.assignment is not None else None,
         )
         self._by_node.setdefault(placement.node_id, set()).add(spec.task_id)
+        self.count_p0_lease(task, 1)
         if moved:
             self.migrated += 1
         else:
@@ -1404,6 +1561,7 @@ class Scheduler:
         assignment = task.assignment
         if assignment is None:
             return
+        self.count_p0_lease(task, -1)
         self._leases.release(assignment.lease_id)
         uuids = self._reservations.release(assignment.lease_id)
         now = self._clock()
@@ -1418,6 +1576,19 @@ class Scheduler:
             on_node.discard(task.task_id)
             if not on_node:
                 del self._by_node[assignment.node_id]
+
+    def count_p0_lease(self, task: Task, delta: int) -> None:
+        """Keep ``p0_leases_on`` (``_p0_guarded``) as ``task``'s lease comes
+        (1) or goes (-1); the state's restore calls it for restored leases."""
+        if task.spec.priority != Priority.P0 or task.assignment is None:
+            return
+        on = self.p0_leases_on
+        for gpu_uuid in task.assignment.gpu_uuids:
+            count = on.get(gpu_uuid, 0) + delta
+            if count > 0:
+                on[gpu_uuid] = count
+            else:
+                on.pop(gpu_uuid, None)
 
     def _finish(self, task: Task, state: TaskState, reason: str, now: float) -> None:
         self._spec_shapes.pop(task.task_id, None)

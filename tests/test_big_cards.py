@@ -4,6 +4,7 @@ work the other cards cannot hold (``scheduler.scoring``, B(g))."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -141,7 +142,9 @@ def test_simulated_urgent_task_gets_the_big_card_to_itself() -> None:
     asking 20,000 MiB, arrives at t = 40 and grows to 1.6x (32,000 MiB): only
     the big card holds it. Idle cards tie and the lowest row wins, so without
     the term S takes the big card and L must share its compute (150 %: 100 s
-    of work take 150 s); with it S runs on a 24 GiB card and L alone."""
+    of work take 150 s), or, as P0 work may (``preempt_for_compute``), evict S
+    for it, S's 30 s of work lost; with it S runs on a 24 GiB card and L
+    alone."""
     cards = [ClusterNode("big", 1, "G3", G3, 1.0)] + [ClusterNode(f"g2-{i}", 1, "G2", G2, 1.0) for i in range(9)]
     tasks = [
         TraceTask("W", 0.0, 10.0, 1, 10_000.0, 1.0, Priority.P3, "inference"),
@@ -150,14 +153,20 @@ def test_simulated_urgent_task_gets_the_big_card_to_itself() -> None:
     ]
     memory = RatioMemory({"W": (1.6,), "L": (1.6,)})
     cfg = SimConfig(memory=memory, memory_growth=MemoryGrowthConfig(min_samples=1))
-    jct = {}
-    for policy in ("load_aware", "load_aware:big_cards=0"):
-        result = Simulation(tasks, cards, policy, cfg).run()
+    no_compute_eviction = replace(cfg, scheduler=SchedulerConfig(preempt_for_compute=False))
+    jct, evicted = {}, {}
+    for policy, config in (("load_aware", cfg), ("load_aware:big_cards=0", cfg),
+                           ("load_aware:big_cards=0", no_compute_eviction)):
+        result = Simulation(tasks, cards, policy, config).run()
         assert result.oom_kills == 0 and all(r.state == "completed" for r in result.records)
-        jct[policy] = {r.task_id: r.jct_s for r in result.records}
-    assert jct["load_aware"]["L"] == pytest.approx(100.0)
-    assert jct["load_aware:big_cards=0"]["L"] == pytest.approx(150.0)
-    assert jct["load_aware"]["S"] == pytest.approx(10_000.0)
+        key = (policy, config.scheduler is None)
+        jct[key] = {r.task_id: r.jct_s for r in result.records}
+        evicted[key] = result.preemptions
+    assert jct["load_aware", True]["L"] == pytest.approx(100.0)
+    assert jct["load_aware", True]["S"] == pytest.approx(10_000.0) and evicted["load_aware", True] == 0
+    assert jct["load_aware:big_cards=0", True]["L"] == pytest.approx(100.0)
+    assert jct["load_aware:big_cards=0", True]["S"] > 10_000.0 and evicted["load_aware:big_cards=0", True] == 1
+    assert jct["load_aware:big_cards=0", False]["L"] == pytest.approx(150.0)
 
 
 # ---- through a real coordinator -------------------------------------------------------------------

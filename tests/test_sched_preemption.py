@@ -493,3 +493,110 @@ def test_a_p0_backlog_with_nothing_to_evict_shares_freed_gpus_by_the_class_weigh
     first = order[:12]
     assert first.count("p1") >= 3, order  # 8:4 of 12 placements is 4; P0-first gave 0
     assert "p1" in order[:4], order
+
+
+# ---- compute, and leases about to end (QA pass 25: the product's promises, live) ------------------------
+
+
+def _stacked(sched, clock, shares=(1.0, 1.0, 1.0)):
+    """GPU 0 (node n0, 80 GiB) runs three P3 batch tasks of 16 GiB each asking the shares
+    given; GPU 1 (24 GiB) runs one of 20 GiB. The readings show them all."""
+    truth = [0.0, 0.0]
+    facts = [NodeFacts("n0", 1, memory_total_mib=80 * GIB), NodeFacts("n1", 1, memory_total_mib=24 * GIB)]
+
+    def snap(used, util0=min(100.0, 100.0 * sum(shares))):
+        return ClusterSnapshot.build(facts, memory_used_mib=[g * GIB for g in used], util_pct=[util0, 100.0])
+
+    for i, share in enumerate(shares):
+        s = spec(f"batch-{i}", 16, share=share)
+        sched.submit(s, snap([truth[0], 24.0]))
+        assert [t.task_id for t in sched.dispatch(snap([truth[0], 24.0]))] == [s.task_id]
+        truth[0] += 16
+    other = spec("other", 20, share=1.0)
+    sched.submit(other, snap([80.0, truth[1]]))
+    assert [t.task_id for t in sched.dispatch(snap([80.0, truth[1]]))] == ["other"]
+    truth[1] += 20
+    return truth, snap
+
+
+def test_a_p0_task_that_fits_only_where_batch_work_takes_the_compute_evicts_for_it():
+    """QA: every P0 inference task went at once to an A100 running three batch
+    tasks of a whole GPU each, and got a quarter of it, with no eviction and
+    no SLA miss. Now it evicts for its half of the GPU (all three: two would
+    still ask 200 %), waits for their memory to show free, and the batch work
+    does not come back onto its GPU while it runs."""
+    sched, clock, seen = make()
+    truth, snap = _stacked(sched, clock)
+    sched.submit(spec("urgent", 8, Priority.P0, share=0.5), snap(truth))
+    assert sched.dispatch(snap(truth)) == []
+    urgent = sched.get("urgent")
+    assert urgent.state == TaskState.QUEUED and "for compute" in urgent.reason
+    kept = sched.nominations()["urgent"]
+    assert sorted(kept.victims) == ["batch-0", "batch-1", "batch-2"] and kept.node_id == "n0"
+    assert sched.preemption_counts["for_compute"] == 1 and sched.preemption_counts["evicted"] == 3
+    clock.now += 1.0
+    truth[0] = 0.0  # the victims' memory shows free
+    placed = sched.dispatch(snap(truth))
+    assert [t.task_id for t in placed] == ["urgent"]
+    assert placed[0].assignment.gpu_uuids == kept.gpu_uuids
+    truth[0] += 8
+    clock.now += 1.0
+    running = snap(truth, util0=50.0)  # the readings show the P0 task at its half
+    assert sched.dispatch(running) == []  # 72 GiB free there, but not the compute
+    for i in range(3):
+        batch = sched.get(f"batch-{i}")
+        assert batch.state == TaskState.QUEUED and "running P0 work keep their compute" in batch.reason
+    # a half-GPU task still fits beside it (50 % + 50 %)
+    sched.submit(spec("half", 8, share=0.5), running)
+    assert [t.task_id for t in sched.dispatch(running)] == ["half"]
+    # once the P0 task ends, the batch work may go back
+    sched.complete("urgent", sched.get("urgent").assignment.lease_id)
+    clock.now += 1.0
+    assert len(sched.dispatch(running)) >= 1
+
+
+def test_a_p0_task_goes_where_compute_is_to_spare_before_evicting_anything():
+    sched, clock, seen = make()
+    truth, snap = _stacked(sched, clock, shares=(1.0, 1.0, 0.0))  # GPU 0 asked for 200 %: no room for 50 %
+    facts = [NodeFacts("n0", 1, memory_total_mib=80 * GIB), NodeFacts("n1", 1, memory_total_mib=24 * GIB),
+             NodeFacts("n2", 1, memory_total_mib=24 * GIB)]
+    roomy = ClusterSnapshot.build(facts, memory_used_mib=[g * GIB for g in truth] + [4 * GIB],
+                                  util_pct=[100.0, 100.0, 30.0])
+    sched.submit(spec("urgent", 8, Priority.P0, share=0.5), roomy)
+    placed = sched.dispatch(roomy)
+    assert [t.task_id for t in placed] == ["urgent"] and placed[0].assignment.node_id == "n2"
+    assert sched.preemption_counts["evicted"] == 0
+
+
+def test_with_preempt_for_compute_off_a_p0_task_shares_the_busy_gpu_as_before():
+    sched, clock, seen = make(preempt_for_compute=False)
+    truth, snap = _stacked(sched, clock)
+    sched.submit(spec("urgent", 8, Priority.P0, share=0.5), snap(truth))
+    assert [t.task_id for t in sched.dispatch(snap(truth))] == ["urgent"]
+    assert sched.preemption_counts["evicted"] == 0
+
+
+def test_a_p0_task_waits_for_a_lease_expected_to_end_within_its_sla_instead_of_evicting():
+    """QA: half of a P0 run's evictions were wasted: the P0 task was placed on
+    a GPU another P0 lease freed a moment later, and its victim placed back
+    where it had been. A lease whose own estimate ends within the SLA is
+    waited for; one without an estimate is not."""
+    for estimate, evicts in ((2.5, False), (0.0, True)):
+        sched, clock, seen = make()
+        truth = [0.0, 0.0]
+        put(sched, spec("bg", 16), 0, truth)
+        put(sched, spec("served", 16, Priority.P0, duration_s=estimate), 1, truth)
+        sched.submit(spec("urgent", 16, Priority.P0), cluster(truth))
+        assert sched.dispatch(cluster(truth)) == []
+        clock.now += 1.0  # preempt_after_s: "served" is expected to end 1.5 s from now, within the 5 s SLA
+        assert sched.dispatch(cluster(truth)) == []
+        assert (sched.get("bg").state == TaskState.QUEUED) is evicts, estimate
+        if not evicts:
+            assert "expected to free room for it in 1.5 s" in sched.get("urgent").reason
+            assert sched.preemption_counts["evicted"] == 0
+            served = sched.get("served")
+            sched.complete("served", served.assignment.lease_id)
+            truth[1] -= 16
+            clock.now += 1.5
+            placed = sched.dispatch(cluster(truth))
+            assert [t.task_id for t in placed] == ["urgent"]
