@@ -674,6 +674,90 @@ def _print_tasks(tasks, as_json: bool, wide: bool = False, args: argparse.Namesp
         print(_table(args, _TASK_HEADERS, _task_rows(tasks, wide), _TASK_GIVE_WAY))
 
 
+def _listed(stub, state: int, timeout: float) -> list:
+    """Every task in ``state`` the caller may list (a tenant token: its own),
+    page by page."""
+    tasks: list = []
+    token = ""
+    while True:
+        reply = stub.ListTasks(tpb.ListTasksRequest(state=state, limit=_TENANT_PAGE, page_token=token, paged=True),
+                               timeout=timeout)
+        tasks.extend(reply.tasks)
+        token = reply.next_page_token
+        if not token or not reply.tasks:
+            return tasks
+
+
+#: tasks asked for per ListTasks page by ``gpulb tenants`` (a reply also ends before it outgrows a message)
+_TENANT_PAGE = 10_000
+
+
+def _tenant_rows(queued, leased, gpus_in_view: int, now_ns: int) -> list[dict]:
+    """Per tenant, what its queued and leased tasks (``tpb.Task``) hold: the
+    rows of ``gpulb tenants``, the most GPUs first (then leased, queued)."""
+    rows: dict[str, dict] = {}
+
+    def row(task) -> dict:
+        tenant = task.spec.tenant
+        if tenant not in rows:
+            rows[tenant] = {"tenant": tenant, "queued": 0, "leased": 0, "gpus_leased": 0, "gpu_share": 0.0,
+                            "vram_mib_leased": 0, "queued_by_class": {p: 0 for p in _CLASSES},
+                            "leased_by_class": {p: 0 for p in _CLASSES}, "oldest_wait_s": None}
+        return rows[tenant]
+
+    for task in queued:
+        r = row(task)
+        r["queued"] += 1
+        r["queued_by_class"][_priority(task.spec.priority)] += 1
+        if task.submitted_at_ns:
+            wait = max(0.0, (now_ns - task.submitted_at_ns) / 1e9)
+            r["oldest_wait_s"] = wait if r["oldest_wait_s"] is None else max(r["oldest_wait_s"], wait)
+    for task in leased:
+        r = row(task)
+        gpus = task.spec.num_gpus or 1
+        r["leased"] += 1
+        r["leased_by_class"][_priority(task.spec.priority)] += 1
+        r["gpus_leased"] += gpus
+        r["vram_mib_leased"] += task.spec.vram_mib * gpus
+    for r in rows.values():
+        r["gpu_share"] = r["gpus_leased"] / gpus_in_view if gpus_in_view else 0.0
+    return sorted(rows.values(), key=lambda r: (-r["gpus_leased"], -r["leased"], -r["queued"], r["tenant"]))
+
+
+_CLASSES = ("P0", "P1", "P2", "P3")
+_TENANT_HEADERS = ["TENANT", "QUEUED", "LEASED", "GPUS", "GPU %", "VRAM GiB", "QUEUED P0/P1/P2/P3",
+                   "LEASED P0/P1/P2/P3", "OLDEST WAIT s"]
+_TENANT_GIVE_WAY = (("LEASED P0/P1/P2/P3", "drop"), ("QUEUED P0/P1/P2/P3", "drop"), ("VRAM GiB", "drop"),
+                    ("TENANT", "cut", 16))
+
+
+@command("tenants")
+def cmd_tenants(args: argparse.Namespace) -> int:
+    """Who uses what: per tenant, its queued and leased tasks, the GPUs and
+    memory its leases hold and its share of the GPUs in the view, read from
+    ListTasks (a tenant token sees its own tenant only)."""
+    import time
+
+    with _channel(args) as ch:
+        stub = tpb_grpc.SchedulerStub(ch)
+        queued = _listed(stub, tpb.TASK_STATE_QUEUED, args.timeout)
+        leased = _listed(stub, tpb.TASK_STATE_LEASED, args.timeout)
+        nodes = cpb_grpc.ClusterOperatorStub(ch).ListNodes(cpb.ListNodesRequest(), timeout=args.timeout).nodes
+    gpus_in_view = sum(n.gpu_count for n in nodes if n.state != cpb.NODE_STATE_REMOVED)
+    rows = _tenant_rows(queued, leased, gpus_in_view, time.time_ns())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(_table(args, _TENANT_HEADERS, [[
+        r["tenant"] or "-", r["queued"], r["leased"], r["gpus_leased"], fmt(100.0 * r["gpu_share"], 1),
+        fmt(r["vram_mib_leased"] / 1024, 1), "/".join(str(n) for n in r["queued_by_class"].values()),
+        "/".join(str(n) for n in r["leased_by_class"].values()), fmt(r["oldest_wait_s"], 1),
+    ] for r in rows], _TENANT_GIVE_WAY))
+    held = sum(r["gpus_leased"] for r in rows)
+    print(f"{len(rows)} tenants with queued or leased tasks; {held} of {gpus_in_view} GPUs leased")
+    return 0
+
+
 @command("queue")
 def cmd_queue(args: argparse.Namespace) -> int:
     with _channel(args) as ch:
@@ -1087,6 +1171,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"every column and whole reasons, however wide the terminal (the table cuts reasons at "
                        f"{REASON_COLUMN} characters and fits the terminal; --json has everything)")
     tasks.add_argument("--json", action="store_true", help=JSON_HELP)
+
+    tenants = sub.add_parser("tenants", help="per tenant: queued and leased tasks, leased GPUs and memory, share of the GPUs")
+    tenants.add_argument("--wide", action="store_true", help=WIDE_HELP)
+    tenants.add_argument("--json", action="store_true", help=JSON_HELP)
 
     queue = sub.add_parser("queue", help="queue depth per class and the next tasks in dispatch order")
     queue.add_argument("--wide", action="store_true", help=WIDE_HELP)

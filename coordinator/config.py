@@ -102,7 +102,15 @@ class CoordinatorConfig:
     rpc_burst: float = _opt(200.0, "per-client RPC burst above rpc_rate_per_s", "requests", ge=1)
     stream_message_rate_per_s: float = _opt(0.0, "per-stream agent message rate limit; 0 = off", "messages/s", ge=0)
     stream_message_burst: float = _opt(500.0, "per-stream agent message burst", "messages", ge=1)
-    max_queued_per_tenant: int = _opt(0, "queued tasks a tenant may have at once; 0 = unlimited", "tasks", ge=0)
+    max_queued_per_tenant: int = _opt(
+        0,
+        "queued tasks a tenant may have at once; 0 = unlimited. A ScheduleTasks call counts as a whole, and its "
+        "refusal gives the tenant's queued tasks and the call's new ones apart: split a job array larger than this "
+        "into calls of at most this many, each once the earlier ones' tasks have left the queue. A repeat of a task "
+        "the coordinator holds (queued, leased or ended) queues nothing and is answered with it at the limit too",
+        "tasks",
+        ge=0,
+    )
     max_watch_streams_per_client: int = _opt(
         256,
         "WatchTask, WatchView and WatchPlans streams one client (its token, else its certificate name, else its "

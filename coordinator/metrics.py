@@ -17,9 +17,10 @@ scrape never sees a half-applied batch.
 from __future__ import annotations
 
 import asyncio
+import collections
 import gzip
 import itertools
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import grpc
 import numpy as np
@@ -44,11 +45,12 @@ from coordinator.security import AuthError
 from protos.runtime import release
 from protos import cluster_pb2 as cpb
 from protos.fields import BY_NAME
+from scheduler.task import Task, TaskState
 
 if TYPE_CHECKING:
     from coordinator.server import Coordinator
 
-__all__ = ["CoordinatorMetrics", "MetricsServer", "EXPORTED_METRIC_NAMES"]
+__all__ = ["CoordinatorMetrics", "MetricsServer", "TenantUsage", "TENANT_SERIES", "OTHER_TENANTS", "EXPORTED_METRIC_NAMES"]
 
 _MIB = 1024.0 * 1024.0
 
@@ -210,6 +212,7 @@ class _ViewCollector:
         yield unread
         yield from self._certificate_families()
         yield from c.scheduler_metric_families()
+        yield from c.metrics.tenants.families()
 
 
     def _certificate_families(self) -> Iterator:
@@ -243,12 +246,120 @@ class _ViewCollector:
         yield agents
 
 
+#: tenants the per-tenant families name one by one; the rest are summed under OTHER_TENANTS
+TENANT_SERIES = 20
+#: the tenant label of what the tenants not named add up to (a tenant of that name counts there too)
+OTHER_TENANTS = "other"
+#: the refusals counted per tenant, by the option that refused them
+TENANT_LIMITS = ("max_queued_per_tenant", "tenant_max_priority")
+
+
+class TenantUsage:
+    """What each tenant holds, for ``/metrics``: its queued and leased tasks
+    and leased GPUs, kept current as a scheduler listener (``changed``) so
+    that a scrape reads counts, not every task; and the submissions refused
+    by a per-tenant limit (``refused``).
+
+    Tenants are free text an admin token may invent, so the series are
+    bounded: the gauges name the ``named`` tenants that hold the most (GPUs
+    leased, then tasks leased, then queued) at each scrape and sum the rest
+    as ``tenant="other"``; the refusal counters name the first ``named``
+    tenants refused since start and count the rest under ``other``, so that
+    no counter ever goes down (a tenant never moves between series).
+    """
+
+    def __init__(self, named: int = TENANT_SERIES) -> None:
+        self.named = named
+        self._tasks: dict[str, tuple[str, TaskState, int]] = {}  # queued or leased task id -> (tenant, state, GPUs)
+        self.queued: collections.Counter[str] = collections.Counter()
+        self.leased: collections.Counter[str] = collections.Counter()
+        self.gpus: collections.Counter[str] = collections.Counter()
+        self._refusals: dict[tuple[str, str], int] = {}  # (tenant or OTHER_TENANTS, limit) -> count
+        self._refused_tenants: set[str] = set()  # the tenants with series of their own
+
+    def changed(self, task: Task) -> None:
+        was = self._tasks.pop(task.task_id, None)
+        if was is not None:
+            self._count(was, -1)
+        if task.state in (TaskState.QUEUED, TaskState.LEASED):
+            now = (task.spec.tenant, task.state, task.spec.num_gpus)
+            self._tasks[task.task_id] = now
+            self._count(now, +1)
+
+    def _count(self, entry: tuple[str, TaskState, int], sign: int) -> None:
+        tenant, state, gpus = entry
+        if state == TaskState.QUEUED:
+            counts = [(self.queued, 1)]
+        else:
+            counts = [(self.leased, 1), (self.gpus, gpus)]
+        for counter, amount in counts:
+            left = counter[tenant] + sign * amount
+            if left > 0:
+                counter[tenant] = left
+            else:
+                counter.pop(tenant, None)  # a tenant that holds nothing leaves no entry behind
+
+    def rebuild(self, tasks: Iterable[Task]) -> None:
+        """Start over from ``tasks`` (after a restore)."""
+        self._tasks.clear()
+        self.queued.clear()
+        self.leased.clear()
+        self.gpus.clear()
+        for task in tasks:
+            self.changed(task)
+
+    def refused(self, tenant: str, limit: str) -> None:
+        if tenant not in self._refused_tenants and tenant != OTHER_TENANTS and len(self._refused_tenants) < self.named:
+            self._refused_tenants.add(tenant)
+        key = (tenant if tenant in self._refused_tenants else OTHER_TENANTS, limit)
+        self._refusals[key] = self._refusals.get(key, 0) + 1
+
+    def holding(self) -> list[tuple[str, int, int, int]]:
+        """(tenant, queued, leased, GPUs leased) of every tenant with a queued
+        or leased task, the most GPUs first (then leased, queued, name)."""
+        tenants = set(self.queued) | set(self.leased)
+        rows = [(t, self.queued[t], self.leased[t], self.gpus[t]) for t in tenants]
+        rows.sort(key=lambda r: (-r[3], -r[2], -r[1], r[0]))
+        return rows
+
+    def families(self) -> Iterator:
+        rows = self.holding()
+        own = [r for r in rows if r[0] != OTHER_TENANTS]
+        named, rest = own[: self.named], own[self.named:] + [r for r in rows if r[0] == OTHER_TENANTS]
+        other = (OTHER_TENANTS, sum(r[1] for r in rest), sum(r[2] for r in rest), sum(r[3] for r in rest))
+        tasks = GaugeMetricFamily(
+            "gpulb_tenant_tasks",
+            f"Queued and leased tasks per tenant: the {self.named} tenants that hold the most GPUs (then tasks), "
+            f"the rest summed as tenant {OTHER_TENANTS}", labels=["tenant", "state"])
+        gpus = GaugeMetricFamily(
+            "gpulb_tenant_gpus_leased",
+            f"GPUs leased per tenant (a task's num_gpus while it holds a lease): the {self.named} tenants that hold "
+            f"the most, the rest summed as tenant {OTHER_TENANTS}", labels=["tenant"])
+        for tenant, queued, leased, held in (*named, other):
+            tasks.add_metric([tenant, "queued"], queued)
+            tasks.add_metric([tenant, "leased"], leased)
+            gpus.add_metric([tenant], held)
+        yield tasks
+        yield gpus
+        refusals = CounterMetricFamily(
+            "gpulb_tenant_quota_refusals",
+            "Submissions (ScheduleTask or ScheduleTasks calls) refused by a per-tenant limit, by tenant and the "
+            f"option that refused them: the first {self.named} tenants refused since start, the rest counted as "
+            f"tenant {OTHER_TENANTS}", labels=["tenant", "limit"])
+        for tenant in sorted(self._refused_tenants) + [OTHER_TENANTS]:
+            for limit in TENANT_LIMITS:
+                refusals.add_metric([tenant, limit], self._refusals.get((tenant, limit), 0))
+        yield refusals
+
+
 class CoordinatorMetrics:
     """The coordinator's instruments, in a registry of its own."""
 
     def __init__(self, coordinator: "Coordinator") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        #: per-tenant figures, fed by the coordinator (a scheduler listener, its submission checks)
+        self.tenants = TenantUsage()
         self.envelopes = Counter("gpulb_envelopes_received_total", "Telemetry envelopes applied", registry=r)
         self.state_write_failures = Counter(
             "gpulb_state_write_failures_total",
@@ -524,5 +635,8 @@ EXPORTED_METRIC_NAMES = (
     "python_gc_objects_uncollectable_total",
     "python_gc_collections_total",
     "gpulb_agent_certificate_expiry_timestamp_seconds",
+    "gpulb_tenant_tasks",
+    "gpulb_tenant_gpus_leased",
+    "gpulb_tenant_quota_refusals_total",
     *ADVISOR_METRIC_NAMES,  # the rebalance advisor's and the speed predictor's
 )

@@ -79,6 +79,7 @@ from scheduler.task import MAX_TENANT_LEN, Task, TaskSpec, TaskState
 
 __all__ = [
     "AuthError",
+    "TenantRefusal",
     "SecurityConfigError",
     "Identity",
     "ROLES",
@@ -91,6 +92,7 @@ __all__ = [
     "TokenAuth",
     "require_admin",
     "check_tenant",
+    "check_priority",
     "tenant_for_submission",
     "visible_tenant",
     "has_client_certificate",
@@ -134,6 +136,18 @@ class AuthError(Exception):
 
     def __repr__(self) -> str:
         return f"AuthError({self.code.name}, {self.message!r})"
+
+
+class TenantRefusal(AuthError):
+    """A submission refused by a per-tenant limit: ``tenant`` is the tenant
+    it was for and ``limit`` the option that refused it
+    (``max_queued_per_tenant``, ``tenant_max_priority``), for the
+    per-tenant refusal counts (``gpulb_tenant_quota_refusals_total``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, tenant: str, limit: str) -> None:
+        super().__init__(code, message)
+        self.tenant = tenant
+        self.limit = limit
 
 
 class SecurityConfigError(ValueError):
@@ -394,11 +408,37 @@ def require_admin(identity: Identity) -> None:
         raise _denied(f"this call needs an admin token; {identity.name!r} has role {identity.role!r}")
 
 
-def check_tenant(identity: Identity, task_tenant: str) -> None:
-    """PERMISSION_DENIED unless ``identity`` may act on tasks of ``task_tenant``."""
+def check_tenant(identity: Identity, task_tenant: str, task_id: str = "") -> None:
+    """PERMISSION_DENIED unless ``identity`` may act on tasks of ``task_tenant``.
+
+    The message names the caller and the task, never the tenant that owns
+    it: ids are one namespace across tenants, and a tenant who guesses
+    another's id learns that it is taken (as ScheduleTask's ALREADY_EXISTS
+    "taken" says) but not whose it is (QA pass 25). PERMISSION_DENIED, not
+    NOT_FOUND: with one id namespace the id does exist (a ScheduleTask of it
+    says so), so NOT_FOUND would hide nothing and tell a client that its
+    retry may make the id its own."""
     if identity.admin or (identity.tenant and hmac.compare_digest(identity.tenant.encode(), task_tenant.encode())):
         return
-    raise _denied(f"token {identity.name!r} (tenant {identity.tenant!r}) cannot act on a task of tenant {task_tenant!r}")
+    task = f"task {task_id!r}" if task_id else "this task"
+    raise _denied(f"token {identity.name!r} (tenant {identity.tenant!r}) cannot act on {task}: it belongs to another "
+                  "tenant (task ids are shared by every tenant)")
+
+
+def check_priority(identity: Identity, spec: TaskSpec, most_urgent: int | None, field: str = "spec.priority") -> None:
+    """PERMISSION_DENIED (a ``TenantRefusal``) when a tenant token submits
+    ``spec`` in a class more urgent than ``most_urgent`` (0 = P0), its
+    tenant's ``tenant_max_priority``; admins are not limited. ``field``
+    names the priority in the request (``specs[3].priority`` in a batch)."""
+    if identity.admin or most_urgent is None or int(spec.priority) >= most_urgent:
+        return
+    allowed = "P3 only" if most_urgent == 3 else f"P{most_urgent} to P3"
+    raise TenantRefusal(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"{field}: tenant {spec.tenant!r} may submit {allowed} (tenant_max_priority), got P{int(spec.priority)}; "
+        "submit it in an allowed class, or ask an operator",
+        tenant=spec.tenant, limit="tenant_max_priority",
+    )
 
 
 def tenant_for_submission(identity: Identity, requested: str) -> str:
@@ -823,18 +863,32 @@ class MessageRateLimit:
             yield message
 
 
-def check_queued_limit(tenant: str, queued: int, limit: int | None) -> None:
-    """RESOURCE_EXHAUSTED when ``tenant`` already has ``limit`` queued tasks."""
-    if limit is not None and queued >= limit:
-        raise _exhausted(f"tenant {tenant!r} has {queued} queued tasks, the most allowed is {limit}")
+def check_queued_limit(tenant: str, queued: int, limit: int | None, new: int = 1, *, batch: bool = False) -> None:
+    """RESOURCE_EXHAUSTED (a ``TenantRefusal``) when ``tenant``'s ``queued``
+    tasks and the ``new`` ones a call would queue are more than ``limit``.
+    The message gives the two apart: a ScheduleTasks call alone may be
+    larger than the limit (``batch``), and its tenant then has no queued
+    tasks to look for (QA pass 25)."""
+    if limit is None or queued + new <= limit:
+        return
+    if not batch:
+        message = f"tenant {tenant!r} has {queued} queued tasks, the most allowed is {limit} (max_queued_per_tenant)"
+    else:
+        room = max(0, limit - queued)
+        message = (f"tenant {tenant!r} has {queued} queued tasks and this call would queue {new} more, the most "
+                   f"allowed is {limit} (max_queued_per_tenant): a call may add {room} now; split a larger job "
+                   f"array into calls of at most {limit} tasks, each once the tasks before it have left the queue")
+    raise TenantRefusal(grpc.StatusCode.RESOURCE_EXHAUSTED, message, tenant=tenant, limit="max_queued_per_tenant")
 
 
 class TenantQuota:
     """Queued tasks per tenant, kept current as a scheduler listener
     (``changed``), and the ``max_queued_per_tenant`` check for submissions.
 
-    A resubmission of a task that is already queued is a no-op for the
-    scheduler and passes the check even at the limit.
+    A resubmission of a task the scheduler already holds (queued, leased
+    or ended: ``known``) queues nothing and passes the check even at the
+    limit: it is answered with that task (or ALREADY_EXISTS for another
+    spec), as idempotent submission promises.
     """
 
     def __init__(self, max_queued_per_tenant: int | None) -> None:
@@ -865,22 +919,31 @@ class TenantQuota:
     def queued(self, tenant: str) -> int:
         return self._counts.get(tenant, 0)
 
-    def check(self, spec: TaskSpec) -> None:
-        if spec.task_id in self._queued:
+    def _queues_nothing(self, spec: TaskSpec, known: Callable[[TaskSpec], TaskSpec | None] | None) -> bool:
+        return spec.task_id in self._queued or (known is not None and known(spec) is not None)
+
+    def check(self, spec: TaskSpec, known: Callable[[TaskSpec], TaskSpec | None] | None = None) -> None:
+        """``known(spec)``: the spec of the task the scheduler holds under
+        ``spec``'s id that a submission of ``spec`` would be answered with
+        (None: it would make a new task)."""
+        if self.limit is None or self._queues_nothing(spec, known):
             return
         check_queued_limit(spec.tenant, self.queued(spec.tenant), self.limit)
 
-    def check_many(self, specs: Iterable[TaskSpec]) -> None:
+    def check_many(self, specs: Iterable[TaskSpec], known: Callable[[TaskSpec], TaskSpec | None] | None = None) -> None:
         """``check`` for a batch as a whole: each tenant's queued tasks plus
         its new ones in the batch must stay within the limit."""
-        new: collections.Counter[str] = collections.Counter()
+        if self.limit is None:
+            return
+        new: collections.Counter[str] = collections.Counter()  # in the order tenants first appear
         ids: set[str] = set()
         for spec in specs:
-            if spec.task_id in self._queued or spec.task_id in ids:
+            if spec.task_id in ids or self._queues_nothing(spec, known):
                 continue
             ids.add(spec.task_id)
-            check_queued_limit(spec.tenant, self.queued(spec.tenant) + new[spec.tenant], self.limit)
             new[spec.tenant] += 1
+        for tenant, count in new.items():
+            check_queued_limit(tenant, self.queued(tenant), self.limit, count, batch=True)
 
 
 class StreamSlot:
@@ -1149,17 +1212,45 @@ class Security:
         tenant = tenant_for_submission(identity, spec.tenant)
         return spec if tenant == spec.tenant else dataclasses.replace(spec, tenant=tenant)
 
-    def admit_submission(self, identity: Identity | None, spec: TaskSpec) -> None:
+    def admit_submission(self, identity: Identity | None, spec: TaskSpec, *,
+                         max_priority: Callable[[str], int | None] | None = None,
+                         known: Callable[[TaskSpec], TaskSpec | None] | None = None) -> None:
+        """The per-tenant limits on a ScheduleTask of ``spec`` (its tenant
+        already fixed by ``tenant_spec``): ``max_priority(tenant)``, the
+        most urgent class a tenant token may submit
+        (``SchedulerConfig.max_priority_for``), and the queue limit.
+        ``known``: as ``TenantQuota.check``; an identical repeat of a task
+        the scheduler holds asks for nothing new and passes both."""
+        self._check_priorities(identity, [spec], max_priority, known, batch=False)
         if self.quota is not None:
-            self.quota.check(spec)
+            self.quota.check(spec, known)
 
-    def admit_submissions(self, identity: Identity | None, specs: Sequence[TaskSpec]) -> None:
+    def admit_submissions(self, identity: Identity | None, specs: Sequence[TaskSpec], *,
+                          max_priority: Callable[[str], int | None] | None = None,
+                          known: Callable[[TaskSpec], TaskSpec | None] | None = None) -> None:
+        """``admit_submission`` for a ScheduleTasks call: a class above its
+        tenant's names ``specs[i].priority``; the queue limit is the call's."""
+        self._check_priorities(identity, specs, max_priority, known, batch=True)
         if self.quota is not None:
-            self.quota.check_many(specs)
+            self.quota.check_many(specs, known)
+
+    @staticmethod
+    def _check_priorities(identity: Identity | None, specs: Sequence[TaskSpec],
+                          max_priority: Callable[[str], int | None] | None,
+                          known: Callable[[TaskSpec], TaskSpec | None] | None, *, batch: bool) -> None:
+        if identity is None or identity.admin or max_priority is None:
+            return
+        for index, spec in enumerate(specs):
+            most_urgent = max_priority(spec.tenant)
+            if most_urgent is None or int(spec.priority) >= most_urgent:
+                continue
+            if known is not None and known(spec) == spec:
+                continue  # the task it was accepted as (before a reload lowered the cap): nothing new
+            check_priority(identity, spec, most_urgent, f"specs[{index}].priority" if batch else "spec.priority")
 
     def check_owner(self, identity: Identity | None, task: Task) -> None:
         if identity is not None:
-            check_tenant(identity, task.spec.tenant)
+            check_tenant(identity, task.spec.tenant, task.task_id)
 
     def visible_tenant(self, identity: Identity | None, requested: str) -> str:
         return requested if identity is None else visible_tenant(identity, requested)

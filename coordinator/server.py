@@ -36,7 +36,7 @@ from coordinator.liveness import Admin, Liveness, LivenessEvent, LivenessSweeper
 from coordinator.metrics import CoordinatorMetrics, MetricsServer
 from coordinator.operator import ClusterOperatorService
 from coordinator.scheduling import Dispatcher, SchedulerService
-from coordinator.security import AuthError, Security, SecurityConfigError
+from coordinator.security import AuthError, Security, SecurityConfigError, TenantRefusal
 from coordinator.state import GroupCommitter, StateError, TaskStore, restore_into
 from coordinator.view import SIGNALS, ClusterView, NodeRecord, SignalSettings
 from protos import cluster_pb2 as cpb
@@ -49,8 +49,11 @@ from protos.codec import DecodeResult
 from scheduler import setsearch
 from scheduler.advisor import AdvisorConfig
 from scheduler.config import SchedulerConfig
+from scheduler.engine import Scheduler
+from scheduler.errors import UnknownTask
 from scheduler.memgrowth import MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig
+from scheduler.task import TaskState
 
 __all__ = ["Coordinator", "ListenError", "bind_problem", "observe_many"]
 
@@ -123,6 +126,9 @@ def os_problem(exc: BaseException, host: str) -> str:
         return os.strerror(exc.errno).lower()  # uvloop's strerror is a whole sentence
     return exc.strerror or str(exc)
 
+
+#: task ids (and tenants) a log line lists at most; its count says how many in all
+_LOGGED_TASKS = 50
 
 #: the liveness lever that puts a node back in each operator state
 _ADMIN_ACTION = {Admin.ACTIVE: "uncordon", Admin.CORDONED: "cordon", Admin.DRAINING: "drain"}
@@ -198,6 +204,8 @@ class Coordinator:
                                               admit_watch=lambda context: self.security.admit_watch(context, self.config))
         if self.security.quota is not None:
             self.dispatcher.engine.add_listener(self.security.quota.changed)
+        # per-tenant queued and leased tasks and GPUs, counted as they change (/metrics)
+        self.dispatcher.engine.add_listener(self.metrics.tenants.changed)
         self.store = store
         self._learned_versions: dict[str, int] = {}  # learner name -> version last saved or restored
         self.state_writer: GroupCommitter | None = None
@@ -396,6 +404,7 @@ class Coordinator:
         self.dispatcher.restored(restored.tasks)
         if self.security.quota is not None:
             self.security.quota.rebuild(self.dispatcher.engine.tasks(limit=10**9))
+        self.metrics.tenants.rebuild(self.dispatcher.engine.tasks(limit=10**9))
         self.state_writer = self.store.writer()
         self.state_writer.on_failure = self.metrics.state_write_failures.labels("commit").inc
         self.dispatcher.engine.add_listener(self.state_writer.stage)
@@ -575,7 +584,21 @@ class Coordinator:
                 # not be undone by a threshold edit in the file. A change of the
                 # file's own policy or weights is a newer operator decision.
                 scheduler_config = replace(scheduler_config, policy=running.name, weights=dict(running.weights))
-            info = engine.reconfigure(scheduler_config)
+            # a lowered tenant_memory_reject_pct can leave queued tasks that no
+            # node can ever take: reconfigure rejects them, and the reload says which
+            rejected: list = []
+            stop_hearing = engine.add_listener(
+                lambda task: rejected.append(task) if task.state == TaskState.REJECTED else None)
+            try:
+                info = engine.reconfigure(scheduler_config)
+            finally:
+                stop_hearing()
+            if rejected:
+                log.warning("queued_tasks_rejected", count=len(rejected),
+                            tasks=[t.task_id for t in rejected[:_LOGGED_TASKS]],
+                            tenants=sorted({t.spec.tenant for t in rejected})[:_LOGGED_TASKS],
+                            reason=rejected[0].reason,
+                            detail="the reloaded memory thresholds leave no node that could ever take them")
             if from_file and (info.name, info.weights) != (running.name, running.weights):
                 log.info("policy_changed", source="configuration", old=running.name, policy=info.name,
                          weights=info.weights)
@@ -686,10 +709,34 @@ class Coordinator:
         return self.security.tenant_spec(identity, spec)
 
     def admit_submission(self, identity, spec) -> None:
-        self.security.admit_submission(identity, spec)
+        """The per-tenant limits (tenant_max_priority, max_queued_per_tenant)
+        on a submission; each refusal counts for its tenant in /metrics."""
+        try:
+            self.security.admit_submission(identity, spec, max_priority=self.dispatcher.engine.config.max_priority_for,
+                                           known=self._held_spec)
+        except TenantRefusal as exc:
+            self.metrics.tenants.refused(exc.tenant, exc.limit)
+            raise
 
     def admit_submissions(self, identity, specs) -> None:
-        self.security.admit_submissions(identity, specs)
+        try:
+            self.security.admit_submissions(identity, specs, max_priority=self.dispatcher.engine.config.max_priority_for,
+                                            known=self._held_spec)
+        except TenantRefusal as exc:
+            self.metrics.tenants.refused(exc.tenant, exc.limit)
+            raise
+
+    def _held_spec(self, spec):
+        """The spec of the task the engine holds under ``spec``'s id, which
+        a submission of ``spec`` is answered with (that task, or
+        ALREADY_EXISTS when the specs differ) instead of queueing anything;
+        None when it would make a new task (an unknown id, or a REJECTED
+        task's id that its tenant submits again)."""
+        try:
+            task = self.dispatcher.engine.get(spec.task_id)
+        except UnknownTask:
+            return None
+        return None if Scheduler._retries_rejected(task, spec) else task.spec
 
     async def check_owner(self, identity, task, context) -> None:
         try:

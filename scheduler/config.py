@@ -21,6 +21,9 @@ __all__ = ["SchedulerConfig"]
 #: checked here: the simulator leases for 1e12 s (never expiring) and sends no RPC.
 LEASE_S_MAX = 1e8
 
+#: the classes' names, most urgent first (``scheduler.task.Priority``)
+_PRIORITY_NAMES = ("P0", "P1", "P2", "P3")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -114,6 +117,14 @@ class SchedulerConfig:
     memory_reject_pct: float = 85.0
     # tenant -> % override of memory_reject_pct.
     tenant_memory_reject_pct: Mapping[str, float] = field(default_factory=dict)
+    # tenant -> the most urgent class its tenant tokens may submit (P0..P3):
+    # {interns = "P2"} lets interns submit P2 and P3 only, so their tasks never
+    # evict other tenants' leases (only tasks submitted as P0 evict). A
+    # submission above it is refused PERMISSION_DENIED naming priority and the
+    # classes allowed. Admin tokens are not limited; tasks already queued keep
+    # their class, and aging promotes them as any task (promote_after_s).
+    # Unlisted tenants may submit any class.
+    tenant_max_priority: Mapping[str, str] = field(default_factory=dict)
     # °C at or above which a GPU takes no new task.
     temperature_reject_c: float = 85.0
     # NVLink competition (0..1) at or above which needs_nvlink tasks avoid a GPU.
@@ -163,6 +174,12 @@ class SchedulerConfig:
         """% memory reject threshold that applies to ``tenant``."""
         return self.tenant_memory_reject_pct.get(tenant, self.memory_reject_pct)
 
+    def max_priority_for(self, tenant: str) -> int | None:
+        """The most urgent class (0 = P0) ``tenant``'s tokens may submit,
+        None when ``tenant_max_priority`` does not limit it."""
+        value = self.tenant_max_priority.get(tenant)
+        return None if value is None else _PRIORITY_NAMES.index(value.upper())
+
     def validate(self) -> "SchedulerConfig":
         def positive(name: str, value: float) -> None:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -210,6 +227,13 @@ class SchedulerConfig:
             if value <= self.memory_warn_pct:
                 raise InvalidArgument(
                     f"tenant_memory_reject_pct[{tenant}]", "must be above memory_warn_pct"
+                )
+        for tenant, value in self.tenant_max_priority.items():
+            if not (isinstance(value, str) and value.upper() in _PRIORITY_NAMES):
+                raise InvalidArgument(
+                    f"tenant_max_priority[{tenant}]",
+                    f"must be one of {', '.join(_PRIORITY_NAMES)} (the most urgent class the tenant may submit), "
+                    f"got {value!r}",
                 )
         if self.memory_warn_pct >= self.memory_reject_pct:
             raise InvalidArgument("memory_warn_pct", "must be below memory_reject_pct")

@@ -1973,13 +1973,42 @@ class Scheduler:
         if config.policy not in POLICIES:
             raise UnknownPolicy(config.policy, list(POLICIES))
         policy = self._make_policy(config.policy, config.weights)  # raises before anything changes
-        self.config = config
+        old, self.config = self.config, config
         self._queue.reconfigure(config)
         self._policies[policy.NAME] = policy
         self._policy = policy
         self._view = None  # per-snapshot caches read thresholds from the config
         self._spec_shapes.clear()  # per-tenant memory thresholds are part of them
+        self._recheck_lowered_thresholds(old)
         return self.get_policy()
+
+    def _recheck_lowered_thresholds(self, old: SchedulerConfig) -> None:
+        """Judge again the queued tasks whose tenant's memory reject % the
+        new configuration lowers: one that can no longer fit any node even
+        when empty would otherwise wait for ever (QA pass 25), while the same
+        spec submitted now is rejected at once. Against the last snapshot
+        dispatched they are REJECTED now with the reason (the listeners hear
+        it: a waiting ScheduleTask returns, the reload can say which); without
+        one they are left to the first dispatch, as tasks submitted before
+        any node are (``_unchecked``)."""
+        lowered = {
+            task.task_id: task for task in self._tasks.values()
+            if task.state == TaskState.QUEUED
+            and self.config.memory_reject_for(task.spec.tenant) < old.memory_reject_for(task.spec.tenant)
+        }
+        if not lowered:
+            return
+        snapshot = self._last_snapshot
+        if snapshot is None or snapshot.gpu_count == 0:
+            self._unchecked.update(lowered)
+            return
+        now = self._clock()
+        for task_id, task in lowered.items():
+            reason = never_fits(snapshot, task.spec, self.config)
+            if reason is not None:
+                self._queue.remove(task_id)
+                self._finish(task, TaskState.REJECTED, reason, now)
+        self._flush()
 
     def get_policy(self) -> PolicyInfo:
         return PolicyInfo(
