@@ -798,7 +798,9 @@ def cmd_complete(args: argparse.Namespace) -> int:
     with _channel(args) as ch:
         stub = tpb_grpc.SchedulerStub(ch)
         lease = args.lease or stub.GetTask(tpb.GetTaskRequest(task_id=args.task), timeout=args.timeout).assignment.lease_id
-        task = stub.CompleteTask(tpb.CompleteTaskRequest(task_id=args.task, lease_id=lease, failed=args.failed), timeout=args.timeout).task
+        request = tpb.CompleteTaskRequest(task_id=args.task, lease_id=lease, failed=args.failed or args.oom_killed,
+                                          oom_killed=args.oom_killed)
+        task = stub.CompleteTask(request, timeout=args.timeout).task
     print(f"{task.spec.task_id}: {_task_state(task.state)}")
     return 0
 
@@ -1194,6 +1196,8 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("task", help="task id")
     complete.add_argument("--lease", help="lease id (default: the task's current lease)")
     complete.add_argument("--failed", action="store_true", help="the task failed (default: it completed)")
+    complete.add_argument("--oom-killed", action="store_true",
+                          help="the task was killed for running out of GPU memory (implies --failed; counted in gpulb_oom_kills_total)")
 
     migrate = sub.add_parser("migrate", help="move a leased task to other GPUs in one step (a rebalance plan's move)")
     migrate.add_argument("task", help="id of the leased task")

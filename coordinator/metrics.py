@@ -615,6 +615,7 @@ EXPORTED_METRIC_NAMES = (
     "gpulb_workload_mix_share",
     "gpulb_growth_room_waits_total",
     "gpulb_preemptions_total",
+    "gpulb_oom_kills_total",
     "gpulb_big_cards",
     "gpulb_big_cards_need_limit_bytes",
     "gpulb_tls_certificate_expiry_timestamp_seconds",

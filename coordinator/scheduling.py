@@ -284,6 +284,9 @@ class Dispatcher:
         elif task.state == TaskState.PREEMPTED:
             self.requeued["preempted"] += 1
         if previous == TaskState.LEASED and task.state != TaskState.LEASED and a is not None:
+            # this coordinator ended the lease: the GPUs' readings will drop, and
+            # a drop it caused is the new level, not an anomaly (QA pass 25)
+            self.c.view.expect_release(a.node_id, a.gpu_uuids, self.clock())
             session = self.c.gateway.sessions.get(a.node_id)
             preempted = task.state == TaskState.PREEMPTED
             if session is not None and task.state != TaskState.LOST:
@@ -348,6 +351,9 @@ class Dispatcher:
         task = self.engine.migrate(task_id, lease_id, to_gpu_uuids, snapshot if snapshot.gpu_count else None)
         a = task.assignment
         from_node_id = before.node_id if before is not None else ""
+        if before is not None:
+            left = set(before.gpu_uuids) - set(a.gpu_uuids) if before.node_id == a.node_id else before.gpu_uuids
+            self.c.view.expect_release(from_node_id, left, self.clock())
         session = self.c.gateway.sessions.get(from_node_id)
         if session is not None:
             session.send(pb.CoordinatorMessage(release=pb.TaskRelease(task_id=task.task_id, reason="migrated")))
@@ -600,12 +606,13 @@ class Dispatcher:
             "gpulb_preemptions",
             "Preemption for P0 tasks that fit nowhere: P0 tasks that evicted lower-priority leases "
             "(outcome=nominated; for_growth: of those, P0 tasks that fit but evicted for room for their kind's "
-            "learned memory growth), the leases evicted (evicted), and how the kept GPUs ended: the P0 task "
+            "learned memory growth; for_compute: of those, P0 tasks that fit but evicted for their share of a "
+            "GPU's compute), the leases evicted (evicted), and how the kept GPUs ended: the P0 task "
             "placed on them (placed_there) or elsewhere (placed_elsewhere), or the victims' memory never "
             "shown free within preempt_grace_s (lapsed: a lease holder that does not stop its task)",
             labels=["outcome"],
         )
-        for outcome in ("nominated", "for_growth", "evicted", "placed_there", "placed_elsewhere", "lapsed"):
+        for outcome in ("nominated", "for_growth", "for_compute", "evicted", "placed_there", "placed_elsewhere", "lapsed"):
             preempt.add_metric([outcome], self.engine.preemption_counts[outcome])
         # so an operator who sees an 80 GiB card idle beside loaded small ones can tell it is kept
         big_count, small_mib = self.big_cards()
@@ -621,7 +628,13 @@ class Dispatcher:
             "is at most this pays the big_cards term on the big cards (0 when no card is big)",
         )
         limit.add_metric([], small_mib * 1024 * 1024)
-        return [depth, oldest, tasks, mix, room, requeued, preempt, big, limit]
+        oom = CounterMetricFamily(
+            "gpulb_oom_kills",
+            "Tasks killed for running out of GPU memory, as their agent (a task event) or lease holder "
+            "(CompleteTask oom_killed) reported; also counted in gpulb_tasks_finished_total{state=\"failed\"}",
+            value=self.oom_kills,
+        )
+        return [depth, oldest, tasks, mix, room, requeued, preempt, big, limit, oom]
 
 
 def _time_out(future: asyncio.Future) -> None:
@@ -912,13 +925,18 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
         if request.actual_duration_s:
             self.c.advisor.note_actual_duration(request.task_id, request.actual_duration_s)
         if request.peak_vram_mib:
-            self.c.advisor.note_peak_memory(request.task_id, request.peak_vram_mib, oom_killed=False)
+            self.c.advisor.note_peak_memory(request.task_id, request.peak_vram_mib, oom_killed=request.oom_killed)
         try:
-            task = self.d.engine.complete(request.task_id, request.lease_id, failed=request.failed)
+            # an OOM kill is a failure, whatever `failed` says
+            task = self.d.engine.complete(request.task_id, request.lease_id, failed=request.failed or request.oom_killed)
         except SchedulerError as exc:
             # a refused completion (a stale lease, say) reports nothing
             self.c.advisor.forget_reports(request.task_id)
             await self._fail(context, exc)
+        if request.oom_killed and owned.state == TaskState.LEASED:  # not a retry's
+            self.d.oom_kills += 1
+            log.warning("task_oom_killed", task_id=task.task_id, lease_id=request.lease_id,
+                        peak_vram_mib=request.peak_vram_mib, reported_by="lease_holder")
         await self._durable(context, self.c.task_changed_durably(task))
         return tpb.CompleteTaskResponse(task=self._proto(task))
 

@@ -47,6 +47,22 @@ Per (row, signal), with ``W`` the window, ``n`` the readings in it
   the window holds ``persist`` readings, so no fence applies until
   ``min_window`` (5) have arrived: a spike in those few readings gets
   through.
+* **Expected drop** (``expect_drop``): the coordinator ended a lease on the
+  GPU, so its readings are about to fall, and a fall it caused is no
+  anomaly. Until ``until_s`` (reading time) the first reading below the
+  fence is a level shift at once, without waiting for ``persist`` readings:
+  the window is re-seeded with the run it ends (usually that one reading),
+  the EWMA snaps to the run's median and the flag clears
+  (``expected_shift_counts``, not ``shift_counts``). Until the window holds
+  ``min(persist, min_window)`` readings again the level is the median of
+  the readings since the change, not the EWMA seeded by the first one (a
+  reading taken while the task was stopping, 40 % between 88 % and 0 %,
+  would otherwise hold the EWMA up for several readings); from then on it
+  is exactly the state an ordinary shift would have left. A fall that
+  arrived *before* the lease ended (the task's process exited, then its
+  worker said so) is flagged as usual; ``expect_drop`` accepts that run at
+  once. One expected shift per cell and release; a reading *above* the
+  fence is judged as always, so a spike still is one.
 * **Smoothing** (accepted readings only): ``s = x`` for the first reading,
   then ``s <- alpha * x + (1 - alpha) * s``.
 * **Forecast**: simple exponential smoothing's one-step-ahead forecast is the
@@ -153,6 +169,14 @@ def quartiles(
 _QUARTS = np.array([0.25, 0.75])
 
 
+def _median_first(vals: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Median of the first ``counts[i]`` entries of each row of ``vals``
+    (``counts >= 1``), as ``np.median`` of those entries."""
+    s = np.sort(np.where(np.arange(vals.shape[1]) < counts[:, None], vals, np.inf), axis=-1)
+    r = np.arange(counts.size)
+    return 0.5 * (s[r, (counts - 1) // 2] + s[r, counts // 2])
+
+
 def _readonly(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
@@ -250,6 +274,14 @@ class SignalBank:
         self._q3i, self._q3f = int(h3), h3 - int(h3)
         self._anomaly_counts = np.zeros(signals, dtype=np.int64)
         self._shift_counts = np.zeros(signals, dtype=np.int64)
+        self._expected_shift_counts = np.zeros(signals, dtype=np.int64)
+        # readings after an expected shift whose level is their median
+        self._settle_len = min(persist, min_window)
+        self._pslot = np.arange(persist)
+        # latest until_s of any expect_drop and cells settling: update()
+        # skips both tests while no expectation can apply
+        self._expect_latest = -np.inf
+        self._settling_cells = 0
         self._capacity = 0
         self._alloc(capacity_rows)
         self._scratch = _Scratch(0, window)
@@ -287,6 +319,10 @@ class SignalBank:
         grown("_trend", (cells,), nan, np.float64)
         grown("_flagged", (cells,), False, np.bool_)
         grown("_last_reading_s", (cells,), nan, np.float64)
+        # expect_drop: a drop is accepted at once until this reading time
+        grown("_expect_until", (cells,), nan, np.float64)
+        # after an expected shift, until the window holds _settle_len readings
+        grown("_settling", (cells,), False, np.bool_)
         # per row
         grown("_last_update_s", (capacity,), nan, np.float64)
         # scratch for the O(B) duplicate-row check in update()
@@ -315,11 +351,13 @@ class SignalBank:
         self._win[c] = 0.0
         self._ts[c] = _EMPTY_T
         for name in ("_run_vals", "_run_ts", "_raw", "_smoothed", "_forecast",
-                     "_trend", "_last_reading_s"):
+                     "_trend", "_last_reading_s", "_expect_until"):
             getattr(self, name)[c] = np.nan
         for name in ("_pos", "_count", "_run_len", "_run_side"):
             getattr(self, name)[c] = 0
         self._flagged[c] = False
+        self._settling_cells -= int(np.count_nonzero(self._settling[np.unique(c)]))
+        self._settling[c] = False
         self._last_update_s[r] = np.nan
 
     # ----------------------------------------------------------- accessors
@@ -373,8 +411,84 @@ class SignalBank:
 
     @property
     def shift_counts(self) -> np.ndarray:
-        """Level shifts accepted per signal since start."""
+        """Level shifts accepted per signal since start (after ``persist``
+        readings; expected drops are in ``expected_shift_counts``)."""
         return _readonly(self._shift_counts)
+
+    @property
+    def expected_shift_counts(self) -> np.ndarray:
+        """Drops accepted at once per signal since start (``expect_drop``)."""
+        return _readonly(self._expected_shift_counts)
+
+    @property
+    def expecting_drop_until(self) -> np.ndarray:
+        """Per (row, signal): the reading time until which a drop is accepted
+        at once (``expect_drop``); NaN when none is expected."""
+        return self._column(self._expect_until)
+
+    # ----------------------------------------------------------- expectations
+    def expect_drop(
+        self,
+        rows: npt.ArrayLike,
+        until_s: float,
+        signals: npt.ArrayLike | None = None,
+    ) -> int:
+        """The caller (the coordinator, ending a lease) knows the readings of
+        ``rows`` are about to fall: until ``until_s`` (reading time) the first
+        reading of each listed signal (default: all) below the fence is a
+        level shift at once, not an anomaly (module docstring, "Expected
+        drop"). A drop already flagged (a run below the fence, readings
+        that came before the call) becomes the level now. Returns how many
+        cells that changed at once (their smoothed values moved)."""
+        r = self._check_rows(rows)
+        sig = self._sig if signals is None else np.asarray(signals, dtype=np.intp).ravel()
+        if sig.size and (sig.min() < 0 or sig.max() >= self.signals):
+            raise IndexError(f"signal out of range [0, {self.signals})")
+        if not np.isfinite(until_s):
+            raise ValueError("until_s must be finite")
+        c = np.unique((r[:, None] * self.signals + sig).ravel())
+        if c.size == 0:
+            return 0
+        self._expect_until[c] = np.fmax(self._expect_until[c], float(until_s))
+        self._expect_latest = max(self._expect_latest, float(until_s))
+        j = c[(self._run_side[c] < 0) & (self._run_len[c] > 0)]
+        if j.size:
+            self._promote(j)
+        return int(j.size)
+
+    def _promote(self, c: np.ndarray) -> None:
+        """Accept the current below-fence run of cells ``c`` as their level
+        now (an expected drop whose first readings came before the call)."""
+        w, p = self.window, self.persist
+        k = self._run_len[c]
+        valid = self._pslot < k[:, None]
+        vals, ts = self._run_vals[c], self._run_ts[c]
+        win = np.zeros((c.size, w))
+        tsw = np.full((c.size, w), _EMPTY_T)
+        win[:, :p] = np.where(valid, vals, 0.0)
+        tsw[:, :p] = np.where(valid, ts, _EMPTY_T)
+        level = _median_first(vals, k)
+        trend = self._trend_of(win, tsw, self._last_reading_s[c], _Scratch(c.size, w))
+        self._win[c] = win
+        self._ts[c] = tsw
+        self._count[c] = k
+        self._pos[c] = k % w
+        self._run_len[c] = 0
+        self._run_side[c] = 0
+        self._smoothed[c] = level
+        self._trend[c] = trend
+        self._forecast[c] = self._forecast_of(level, trend)
+        self._flagged[c] = False
+        self._expect_until[c] = np.nan  # one expected shift per release
+        settle = k < self._settle_len
+        self._settling_cells += int(np.count_nonzero(settle)) - int(np.count_nonzero(self._settling[c]))
+        self._settling[c] = settle
+        self._expected_shift_counts += np.bincount(c % self.signals, minlength=self.signals)
+
+    def _forecast_of(self, level: np.ndarray, trend: np.ndarray) -> np.ndarray:
+        if self.forecast_horizon_s > 0:
+            return level + np.where(np.isnan(trend), 0.0, trend) * (self.forecast_horizon_s / 60.0)
+        return level
 
     # ----------------------------------------------------------- update
     def _check_rows(self, rows: npt.ArrayLike) -> np.ndarray:
@@ -475,6 +589,11 @@ class SignalBank:
             self._run_vals[c[j], new_len[j] - 1] = xv[j]
             self._run_ts[c[j], new_len[j] - 1] = tv[j]
         shift = out & (new_len >= p)
+        # a drop the coordinator caused (expect_drop) does not wait for persist
+        expected = None
+        if j.size and tv.min() <= self._expect_latest:
+            expected = (side < 0) & (tv <= self._expect_until[c])  # NaN: none expected
+            shift |= expected
         anomaly = out & ~shift
         accept = ~out
 
@@ -489,19 +608,33 @@ class SignalBank:
         tsw[idx, pos] = np.where(accept, tv, _EMPTY_T)
         pos = (pos + 1) % w
         n = np.minimum(n + 1, w)
-        # --- a persisting shift re-seeds the window with its run
+        # --- a shift re-seeds the window with its run (persist readings, or
+        # fewer for an expected drop) and snaps to the run's median
         j = np.flatnonzero(shift)
         snap = xv.copy()
         if j.size:
-            snap[j] = np.median(self._run_vals[c[j]], axis=-1)
+            k_run = new_len[j]
+            vals, ts = self._run_vals[c[j]], self._run_ts[c[j]]
+            valid = self._pslot < k_run[:, None]
+            snap[j] = _median_first(vals, k_run)
             win[j] = 0.0
             tsw[j] = _EMPTY_T
-            win[j, :p] = self._run_vals[c[j]]
-            tsw[j, :p] = self._run_ts[c[j]]
-            pos[j] = p % w
-            n[j] = p
+            win[j, :p] = np.where(valid, vals, 0.0)
+            tsw[j, :p] = np.where(valid, ts, _EMPTY_T)
+            pos[j] = k_run % w
+            n[j] = k_run
             new_len[j] = 0
-            self._shift_counts += np.bincount(si[j], minlength=self.signals)
+            if expected is None:
+                self._shift_counts += np.bincount(si[j], minlength=self.signals)
+            else:
+                e = expected[j]
+                self._shift_counts += np.bincount(si[j[~e]], minlength=self.signals)
+                self._expected_shift_counts += np.bincount(si[j[e]], minlength=self.signals)
+                ce = c[j[e]]
+                self._expect_until[ce] = np.nan  # one expected shift per release
+                settle = k_run[e] < self._settle_len
+                self._settling_cells += int(np.count_nonzero(settle))
+                self._settling[ce] = settle
         if j.size < out.sum():
             self._anomaly_counts += np.bincount(si[anomaly], minlength=self.signals)
 
@@ -509,12 +642,18 @@ class SignalBank:
         sm = self._smoothed[c]
         ewma = np.where(np.isnan(sm), xv, self.alpha * xv + (1.0 - self.alpha) * sm)
         sm = np.where(accept, ewma, np.where(shift, snap, sm))
+        if self._settling_cells:
+            # after an expected shift: the median of the readings since it
+            # (no fence applies yet, so every one of them was accepted)
+            s = np.flatnonzero(self._settling[c] & accept)
+            if s.size:
+                sm[s] = _median_first(win[s, : self._settle_len], n[s])
+                done = c[s[n[s] >= self._settle_len]]
+                self._settling[done] = False
+                self._settling_cells -= done.size
 
         trend = self._trend_of(win, tsw, tv, ws)
-        if self.forecast_horizon_s > 0:
-            fc = sm + np.where(np.isnan(trend), 0.0, trend) * (self.forecast_horizon_s / 60.0)
-        else:
-            fc = sm
+        fc = self._forecast_of(sm, trend)
 
         # --- write back
         self._win[c] = win

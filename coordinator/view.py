@@ -10,6 +10,7 @@ by the coordinator's event loop: no locks.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ class SignalSettings:
     iqr_k: float = 1.5
     z_max: float = 3.0
     persist: int = 3
+    #: s after a lease ends on a GPU during which its readings' first drop
+    #: is taken as the new level at once (``ClusterView.expect_release``):
+    #: a released task stops within a few of its agent's readings, and a
+    #: preempted one's worker learns of it at its next renewal
+    release_expect_s: float = 10.0
 
 MAX_GPUS_PER_NODE = 64
 #: tasks a host may say it runs at registration (64 GPUs x 64 tasks)
@@ -240,6 +246,9 @@ class ClusterView:
             persist=min(sig.persist, sig.window),
             min_spread=np.append(spread, 2.0),  # 2 ms of disk await
         )
+        if not (math.isfinite(sig.release_expect_s) and sig.release_expect_s >= 0):
+            raise ValueError(f"release_expect_s must be finite and >= 0, got {sig.release_expect_s!r}")
+        self.release_expect_s = float(sig.release_expect_s)
         # Readings waiting for the next smoothing tick: (view rows, values, arrival time).
         self._pending_rows: list[np.ndarray] = []
         self._pending_values: list[np.ndarray] = []
@@ -532,6 +541,27 @@ class ClusterView:
         self._pending_rows, self._pending_values, self._pending_at = [], [], []
         self.signals.update(rows, values, times)
         return int(rows.size)
+
+    def expect_release(self, node_id: str, gpu_uuids: Iterable[str], now_s: float) -> int:
+        """A lease on these GPUs of ``node_id`` just ended by the
+        coordinator's own decision (completed, failed, cancelled, preempted,
+        expired, migrated away): their util, memory, power and temperature are
+        about to fall, and a fall the coordinator caused is no anomaly. For
+        ``release_expect_s`` the first drop of each is taken as the new level
+        at once, and one already flagged becomes the level now
+        (``SignalBank.expect_drop``); a rise is judged as always. The host's
+        disk await is not the GPU's. Returns the GPU rows told (0 for a node
+        or GPU no longer in the view)."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return 0
+        wanted = set(gpu_uuids)
+        rows = [int(row) for row, gpu in zip(node.rows, node.gpus) if gpu.uuid in wanted]
+        if not rows:
+            return 0
+        if self.signals.expect_drop(rows, now_s + self.release_expect_s, signals=np.arange(_DISK)):
+            self.version += 1  # smoothed values moved: snapshots must see them
+        return len(rows)
 
     def smoothed(self, name: str) -> np.ndarray:
         """The smoothed column of a signal (NaN where unknown)."""

@@ -224,18 +224,20 @@ class WatchTaskRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ...) -> None: ...
 
 class CompleteTaskRequest(_message.Message):
-    __slots__ = ("task_id", "lease_id", "failed", "actual_duration_s", "peak_vram_mib")
+    __slots__ = ("task_id", "lease_id", "failed", "actual_duration_s", "peak_vram_mib", "oom_killed")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     ACTUAL_DURATION_S_FIELD_NUMBER: _ClassVar[int]
     PEAK_VRAM_MIB_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     lease_id: str
     failed: bool
     actual_duration_s: float
     peak_vram_mib: float
-    def __init__(self, task_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., failed: _Optional[bool] = ..., actual_duration_s: _Optional[float] = ..., peak_vram_mib: _Optional[float] = ...) -> None: ...
+    oom_killed: bool
+    def __init__(self, task_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., failed: _Optional[bool] = ..., actual_duration_s: _Optional[float] = ..., peak_vram_mib: _Optional[float] = ..., oom_killed: _Optional[bool] = ...) -> None: ...
 
 class CompleteTaskResponse(_message.Message):
     __slots__ = ("task",)
