@@ -187,6 +187,10 @@ class ClusterOperatorService(cpb_grpc.ClusterOperatorServicer):
             except StateError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"state: could not forget the stored cordon ({exc}); "
                                     "nothing changed; retry")
+            # and its learned speed residual (saved with the learners), also of a
+            # node gone before a restart, which liveness no longer knows
+            if action == "uncordon" and self.c.advisor.predictor.forget_node(request.node_id):
+                forgotten = True
             if forgotten:
                 # a node that left the pool (decommissioned, or kept cordoned over a
                 # restart): its record and stored cordon go, and with them its count

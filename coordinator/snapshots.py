@@ -13,22 +13,28 @@ What the scheduler sees, per GPU (NaN = unknown):
   must count at once, not after the filter catches up;
 - temperature: smoothed; health: the agent's last GPU health (OK or not);
 - NVLink competition: the mean utilisation of the GPU's NVLink peers (0..1).
+
+Per node, its speed (RTX 4090 = 1.0) is its registered GPU model's in the
+table of known models (``known_speed``): the speed-aware policies, the
+backfill's run estimates and the predictor's priors (``model_speeds``) read
+it, so a fresh coordinator already prefers an RTX 4090 to an M40.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
 from protos import telemetry_pb2 as pb
 from protos.fields import BY_NAME
+from scheduler.cluster import lookup_model
 from scheduler.snapshot import ClusterSnapshot
 
 if TYPE_CHECKING:
     from coordinator.view import ClusterView
 
-__all__ = ["SnapshotBuilder"]
+__all__ = ["SnapshotBuilder", "known_speed"]
 
 _UTIL = BY_NAME["util_gpu_pct"]
 _MEM = BY_NAME["memory_used_mib"]
@@ -37,7 +43,31 @@ _TEMP = BY_NAME["temperature_c"]
 _HEALTH = BY_NAME["health"]
 
 
+def known_speed(models: Iterable[str], memo: dict[str, float] | None = None) -> float:
+    """A node's relative speed from its GPUs' model names (as NVML reports
+    them) through the table of known models (``scheduler.cluster``): its
+    slowest GPU's, a model the table does not know counting 1.0, as every
+    reader of ``node_speed`` takes an unknown speed (the weighted round robin
+    reads it as is, so it must be a number). The predictor's prior for an
+    unknown model is 1.0 too, so this passes it nothing the table does not.
+    ``memo``: model -> speed, shared across calls (a lookup normalises the
+    name)."""
+    memo = {} if memo is None else memo
+    speed = None
+    for model in models:
+        value = memo.get(model)
+        if value is None:
+            known = lookup_model(model)
+            value = memo[model] = known.speed if known is not None else 1.0
+        speed = value if speed is None else min(speed, value)
+    return 1.0 if speed is None else speed
+
+
 class SnapshotBuilder:
+    """Builds the scheduler's snapshot from the view (module docstring).
+    ``node_speed``: node id -> relative speed; default ``known_speed`` of the
+    node's registered GPU models."""
+
     def __init__(
         self,
         view: "ClusterView",
@@ -51,7 +81,7 @@ class SnapshotBuilder:
         self.schedulable = schedulable
         self.staleness_s = staleness_s
         self.clock = clock
-        self.node_speed = node_speed or (lambda node_id: 1.0)
+        self.node_speed = node_speed
         self.response_time_s: dict[str, float] = {}
         self._membership: int | None = None
         self._static: dict | None = None
@@ -78,6 +108,7 @@ class SnapshotBuilder:
 
     def _rebuild_static(self) -> dict:
         nodes = sorted(self.view.nodes.values(), key=lambda n: n.node_id)
+        memo: dict[str, float] = {}
         rows = np.concatenate([n.rows for n in nodes]) if nodes else np.zeros(0, dtype=np.intp)
         gpu_node = np.concatenate([np.full(len(n.rows), i, dtype=np.int32) for i, n in enumerate(nodes)]) if nodes else np.zeros(0, dtype=np.int32)
         gpu_index = np.asarray([g.index for n in nodes for g in n.gpus], dtype=np.int32)
@@ -109,6 +140,8 @@ class SnapshotBuilder:
             "labels": [dict(n.labels) for n in nodes],
             "nvlink": [frozenset(frozenset(p) for p in n.nvlink_pairs()) for n in nodes],
             "first_row": np.asarray([n.rows[0] for n in nodes], dtype=np.intp),
+            # read once per membership change (a node re-registers to change its GPUs)
+            "speeds": np.asarray([known_speed((g.model for g in n.gpus), memo) for n in nodes], dtype=np.float64),
         }
 
     def snapshot(self) -> ClusterSnapshot:
@@ -198,7 +231,8 @@ class SnapshotBuilder:
         if self._node_facts is None or self._node_facts_version != self._facts_version:
             self._node_facts = (
                 np.asarray([self.response_time_s.get(n, np.nan) for n in node_ids], dtype=np.float64),
-                np.asarray([self.node_speed(n) for n in node_ids], dtype=np.float64),
+                np.asarray([self.node_speed(n) for n in node_ids], dtype=np.float64) if self.node_speed is not None
+                else self._static["speeds"],  # the node ids are the static part's (snapshot)
                 np.zeros(0),
             )
             self._node_facts_version = self._facts_version

@@ -29,14 +29,37 @@ noise with weight ``alpha``. Robustness: ratios are clipped to [1e-3, 1e3],
 and once a factor has ``warmup`` samples, one completion may move its sample
 at most ``max_step``-fold from the current value (a killed or hung task's
 report cannot poison a model; a real change still arrives within a few
-completions).
+completions). A run shorter than 1e-3 of its estimate is not learned at all
+(no GPU is that much faster: the report is wrong); ``run_time_s`` says which
+run time a completion teaches (none for a task that completed before it was
+seen to start and whose client reported no run time).
+
+Model or node? Only the product ``m * r`` is seen on a node, so the split is
+fixed by two rules. Residuals are kept with a geometric mean of 1 over the
+nodes of each model (a model's mean residual is moved into all of its
+factors after every completion, which leaves every prediction for a node
+already learned unchanged): a model on one node has all of its slowdown in
+``m``, and a new node of the model is predicted like the average of its
+peers. And a node's residual learns only from completions whose model
+factor (of the kind, or over all kinds for a task of no kind) has had
+``warmup`` samples: until then the error is the model's or the kind's (a
+poor prior, a new kind), not the node's.
+
+Kinds. Each of at most ``MAX_LEARNED_KINDS`` kinds gets its own factor per
+model; a new kind past that takes the place of the kind that completed least
+recently (whose factors are dropped; one with fewer than ``warmup``
+completions first), so one tenant's kinds never lock another's out for
+good, and one-off kinds do not push out the kinds placement relies on. A
+task of no kind (``""``) is learned into, and predicted by, the model's
+all-kinds factor.
 
 Accuracy. Every completion is predicted *before* the predictor learns from it,
 so each one is held out at the time it is predicted (prequential evaluation);
-the absolute percentage error ``|predicted - actual| / actual`` is kept over
-the last ``error_window`` completions, overall and per (model, kind) and per
-node, and its mean is the MAPE. ``evaluate`` scores a separate held-out set
-without learning from it.
+the absolute percentage error ``|predicted - actual| / actual``, at most
+``APE_MAX`` (so one near-zero run cannot swamp the mean of hundreds), is
+kept over the last ``error_window`` completions, overall, per model (every
+kind), per (model, kind) and per node, and its mean is the MAPE.
+``evaluate`` scores a separate held-out set without learning from it.
 
 For placement, ``slowdown_columns`` turns the factors into one per-GPU column
 per task kind over a ``ClusterSnapshot``; ``annotate`` returns the snapshot
@@ -47,7 +70,7 @@ term of the load-aware score reads (``completion_term``).
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
@@ -59,12 +82,14 @@ from scheduler.task import MAX_LEARNED_KINDS
 
 __all__ = [
     "ANY_KIND",
+    "APE_MAX",
     "PredictorConfig",
     "Completion",
     "FactorStats",
     "SpeedPredictor",
     "completion_term",
     "model_speeds",
+    "run_time_s",
 ]
 
 #: the key of the kind-independent column in ``slowdown_columns``
@@ -72,6 +97,13 @@ ANY_KIND = ""
 
 _RATIO_MIN = 1e-3
 _RATIO_MAX = 1e3
+#: the most one completion's absolute percentage error counts: a prediction
+#: 11 times the actual run (or a run near 0 s) is wrong by an order of
+#: magnitude, which is all the figure can say; unbounded, one run reported at
+#: a microsecond read as 10^6 and held a 500-completion MAPE in the thousands
+#: of percent until it left the window (QA pass 25). Under-predictions are
+#: below 1 anyway. One completion moves a window's mean by at most APE_MAX / n.
+APE_MAX = 10.0
 #: ``overrun``: the quantile of actual / predicted, and the completions it needs
 OVERRUN_QUANTILE = 0.9
 OVERRUN_MIN_SAMPLES = 20
@@ -180,17 +212,46 @@ class _Errors:
         return float(np.mean(self.values)) if self.values else math.nan
 
 
+def _ape(predicted: float, actual: float) -> float:
+    """Absolute percentage error (ratio) of one prediction, at most ``APE_MAX``."""
+    return min(abs(predicted - actual) / actual, APE_MAX)
+
+
 def model_speeds(snapshot: ClusterSnapshot) -> dict[str, float]:
     """Relative speed per GPU model from a snapshot's ``node_speed`` (the
-    cluster file's), the median over the nodes carrying the model."""
+    cluster file's), the median over the nodes carrying the model. A node
+    with GPUs of more than one model says nothing about either (its one
+    speed cannot be both), nor does a non-finite or non-positive speed."""
     speeds: dict[str, list[float]] = {}
     node_of = snapshot.gpu_node
+    rows_of: dict[int, list[str]] = {}  # node -> the model of each of its GPUs
     for row in range(snapshot.gpu_count):
-        node = int(node_of[row])
+        rows_of.setdefault(int(node_of[row]), []).append(str(snapshot.gpu_model[row]))
+    for node, models in rows_of.items():
         speed = float(snapshot.node_speed[node])
-        if math.isfinite(speed) and speed > 0:
-            speeds.setdefault(str(snapshot.gpu_model[row]), []).append(speed)
+        if len(set(models)) == 1 and math.isfinite(speed) and speed > 0:
+            speeds.setdefault(models[0], []).extend([speed] * len(models))
     return {model: float(np.median(v)) for model, v in speeds.items()}
+
+
+def run_time_s(
+    *, reported_s: float | None, started_at: float | None, ended_at: float | None
+) -> float | None:
+    """The run time a completed task teaches the predictor, or None.
+
+    ``reported_s``: what its client measured (CompleteTask's
+    ``actual_duration_s``), taken first; else from ``started_at`` (its
+    agent's STARTED event) to ``ended_at``. A task that completed before it
+    was seen to start and whose client said nothing teaches nothing: the
+    time since its placement is no run time (completed at once, it read as
+    a run of a few ms and dropped a new kind's factor 33-fold, QA pass 25).
+    ``SpeedPredictor.observe`` then refuses a run implausibly short against
+    its estimate."""
+    if reported_s is not None:
+        return float(reported_s)
+    if started_at is None or ended_at is None:
+        return None
+    return float(ended_at) - float(started_at)
 
 
 def completion_term(
@@ -228,6 +289,12 @@ class SpeedPredictor:
     table of known models (``scheduler.cluster.KNOWN_MODELS``), then 1.0.
     ``use_known_models=False`` skips the table (a cluster whose speeds are
     unknown: everything starts at 1.0 and is learned).
+
+    Stored, a node's residual is kept in raw form, with its *home* model (the
+    model of its first completion) and each model's sum of its home nodes'
+    raw logs: ``r(node) = raw - mean(home)`` and ``m(model, kind) = stored +
+    mean(model)``. The renormalisation (module docstring) is then one
+    addition per completion, however many nodes carry the model.
     """
 
     def __init__(
@@ -240,25 +307,32 @@ class SpeedPredictor:
         self.config = (config or PredictorConfig()).validate()
         self._prior_speeds: dict[str, float] = {}
         self._use_known = use_known_models
-        self._models: dict[str, _Ewma] = {}  # model -> all kinds
+        self._models: dict[str, _Ewma] = {}  # model -> all kinds (stored: without the model's mean residual)
         self._model_kinds: dict[tuple[str, str], _Ewma] = {}
-        self._nodes: dict[str, _Ewma] = {}
+        self._nodes: dict[str, _Ewma] = {}  # node -> raw residual (log includes its home's mean)
+        self._home: dict[str, str] = {}  # node -> the model its residual belongs to
+        self._home_sum: dict[str, float] = {}  # model -> sum of its home nodes' raw logs
+        self._home_count: dict[str, int] = {}  # model -> its home nodes
         self._errors = _Errors(self.config.error_window)
+        self._model_errors: dict[str, _Errors] = {}  # per model, every kind's completions
         self._model_kind_errors: dict[tuple[str, str], _Errors] = {}
         # per (model, kind), actual / predicted of the last completions: how far
         # runs overrun what is predicted for them (``overrun``)
         self._model_kind_overruns: dict[tuple[str, str], deque[float]] = {}
         self._node_errors: dict[str, _Errors] = {}
-        self._kinds: set[str] = set()
+        # kinds learned apart -> their completions, least recently completed first
+        self._kinds: OrderedDict[str, int] = OrderedDict()
         #: bumped on every change that can move a prediction
         self.version = 0
         self._columns_cache: tuple | None = None
         self._overrun_cache: tuple | None = None
         # per GPU layout (the snapshot's gpu_model and node_ids objects): the
-        # distinct models, each row's model code, node id -> node index and
-        # the node residuals, patched for the nodes learned from since
+        # distinct models, each row's model code, node id -> node index, each
+        # node's raw residual log and home code, patched for the nodes learned
+        # from since
         self._layout: tuple | None = None
         self._dirty_nodes: set[str] = set()
+        self._home_codes: dict[str, int] = {}  # home model -> its index in the layout's table of means
         self._annotated: tuple | None = None  # (snapshot, columns, overrun columns, annotated snapshot)
         if prior_speeds:
             self.set_priors(prior_speeds)
@@ -285,19 +359,25 @@ class SpeedPredictor:
         return 1.0 / speed if speed else 1.0
 
     # ---- factors -------------------------------------------------------------------
+    def _mean(self, model: str | None) -> float:
+        """The mean raw residual log of ``model``'s home nodes (0 without any)."""
+        count = self._home_count.get(model, 0) if model is not None else 0
+        return self._home_sum[model] / count if count else 0.0
+
     def model_factor(self, model: str, kind: str = ANY_KIND) -> float:
         """m(model, kind): the learned slowdown, falling back as the docstring says."""
+        mean = self._mean(model)
         if kind:
             stat = self._model_kinds.get((model, kind))
             if stat is not None:
-                return stat.value
+                return math.exp(stat.log + mean)
         stat = self._models.get(model)
-        return stat.value if stat is not None else self.prior(model)
+        return math.exp((stat.log if stat is not None else math.log(self.prior(model))) + mean)
 
     def node_factor(self, node_id: str) -> float:
         """r(node): the node's residual against its model, 1.0 until learned."""
         stat = self._nodes.get(node_id)
-        return stat.value if stat is not None else 1.0
+        return math.exp(stat.log - self._mean(self._home.get(node_id))) if stat is not None else 1.0
 
     def factor(self, node_id: str, model: str, kind: str = ANY_KIND) -> float:
         """Predicted slowdown f = actual / expected for this node, model and kind."""
@@ -308,28 +388,70 @@ class SpeedPredictor:
         return float(expected_s) * self.factor(node_id, model, kind)
 
     # ---- learning ------------------------------------------------------------------------
-    def observe(self, node_id: str, model: str, kind: str, expected_s: float, actual_s: float) -> float | None:
-        """Learn from one completion; returns its absolute percentage error as
-        predicted before learning (None when the sample is unusable: a
-        non-positive or non-finite duration)."""
-        if not (
+    @staticmethod
+    def usable(expected_s: float, actual_s: float) -> bool:
+        """Whether a completion can be learned from (and scored): finite
+        positive durations, the run not below ``_RATIO_MIN`` of its estimate."""
+        return (
             isinstance(expected_s, (int, float))
             and isinstance(actual_s, (int, float))
             and math.isfinite(expected_s)
             and math.isfinite(actual_s)
             and expected_s > 0
-            and actual_s > 0
-        ):
+            and actual_s >= _RATIO_MIN * expected_s
+        )
+
+    def _admit_kind(self, kind: str) -> None:
+        """``kind`` completed: it becomes the most recent learned kind, past
+        ``MAX_LEARNED_KINDS`` in place of the least recent (its factors go).
+        Kinds with fewer than ``warmup`` completions make way first: their
+        factors hold little yet, while a warm kind's is what placement
+        relies on (a flood of one-off kinds then churns among itself instead
+        of pushing out every kind learned before it)."""
+        if kind in self._kinds:
+            self._kinds.move_to_end(kind)
+            self._kinds[kind] += 1
+            return
+        while len(self._kinds) >= MAX_LEARNED_KINDS:
+            old = next((k for k, n in self._kinds.items() if n < self.config.warmup), None)
+            if old is None:
+                old = next(iter(self._kinds))
+            del self._kinds[old]
+            for key in [k for k in self._model_kinds if k[1] == old]:
+                del self._model_kinds[key]
+                self._model_kind_errors.pop(key, None)
+                self._model_kind_overruns.pop(key, None)
+        self._kinds[kind] = 1
+
+    def _node_entry(self, node_id: str, model: str) -> _Ewma:
+        """The node's residual, made (at its model's mean: r = 1) on its first completion."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            node = self._nodes[node_id] = _Ewma(1.0)
+            node.log = self._mean(model)
+        if node_id not in self._home:  # new, or restored from a state without homes
+            self._home[node_id] = model
+            self._home_sum[model] = self._home_sum.get(model, 0.0) + node.log
+            self._home_count[model] = self._home_count.get(model, 0) + 1
+        return node
+
+    def observe(self, node_id: str, model: str, kind: str, expected_s: float, actual_s: float) -> float | None:
+        """Learn from one completion; returns its absolute percentage error as
+        predicted before learning (None when the sample is unusable: a
+        non-positive or non-finite duration, or a run below 1e-3 of its
+        estimate)."""
+        if not self.usable(expected_s, actual_s):
             return None
         cfg = self.config
         predicted = self.predict(node_id, model, kind, expected_s)
-        ape = abs(predicted - actual_s) / actual_s
+        ape = _ape(predicted, actual_s)
         self._errors.add(ape)
-        # a kind past MAX_LEARNED_KINDS is learned into the model's all-kinds
-        # factor only (and predicted by it, as any kind not learned yet)
-        per_kind = kind in self._kinds or len(self._kinds) < MAX_LEARNED_KINDS
+        self._model_errors.setdefault(model, _Errors(cfg.error_window)).add(ape)
+        # a task of no kind is learned into (and predicted by) the all-kinds factor
+        per_kind = bool(kind)
         key = (model, kind)
         if per_kind:
+            self._admit_kind(kind)
             self._model_kind_errors.setdefault(key, _Errors(cfg.error_window)).add(ape)
             overruns = self._model_kind_overruns.get(key)
             if overruns is None:
@@ -337,36 +459,66 @@ class SpeedPredictor:
             overruns.append(actual_s / predicted)
         self._node_errors.setdefault(node_id, _Errors(cfg.error_window)).add(ape)
 
-        log_ratio = math.log(min(max(actual_s / expected_s, _RATIO_MIN), _RATIO_MAX))
-        node = self._nodes.get(node_id)
-        if node is None:
-            node = self._nodes[node_id] = _Ewma(1.0)
+        log_ratio = math.log(min(actual_s / expected_s, _RATIO_MAX))
+        node = self._node_entry(node_id, model)
+        home = self._home[node_id]
+        home_mean = self._mean(home)
+        residual = node.log - home_mean
+        mean = self._mean(model)
         all_kinds = self._models.get(model)
         if all_kinds is None:
             all_kinds = self._models[model] = _Ewma(self.prior(model))
+            all_kinds.log -= mean  # stored without the model's mean residual
         if per_kind:
             mk = self._model_kinds.get(key)
             if mk is None:
                 # a new kind on a known model starts from the model's all-kinds factor
-                mk = self._model_kinds[key] = _Ewma(all_kinds.value)
+                mk = self._model_kinds[key] = _Ewma(math.exp(all_kinds.log + mean))
+                mk.log = all_kinds.log
             # the model (kind) factor takes its share of the error, the node
             # residual a share of what is left; the all-kinds factor follows too
-            error = log_ratio - (mk.log + node.log)
-            all_kinds.step(log_ratio - (all_kinds.log + node.log), cfg)
-            moved = mk.step(error, cfg)
-            self._kinds.add(kind)
+            error = log_ratio - (mk.log + mean + residual)
+            all_kinds.step(log_ratio - (all_kinds.log + mean + residual), cfg)
+            learner = mk
         else:
-            error = log_ratio - (all_kinds.log + node.log)
-            moved = all_kinds.step(error, cfg)
-        node.step(error - moved, cfg)
-        bound = math.log(cfg.max_node_residual)
-        node.log = min(max(node.log, -bound), bound)
+            error = log_ratio - (all_kinds.log + mean + residual)
+            learner = all_kinds
+        warm = learner.n >= cfg.warmup
+        moved = learner.step(error, cfg)
+        if warm:
+            # until its model factor is warm, the error is the model's or the
+            # kind's (a poor prior, a kind just seen), not the node's
+            before = node.log
+            node.step(error - moved, cfg)
+            bound = math.log(cfg.max_node_residual)
+            node.log = min(max(node.log, home_mean - bound), home_mean + bound)
+            self._home_sum[home] += node.log - before
         self._dirty_nodes.add(node_id)
         self.version += 1
         return ape
 
     def observe_completion(self, c: Completion) -> float | None:
         return self.observe(c.node_id, c.model, c.kind, c.expected_s, c.actual_s)
+
+    def forget_node(self, node_id: str) -> bool:
+        """Drop a node's residual and errors (it left the cluster for good:
+        ``gpulb uncordon`` of a REMOVED node); True when there were any. Its
+        model's residuals are renormalised over the nodes left: their
+        predictions do not change, and a new node of the model is predicted
+        like the average of them."""
+        node = self._nodes.pop(node_id, None)
+        errors = self._node_errors.pop(node_id, None)
+        home = self._home.pop(node_id, None)
+        if home is not None and node is not None:
+            self._home_count[home] -= 1
+            self._home_sum[home] = self._home_sum[home] - node.log if self._home_count[home] else 0.0
+            if not self._home_count[home]:
+                del self._home_count[home], self._home_sum[home]
+        if node is None and errors is None:
+            return False
+        self._dirty_nodes.add(node_id)
+        self.version += 1
+        return True
 
     # ---- accuracy ------------------------------------------------------------------------
     def mape(self) -> float:
@@ -376,35 +528,36 @@ class SpeedPredictor:
 
     @property
     def samples(self) -> int:
-        """Completions learned from since start."""
+        """Completions learned from: since the first, restored from the saved state after a restart."""
         return self._errors.total
 
     def evaluate(self, held_out: Iterable[Completion]) -> float:
-        """MAPE (ratio) on completions the predictor does not learn from; NaN if none usable."""
+        """MAPE (ratio) on completions the predictor does not learn from (each
+        error at most ``APE_MAX``); NaN if none usable."""
         errors = [
-            abs(self.predict(c.node_id, c.model, c.kind, c.expected_s) - c.actual_s) / c.actual_s
+            _ape(self.predict(c.node_id, c.model, c.kind, c.expected_s), c.actual_s)
             for c in held_out
-            if c.expected_s > 0 and c.actual_s > 0 and math.isfinite(c.expected_s) and math.isfinite(c.actual_s)
+            if self.usable(c.expected_s, c.actual_s)
         ]
         return float(np.mean(errors)) if errors else math.nan
 
     def stats(self) -> tuple[list[FactorStats], list[FactorStats]]:
         """(model factors, node factors): per model its all-kinds factor
-        (kind "") and one per learned kind; per node its residual."""
+        (kind "", its MAPE over every completion on the model) and one per
+        learned kind; per node its residual."""
         models: list[FactorStats] = []
         for model in sorted(self._models):
             stat = self._models[model]
-            errors = [e for (m, _), e in self._model_kind_errors.items() if m == model]
-            values = [v for e in errors for v in e.values]
-            models.append(FactorStats(model, ANY_KIND, "", stat.value, stat.prior, stat.n,
-                                      float(np.mean(values)) if values else math.nan))
+            errors = self._model_errors.get(model)
+            models.append(FactorStats(model, ANY_KIND, "", self.model_factor(model), stat.prior, stat.n,
+                                      errors.mape() if errors else math.nan))
             for (m, kind), mk in sorted(self._model_kinds.items()):
                 if m == model:
                     err = self._model_kind_errors.get((m, kind))
-                    models.append(FactorStats(model, kind, "", mk.value, mk.prior, mk.n,
+                    models.append(FactorStats(model, kind, "", self.model_factor(model, kind), mk.prior, mk.n,
                                               err.mape() if err else math.nan, self.overrun(model, kind)))
         nodes = [
-            FactorStats("", "", node_id, stat.value, stat.prior, stat.n,
+            FactorStats("", "", node_id, self.node_factor(node_id), stat.prior, stat.n,
                         self._node_errors[node_id].mape() if node_id in self._node_errors else math.nan)
             for node_id, stat in sorted(self._nodes.items())
         ]
@@ -412,7 +565,7 @@ class SpeedPredictor:
 
     @property
     def kinds(self) -> frozenset[str]:
-        """Task kinds learned so far."""
+        """Task kinds learned apart now (at most ``MAX_LEARNED_KINDS``)."""
         return frozenset(self._kinds)
 
     # ---- durability ---------------------------------------------------------------------------------
@@ -420,25 +573,34 @@ class SpeedPredictor:
 
     def to_state(self) -> dict:
         """What was learned, as plain JSON-able data (``load_state`` reads it
-        back): every factor's log value, sample count and prior, and the
-        recent errors behind the overall MAPE. Per-factor error windows are
+        back): every factor's log value (stored form, class docstring),
+        sample count and prior, each node's home model, the learned kinds
+        least recently completed first, and the recent errors behind the
+        overall MAPE. Per-factor error windows are
         left out, the overrun windows too (a large cluster's would be
         megabytes per save; they refill with the next completions, and until
         a kind has 20 again the backfill's margin is the factor alone), and
         so are the cluster's priors (they come from the cluster again after a
-        restart)."""
+        restart). ``node_models`` and ``kinds`` are new in round 25: a
+        release before reads the rest and ignores them."""
         return {
             "version": self.STATE_VERSION,
             "models": [[m, e.log, e.n, e.prior] for m, e in sorted(self._models.items())],
             "model_kinds": [[m, k, e.log, e.n, e.prior] for (m, k), e in sorted(self._model_kinds.items())],
             "nodes": [[n, e.log, e.n] for n, e in sorted(self._nodes.items())],
+            "node_models": {n: m for n, m in sorted(self._home.items())},
+            "kinds": list(self._kinds),
             "errors": list(self._errors.values),
             "samples": self._errors.total,
         }
 
     def load_state(self, state: Mapping) -> None:
         """Continue from ``to_state``'s output: replaces every learned factor.
-        Raises ValueError (nothing changed) on data this version cannot read."""
+        Raises ValueError (nothing changed) on data this version cannot read.
+        Rows of the empty kind (an older release learned tasks of no kind
+        as a kind of their own) are dropped, and errors are bounded by
+        ``APE_MAX`` as if scored now. A state without ``node_models`` (before
+        round 25) gives each node its home model at its next completion."""
         try:
             if state.get("version") != self.STATE_VERSION:
                 raise ValueError(f"version {state.get('version')!r}, expected {self.STATE_VERSION}")
@@ -452,16 +614,34 @@ class SpeedPredictor:
                 return e
 
             models = {str(m): ewma(log, n, prior) for m, log, n, prior in state["models"]}
-            model_kinds = {(str(m), str(k)): ewma(log, n, prior) for m, k, log, n, prior in state["model_kinds"]}
+            model_kinds = {(str(m), str(k)): ewma(log, n, prior) for m, k, log, n, prior in state["model_kinds"]
+                           if str(k)}
             nodes = {str(node): ewma(log, n, 1.0) for node, log, n in state["nodes"]}
+            homes = {str(n): str(m) for n, m in dict(state.get("node_models") or {}).items() if str(n) in nodes}
+            order = [str(k) for k in state.get("kinds") or ()]
             errors = [float(e) for e in state["errors"]]
             samples = int(state["samples"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"predictor state cannot be read: {exc}") from None
-        self._models, self._model_kinds, self._nodes = models, model_kinds, nodes
-        self._kinds = {k for _, k in model_kinds}
+        # the learned kinds, least recent first (an older state's in name order),
+        # at most MAX_LEARNED_KINDS: the most recent kept
+        present = {k for _, k in model_kinds}
+        kinds = [k for k in dict.fromkeys(order) if k in present]
+        kinds += sorted(present - set(kinds))
+        kinds = kinds[-MAX_LEARNED_KINDS:] if len(kinds) > MAX_LEARNED_KINDS else kinds
+        kept = set(kinds)
+        self._models, self._nodes = models, nodes
+        self._model_kinds = {key: e for key, e in model_kinds.items() if key[1] in kept}
+        self._kinds = OrderedDict((k, 0) for k in kinds)
+        for (_, k), e in self._model_kinds.items():
+            self._kinds[k] += e.n
+        self._home, self._home_sum, self._home_count = homes, {}, {}
+        for node_id, model in homes.items():
+            self._home_sum[model] = self._home_sum.get(model, 0.0) + nodes[node_id].log
+            self._home_count[model] = self._home_count.get(model, 0) + 1
+        self._model_errors, self._model_kind_errors, self._model_kind_overruns, self._node_errors = {}, {}, {}, {}
         self._errors = _Errors(self.config.error_window)
-        self._errors.values.extend(e for e in errors if math.isfinite(e))
+        self._errors.values.extend(min(e, APE_MAX) for e in errors if math.isfinite(e) and e >= 0)
         self._errors.total = samples
         self._layout = None  # every residual may have changed
         self.version += 1
@@ -491,26 +671,45 @@ class SpeedPredictor:
         self._columns_cache = (key, snapshot.gpu_model, snapshot.node_ids, out)
         return out
 
+    def _home_code(self, node_id: str) -> int:
+        """The node's home model as an index into the layout's means (-1: none)."""
+        home = self._home.get(node_id)
+        if home is None:
+            return -1
+        code = self._home_codes.get(home)
+        if code is None:
+            code = self._home_codes[home] = len(self._home_codes)
+        return code
+
     def _layout_for(self, snapshot: ClusterSnapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(distinct models, each row's model code, residual per node) of the
         snapshot's layout: built once per layout (np.unique over the model
         names and a residual per node cost ~1 ms on 6,000 GPUs, and the
-        simulator asks per snapshot), then only the residuals of the nodes
-        learned from since are refreshed."""
+        simulator asks per snapshot), then only the raw residuals of the
+        nodes learned from since are refreshed; each is then taken from its
+        home model's mean (one subtraction over the nodes)."""
         layout = self._layout
         if layout is None or layout[0] is not snapshot.gpu_model or layout[1] is not snapshot.node_ids:
             models, codes = np.unique(np.asarray(snapshot.gpu_model, dtype=str), return_inverse=True)
             node_index = {n: i for i, n in enumerate(snapshot.node_ids)}
-            residual = np.asarray([self.node_factor(n) for n in snapshot.node_ids], dtype=np.float64)
-            layout = self._layout = (snapshot.gpu_model, snapshot.node_ids, models, codes, node_index, residual)
+            raw = np.asarray([self._nodes[n].log if n in self._nodes else 0.0 for n in snapshot.node_ids],
+                             dtype=np.float64)
+            home = np.asarray([self._home_code(n) for n in snapshot.node_ids], dtype=np.intp)
+            layout = self._layout = (snapshot.gpu_model, snapshot.node_ids, models, codes, node_index, raw, home)
         else:
-            node_index, residual = layout[4], layout[5]
+            node_index, raw, home = layout[4], layout[5], layout[6]
             for node_id in self._dirty_nodes:
                 i = node_index.get(node_id)
                 if i is not None:
-                    residual[i] = self.node_factor(node_id)
+                    stat = self._nodes.get(node_id)
+                    raw[i] = stat.log if stat is not None else 0.0
+                    home[i] = self._home_code(node_id)
         self._dirty_nodes.clear()
-        return layout[2], layout[3], layout[5]
+        means = np.zeros(len(self._home_codes) + 1)  # the last: no home (-1), mean 0
+        for model, code in self._home_codes.items():
+            means[code] = self._mean(model)
+        residual = np.exp(raw - means[home]) if raw.size else np.zeros(0)
+        return layout[2], layout[3], residual
 
     def overrun(self, model: str, kind: str) -> float:
         """How many times its prediction a run of ``kind`` on ``model`` may

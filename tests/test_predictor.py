@@ -96,9 +96,10 @@ def test_first_completion_moves_a_bad_prior_halfway():
     p = SpeedPredictor({M40: 1.0}, PredictorConfig(alpha=0.1, prior_weight=1.0))
     ape = p.observe("n", M40, "training", 100.0, 1600.0)
     assert ape == pytest.approx(abs(100 - 1600) / 1600)  # predicted with the prior, before learning
-    # log space: halfway from 1 to 16 is 4; the node residual takes half of what is left
+    # log space: halfway from 1 to 16 is 4; the node residual learns nothing
+    # while the model factor is cold (the error is the prior's, not the node's)
     assert p.model_factor(M40, "training") == pytest.approx(4.0)
-    assert p.node_factor("n") == pytest.approx(2.0)
+    assert p.node_factor("n") == pytest.approx(1.0)
     # a new kind on a known model starts from the model's all-kinds factor
     assert p.model_factor(M40, "inference") == pytest.approx(p.model_factor(M40))
 
@@ -170,7 +171,9 @@ def test_overrun_is_the_scatter_left_after_the_learned_bias():
 def test_columns_kept_current_between_completions_equal_columns_built_afresh():
     """The layout (models, codes, node residuals) is built once and patched
     for the nodes learned from since: after every completion the columns
-    equal those of a predictor that computes them from scratch."""
+    equal those of a predictor that computes them from scratch (to rounding:
+    each model's mean residual is kept as a running sum, summed afresh on
+    loading)."""
     facts = [NodeFacts(n, 2, model=m, speed=0.12 if m == M40 else 1.0) for n, m in sorted(NODES.items())]
     facts.append(NodeFacts("idle-0", 2, model=RTX))  # never completes anything
     snap = ClusterSnapshot.build(facts)
@@ -183,7 +186,7 @@ def test_columns_kept_current_between_completions_equal_columns_built_afresh():
         kept, built = p.slowdown_columns(snap), fresh.slowdown_columns(snap)
         assert set(kept) == set(built)
         for kind in built:
-            assert kept[kind].tolist() == built[kind].tolist(), kind
+            np.testing.assert_allclose(kept[kind], built[kind], rtol=1e-12, err_msg=kind)
     # a snapshot with another layout (a node joined) is built afresh too
     bigger = ClusterSnapshot.build([*facts, NodeFacts("new-0", 1, model=K20)])
     cols = p.slowdown_columns(bigger)
@@ -283,8 +286,10 @@ def test_state_round_trips_through_json_and_predicts_the_same():
             assert copy.factor(node, model, kind) == pytest.approx(learned.factor(node, model, kind))
     # factors, priors and counts come back; per-factor error windows start afresh (not stored:
     # a large cluster's would be megabytes every save)
-    strip = lambda stats: [(f.model, f.kind, f.node_id, f.factor, f.prior, f.samples) for f in stats[0] + stats[1]]  # noqa: E731
+    strip = lambda stats: [(f.model, f.kind, f.node_id, f.prior, f.samples) for f in stats[0] + stats[1]]  # noqa: E731
     assert strip(copy.stats()) == strip(learned.stats())
+    factors = lambda stats: [f.factor for f in stats[0] + stats[1]]  # noqa: E731
+    assert factors(copy.stats()) == pytest.approx(factors(learned.stats()), rel=1e-12)
     # and it keeps learning from there exactly as the original does
     for c in synthetic(20, seed=4):
         assert copy.observe_completion(c) == pytest.approx(learned.observe_completion(c))
@@ -309,22 +314,3 @@ def test_unreadable_state_is_refused_and_changes_nothing(mangle):
     with pytest.raises(ValueError, match="predictor state cannot be read"):
         fresh.load_state(state)
     assert fresh.samples == 0 and fresh.factor("m40-0", M40, "training") == pytest.approx(fresh.prior(M40))
-
-
-def test_kinds_past_the_limit_are_learned_into_the_all_kinds_factor_only():
-    """A client inventing kinds cannot grow the predictor (its state, its
-    per-kind metrics) without end: past MAX_LEARNED_KINDS a new kind is
-    learned into the model's all-kinds factor and predicted by it."""
-    from scheduler.task import MAX_LEARNED_KINDS
-
-    p = SpeedPredictor()
-    for i in range(MAX_LEARNED_KINDS):
-        p.observe("n0", "M40", f"kind-{i}", 100.0, 200.0)
-    assert len(p.kinds) == MAX_LEARNED_KINDS
-    before = p.model_factor("M40")
-    p.observe("n0", "M40", "one-too-many", 100.0, 800.0)
-    assert "one-too-many" not in p.kinds and len(p.kinds) == MAX_LEARNED_KINDS
-    assert p.model_factor("M40") > before  # the all-kinds factor learned from it
-    assert p.model_factor("M40", "one-too-many") == p.model_factor("M40")
-    p.observe("n0", "M40", "kind-0", 100.0, 300.0)  # a kind already kept goes on learning
-    assert p.model_factor("M40", "kind-0") != p.model_factor("M40")
