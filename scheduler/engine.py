@@ -1125,7 +1125,13 @@ class Scheduler:
             if there is not None:
                 return there, ""
         else:
-            roomy = choose(mask & (spare | self._just_emptied(view, now)))
+            # only where it runs no slower than sharing the chosen GPU would let
+            # it: a whole slow card loses to half a fast one (the mixed cluster's
+            # M40 and K20c run 8-20x slower: P0 response +12-23 % sent there)
+            factor = _run_factors(view, task.spec.kind)[view.node]
+            shared = max(float(demand[r]) + share for r in placement.rows) / 100.0
+            bound = max(float(factor[r]) for r in placement.rows) * shared
+            roomy = choose(mask & (spare | self._just_emptied(view, now)) & (factor <= bound))
             if roomy is not None:
                 return roomy, ""
             if task.task_id in self._evicted_for_compute:
