@@ -16,9 +16,25 @@ each plan to a ``CommandHook``.
 
 The hook runs an operator-chosen executor: ``argv`` with the plan as JSON on
 stdin (``Plan.to_dict``, one object) and ``GPULB_PLAN_ID`` in its environment,
-at most ``timeout_s`` (then killed), one at a time (a plan made while the
-previous hook still runs is not handed over; it stays visible through the
-RPCs), its exit status and output tails logged.
+at most ``timeout_s`` (then its process group gets SIGTERM, and SIGKILL
+``_TERM_GRACE_S`` later), one at a time: while a hook runs the advisor makes
+no plan (it still evaluates the trigger), for a plan no one carries out would
+keep its tasks and GPUs in the cool-down and use the move window for nothing,
+and show watchers moves that never happen. Its exit status and output tails
+are logged. Whatever the outcome, the moves whose task still holds a lease on
+the GPUs the plan moves it from were not made (a failed or lying hook, a
+refused or stale move): they leave the cool-down and the move window.
+
+After a restart (``start``), what the advisor learned about recent moves is
+taken from the leases restored from ``state_dir``: a lease that came of a
+migration (``run_started_at`` set, ``placed_at`` the move; a plan's or one
+by hand, which a lease does not tell apart) puts its task and the GPUs it
+holds in the cool-down and its move in the window, from ``placed_at``.
+The GPUs it came from, the averages, the trigger's streak and hold and the
+plan ids are not kept. Nor does the advisor plan until every node that holds
+a restored lease reports again (or no longer holds one), for at most
+``reconnect_grace_s``: a plan on half the cluster is a plan on the wrong
+readings.
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import grpc
+import numpy as np
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -45,7 +62,7 @@ from scheduler.advisor import Advisor, AdvisorConfig, Move, Plan, Trigger
 from scheduler.config import SchedulerConfig
 from scheduler.fragmentation import WorkloadMix
 from scheduler.memgrowth import MemoryGrowth, MemoryGrowthConfig
-from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds
+from scheduler.predictor import PredictorConfig, SpeedPredictor, model_speeds, run_time_s
 from scheduler.reservations import Reservations
 from scheduler.snapshot import ClusterSnapshot
 from scheduler.task import Task, TaskState
@@ -129,8 +146,8 @@ class CommandHook:
                 env=env,
                 start_new_session=True,
             )
-        except OSError as exc:
-            return HookResult("error", None, time.perf_counter() - started, "", str(exc))
+        except OSError as exc:  # which file: under uvloop, "[Errno 13] Permission denied" alone
+            return HookResult("error", None, time.perf_counter() - started, "", f"{self.argv[0]}: {exc.strerror or exc}")
         out, err = bytearray(), bytearray()
         # read as it comes, so that what a hook said before its timeout is kept
         pumps = [asyncio.ensure_future(_keep_tail(proc.stdout, out)), asyncio.ensure_future(_keep_tail(proc.stderr, err)),
@@ -141,12 +158,10 @@ class CommandHook:
         except asyncio.TimeoutError:
             # proc.kill() alone killed the shell and left its children holding
             # the pipes: the "timeout" came when they ended (20 s for a 3 s limit)
-            _kill_group(proc)
-            await proc.wait()
+            await _end_group(proc)
             outcome = "timeout"
         except asyncio.CancelledError:
-            _kill_group(proc)
-            await proc.wait()
+            await _end_group(proc)
             for pump in pumps:
                 pump.cancel()
             raise
@@ -162,12 +177,31 @@ class CommandHook:
 _PIPE_GRACE_S = 1.0
 
 
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
+#: s a hook has between SIGTERM and SIGKILL: the executor uses it to end the
+#: checkpoint or restart command it is running, which runs in a session of its
+#: own (so that the workload a restart started is not the hook's to kill)
+_TERM_GRACE_S = 1.0
+
+
+async def _end_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM the hook's process group, SIGKILL it ``_TERM_GRACE_S`` later
+    (or at once once the hook has ended), and reap the hook."""
+    _signal_group(proc, signal.SIGTERM)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the hook's session: it and what it started
+        await asyncio.wait_for(asyncio.shield(proc.wait()), _TERM_GRACE_S)
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        _signal_group(proc, signal.SIGKILL)  # what ignored the SIGTERM
+        await proc.wait()
+
+
+def _signal_group(proc: asyncio.subprocess.Process, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)  # the hook's session: it and what it started
     except (ProcessLookupError, PermissionError):
         try:
-            proc.kill()
+            proc.send_signal(signum)
         except ProcessLookupError:
             pass
 
@@ -219,14 +253,21 @@ class AdvisorRuntime:
         interval_s: float = 30.0,
         hook: CommandHook | None = None,
         unix_ns: Callable[[float], int] | None = None,
+        reconnect_grace_s: float = 30.0,
     ) -> None:
         """``snapshot``: the current ``ClusterSnapshot``; ``tasks``: the leased
         tasks; ``queued``: tasks waiting in the scheduler's queue (the advisor
         pauses while any wait); ``workload_mix``: the scheduler's arrivals (they
         size the advisor's reserve); ``clock``: monotonic seconds (the scheduler's); ``unix_ns``:
-        clock seconds -> Unix ns for the wire (default: offset taken now)."""
+        clock seconds -> Unix ns for the wire (default: offset taken now);
+        ``reconnect_grace_s``: how long after ``start`` the advisor waits at
+        most for the nodes of the leases it found to report (module docstring;
+        30 s is the coordinator's default heartbeat_interval_s ×
+        remove_after_intervals, after which it gives such a node up)."""
         if not (math.isfinite(interval_s) and interval_s > 0):
             raise ValueError(f"advisor interval_s must be > 0, got {interval_s!r}")
+        if not (math.isfinite(reconnect_grace_s) and reconnect_grace_s >= 0):
+            raise ValueError(f"advisor reconnect_grace_s must be >= 0, got {reconnect_grace_s!r}")
         self._snapshot = snapshot
         self._tasks = tasks
         self._reservations = reservations or (lambda: None)
@@ -268,6 +309,11 @@ class AdvisorRuntime:
         self.evaluation_s_total = 0.0
         self.hook_runs: dict[str, int] = {}
         self.last_hook: HookResult | None = None
+        self.reconnect_grace_s = float(reconnect_grace_s)
+        # nodes that held leases at start() and have not reported since, and
+        # until when (clock s) the advisor waits for them
+        self._awaited: set[str] = set()
+        self._awaited_until = -math.inf
 
     def reconfigure(self, advisor_config: AdvisorConfig | None = None, scheduler_config: SchedulerConfig | None = None) -> None:
         """New thresholds (validated first) and/or the scheduler's new rules,
@@ -280,8 +326,49 @@ class AdvisorRuntime:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
+        """Take the recent moves from the leases there are (restored ones after
+        a restart) and start evaluating every ``interval_s``."""
         if self._loop_task is None:
+            self._resume()
             self._loop_task = asyncio.create_task(self._loop(), name="gpulb-advisor")
+
+    def _resume(self) -> None:
+        """What the leases say of the advisor's state before a restart (module
+        docstring): the cool-downs and move window of migrated tasks, and the
+        nodes to wait for."""
+        now = self.clock()
+        leased = [t for t in self._tasks() if t.state == TaskState.LEASED and t.assignment is not None]
+        self._awaited = {t.assignment.node_id for t in leased}  # type: ignore[union-attr]
+        self._awaited_until = now + self.reconnect_grace_s
+        moved = {t.task_id: (min(t.assignment.placed_at, now), t.assignment.gpu_uuids)  # type: ignore[union-attr]
+                 for t in leased if t.assignment.run_started_at is not None}  # type: ignore[union-attr]
+        if moved:
+            self.advisor.moved_before(moved, now)
+            log.info("advisor_moves_restored", tasks=sorted(moved),
+                     detail="migrated leases keep their tasks and GPUs in the cool-down from the move")
+        if self._awaited:
+            log.info("advisor_waiting_for_nodes", nodes=sorted(self._awaited), up_to_s=self.reconnect_grace_s)
+
+    def _waiting_for_nodes(self, snap: ClusterSnapshot, now: float) -> bool:
+        """Whether nodes that held leases at ``start`` have yet to report (for
+        at most ``reconnect_grace_s``); a node that holds no lease any more
+        (the coordinator gave it up) is not waited for."""
+        if not self._awaited:
+            return False
+        stale = np.asarray(snap.node_stale, dtype=bool)
+        self._awaited -= {node for node, old in zip(snap.node_ids, stale) if not old}
+        if self._awaited:
+            held = {t.assignment.node_id for t in self._tasks() if t.assignment is not None}
+            self._awaited &= held
+        if self._awaited and now < self._awaited_until:
+            return True
+        if self._awaited:
+            log.warning("advisor_nodes_missing", nodes=sorted(self._awaited), waited_s=self.reconnect_grace_s,
+                        detail="planning on the nodes that reported")
+        else:
+            log.info("advisor_nodes_back")
+        self._awaited = set()
+        return False
 
     async def stop(self) -> None:
         for attr in ("_loop_task", "_hook_task"):
@@ -399,8 +486,10 @@ class AdvisorRuntime:
     def on_task_change(self, task: Task) -> None:
         """Scheduler listener: learn from every COMPLETED task that says how long
         it was expected to run (``spec.duration_s``), and from every ended task
-        whose peak memory was reported; note which tenant submits which kinds."""
-        if task.spec.kind:
+        whose peak memory was reported; note which tenant submits which kinds
+        (those of tasks it accepted: a submission rejected at once, never
+        queued, gives no right to the kind's rows in GetPredictions, QA pass 25)."""
+        if task.spec.kind and task.state != TaskState.REJECTED:
             self._note_kind(task.spec.tenant, task.spec.kind)
         if not task.terminal:
             if task.state in (TaskState.LOST, TaskState.PREEMPTED):
@@ -422,9 +511,13 @@ class AdvisorRuntime:
         a = task.assignment
         if task.state != TaskState.COMPLETED or a is None or task.spec.duration_s <= 0 or migrated:
             return
+        end = task.finished_at if task.finished_at is not None else self.clock()
+        actual = run_time_s(reported_s=actual, started_at=started, ended_at=end)
         if actual is None:
-            end = task.finished_at if task.finished_at is not None else self.clock()
-            actual = end - (started if started is not None else a.placed_at)
+            # completed before its agent said it started, and its client said no
+            # run time: the time since placement is none (QA pass 25)
+            log.debug("prediction_skipped", task_id=task.task_id, reason="no run time")
+            return
         node_model = self._gpu(a.gpu_uuids[0]) if a.gpu_uuids else None
         if node_model is None:
             return  # its GPU left the view: nothing to attribute it to
@@ -454,8 +547,12 @@ class AdvisorRuntime:
             self.last_evaluated_at = now
             if snap.gpu_count == 0:
                 return None
+            # no plan while the hook still carries out the last one, or while
+            # nodes of the restored leases have not reported (module docstring)
+            busy = self.hook is not None and self._hook_task is not None and not self._hook_task.done()
+            paused = self._waiting_for_nodes(snap, now) or busy
             plan = self.advisor.evaluate(snap, self._leased(), now, reservations=self._reservations(),
-                                         queued=self._queued(), workload_mix=self._workload_mix())
+                                         queued=self._queued(), workload_mix=self._workload_mix(), paused=paused)
         finally:
             self.last_evaluation_s = time.perf_counter() - started
             self.evaluation_s_total += self.last_evaluation_s
@@ -507,7 +604,10 @@ class AdvisorRuntime:
         if self.hook is None:
             return
         if self._hook_task is not None and not self._hook_task.done():
+            # evaluate_now makes no plan while the hook runs; should one come
+            # anyway, nothing carries it out: out of the cool-down and the window
             self.hook_runs["skipped"] = self.hook_runs.get("skipped", 0) + 1
+            self.advisor.not_carried_out(plan.moves, plan.created_at_s)
             log.warning("advisor_hook_busy", plan_id=plan.plan_id)
             return
         self._hook_task = asyncio.get_running_loop().create_task(self._hook_run(plan), name="gpulb-advisor-hook")
@@ -517,13 +617,18 @@ class AdvisorRuntime:
         result = await self.hook.run(plan)
         self.last_hook = result
         self.hook_runs[result.outcome] = self.hook_runs.get(result.outcome, 0) + 1
-        if result.outcome != "ok":
-            # the moves whose task is still where the plan found it were not made:
-            # they leave the cool-down (else `plan --now` said "moved within cooldown_s")
-            leased = {t.task_id: t for t in self._tasks()}
-            unmade = [m for m in plan.moves if (t := leased.get(m.task_id)) is not None and t.assignment is not None
-                      and set(t.assignment.gpu_uuids) == set(m.from_gpu_uuids)]
-            self.advisor.not_carried_out(unmade, plan.created_at_s)
+        # the moves whose task is still where the plan found it were not made,
+        # whatever the hook says (an "ok" executor also refuses stale and
+        # refused moves, and a hook may exit 0 having moved nothing): they leave
+        # the cool-down (else `plan --now` said "moved within cooldown_s")
+        leased = {t.task_id: t for t in self._tasks()}
+        unmade = [m for m in plan.moves if (t := leased.get(m.task_id)) is not None and t.assignment is not None
+                  and set(t.assignment.gpu_uuids) == set(m.from_gpu_uuids)]
+        self.advisor.not_carried_out(unmade, plan.created_at_s)
+        if unmade:
+            log.warning("advisor_moves_not_made", plan_id=plan.plan_id, hook_outcome=result.outcome,
+                        tasks=[m.task_id for m in unmade],
+                        detail="still on the plan's source GPUs after the hook: out of the cool-down and the move window")
         event = log.info if result.outcome == "ok" else log.warning
         event(
             "advisor_hook_ran",

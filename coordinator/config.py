@@ -9,7 +9,9 @@ them, so they cannot drift apart. Rules across options are in
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 from dataclasses import dataclass, field
 
 __all__ = ["CoordinatorConfig", "LIVE_RELOADABLE"]
@@ -181,6 +183,16 @@ class CoordinatorConfig:
                 raise ValueError(f"advisor_hook: not a command line ({exc}): {self.advisor_hook!r}") from None
             if not argv:
                 raise ValueError(f"advisor_hook: no command in {self.advisor_hook!r}; empty = none")
+            # as gpulb advisor execute checks --checkpoint and --restart: found
+            # only at the first plan (days later, perhaps), it was an "error"
+            # outcome that did not even name the file
+            if shutil.which(argv[0]) is None:
+                if os.sep in argv[0]:
+                    why = "is not an executable file (missing, or without its x bit: chmod +x)"
+                else:
+                    why = (f"is not an executable on PATH (the hook runs without a shell: give its path, e.g. "
+                           f"/usr/local/lib/gpulb/{argv[0]}, or 'sh -c \"...\"' for shell syntax)")
+                raise ValueError(f"advisor_hook: {argv[0]!r} {why}")
         return self
 
 

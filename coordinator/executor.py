@@ -36,14 +36,32 @@ the first GPU of a multi-GPU task), ``GPULB_FROM_GPU_INDEXES``, ``GPULB_FROM_GPU
 ready for ``CUDA_VISIBLE_DEVICES``), ``GPULB_PLAN_ID``. On a cluster of
 simulated agents no command is needed: the agents stop and start the task
 themselves when the coordinator releases and places it.
+
+A command has done its part when it *exits*: a restart command typically
+starts the workload in the background and exits at once, and that workload
+may keep the command's output pipes open for days. So the executor waits for
+the command's exit (at most ``command_timeout_s``), then reads what is left
+in its pipes for ``_PIPE_GRACE_S`` only and closes them (a workload that goes
+on writing to them gets EPIPE: it should send its output to its own log).
+Each command runs in a session (process group) of its own, standing in for
+nothing else: when the coordinator's hook timeout ends the executor's group,
+a workload a restart command already started runs on. On its own timeout a
+command's group is killed, and so it is when the executor is stopped
+(SIGTERM, as the coordinator's hook timeout sends first; Ctrl-C) while the
+command runs, so a hung checkpoint is not left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import selectors
+import signal
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import grpc
 
@@ -129,15 +147,19 @@ class PlanExecutor:
         if not argv:
             return ""
         try:
-            done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, errors="replace",
-                                  timeout=self.command_timeout_s, check=False)
-        except subprocess.TimeoutExpired:
-            return f"{argv[0]} ran past {self.command_timeout_s:g} s"
+            # its own session: a hook timeout (which ends the executor's process
+            # group) must not end the workload a restart command started
+            proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True)
         except OSError as exc:
             return f"{argv[0]}: {exc}"
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-            return f"{argv[0]} exited {done.returncode}: {tail[0]}".rstrip(": ")
+        with _taken_along(proc):
+            out, err, timed_out = _wait_and_read(proc, self.command_timeout_s)
+        if timed_out:
+            return f"{argv[0]} ran past {self.command_timeout_s:g} s"
+        if proc.returncode != 0:
+            tail = (err or out).strip().splitlines()[-1:] or [""]
+            return f"{argv[0]} exited {proc.returncode}: {tail[0]}".rstrip(": ")
         return ""
 
     def _holds_plan_lease(self, move: apb.Migration) -> tuple[bool, str, str]:
@@ -218,3 +240,103 @@ class PlanExecutor:
             out.append(MoveOutcome(plan.plan_id, m.task_id, src, dst, "restart failed" if failed else "moved",
                                    a.lease_id, failed))
         return out
+
+
+#: s a command's pipes are read after it exited: its own output is in them by
+#: then; what it left running in the background may hold them for days
+_PIPE_GRACE_S = 1.0
+#: s between checks whether a command exited while its pipes stay open
+_POLL_S = 0.05
+#: bytes of a command's stdout and stderr kept (each): only the last line is reported
+_OUTPUT_TAIL = 65536
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the command's session (it and what it started)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+
+def _wait_and_read(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str, bool]:
+    """(stdout tail, stderr tail, timed out): waits for ``proc`` to exit, at
+    most ``timeout_s`` (then kills its group), reading its pipes meanwhile and
+    for ``_PIPE_GRACE_S`` after, not until they close (module docstring)."""
+    tails = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    sel = selectors.DefaultSelector()
+    for pipe in tails:
+        os.set_blocking(pipe.fileno(), False)
+        sel.register(pipe, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    ended_at: float | None = None
+    timed_out = False
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if ended_at is None and proc.poll() is not None:
+                ended_at = now
+            elif ended_at is None and now >= deadline:
+                _kill_group(proc)
+                proc.wait()
+                ended_at, timed_out = now, True
+            if ended_at is not None and now - ended_at >= _PIPE_GRACE_S:
+                break
+            wait = ended_at + _PIPE_GRACE_S - now if ended_at is not None else min(deadline - now, _POLL_S)
+            for key, _ in sel.select(max(0.0, wait)):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                tail = tails[key.fileobj]
+                tail += chunk
+                if len(tail) > 2 * _OUTPUT_TAIL:
+                    del tail[:-_OUTPUT_TAIL]
+        if ended_at is None:  # it closed its output and runs on
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.wait()
+                timed_out = True
+    except BaseException:  # Ctrl-C, SIGTERM (_taken_along): the command goes with the executor
+        _kill_group(proc)
+        proc.wait()
+        raise
+    finally:
+        sel.close()
+        for pipe in tails:
+            pipe.close()
+    out, err = (bytes(t[-_OUTPUT_TAIL:]).decode("utf-8", "replace") for t in tails.values())
+    return out, err, timed_out
+
+
+@contextlib.contextmanager
+def _taken_along(proc: subprocess.Popen) -> Iterator[None]:
+    """While ``proc`` runs, a SIGTERM to the executor (the coordinator's hook
+    timeout sends it before SIGKILL, systemd on stop) kills ``proc``'s group
+    first: in a session of its own it would outlive the executor. Only in the
+    main thread, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ended(signum, frame) -> None:
+        _kill_group(proc)
+        signal.signal(signum, previous)
+        os.kill(os.getpid(), signum)  # as the executor would have ended (or the handler before ours)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is None:  # installed outside Python: put back the default
+        previous = signal.SIG_DFL
+    signal.signal(signal.SIGTERM, ended)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -192,6 +192,9 @@ class Coordinator:
             interval_s=cfg.advisor_interval_s,
             hook=CommandHook(shlex.split(cfg.advisor_hook), timeout_s=cfg.advisor_hook_timeout_s) if cfg.advisor_hook else None,
             unix_ns=self.dispatcher.wall.ns,
+            # no plan after a restart until the nodes holding restored leases report,
+            # at most until the coordinator would give such a node up
+            reconnect_grace_s=cfg.heartbeat_interval_s * cfg.remove_after_intervals,
         )
         engine.add_listener(self.advisor.on_task_change)
         self.dispatcher.annotate = self.advisor.annotate

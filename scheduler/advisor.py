@@ -57,8 +57,8 @@ per ``window_s``:
    parts;
 2. a task may move when it is *movable* (``spec.movable`` or its kind is in
    ``movable_kinds``; never when its kind is in ``pinned_kinds``, inference by
-   default), was placed at least ``min_age_s`` ago, and is not cooling down
-   from an earlier move;
+   default; kinds compared in lower case), was placed at least ``min_age_s``
+   ago, and is not cooling down from an earlier move;
 3. sources are GPUs hotter than the mean, hottest first (a multi-GPU task
    counts under its hottest GPU); for each of its movable tasks the
    destination is the coolest GPU that passes the scheduler's own filters
@@ -218,6 +218,15 @@ class AdvisorConfig:
     # Rule 8: a move does not put a task on one of the few big-memory cards when the other cards hold its need (the load-aware big_cards rule, [scheduler] big_card_share), so the advisor does not fill what placement keeps free.
     keep_big_cards: bool = True
 
+    def __post_init__(self) -> None:
+        # task kinds are free text kept as submitted and compared in lower case
+        # (is_movable, as the scheduler's retry_kinds): "LLM-Serving" as written
+        # by the operator never matched, and a pinned kind moved (QA pass 25)
+        for name in ("movable_kinds", "pinned_kinds"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and all(isinstance(k, str) for k in value):
+                object.__setattr__(self, name, frozenset(k.lower() for k in value))
+
     @property
     def release_level(self) -> float:
         """%²: where the variance rule's hold ends (``release_variance``, never
@@ -243,6 +252,10 @@ class AdvisorConfig:
             raise ValueError(f"window_s: must be a finite number > 0, got {self.window_s!r}")
         if not (math.isfinite(self.reserve_share) and 0 <= self.reserve_share <= 1):
             raise ValueError(f"reserve_share: must be in [0, 1], got {self.reserve_share!r}")
+        for name in ("movable_kinds", "pinned_kinds"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(k, str) for k in value):
+                raise ValueError(f"{name}: must be a list of task kinds, got {value!r}")
         for name in ("rising_gpus", "persist", "max_moves"):
             least = 0 if name == "max_moves" else 1
             value = getattr(self, name)
@@ -803,11 +816,14 @@ def advise(
     scheduler_config: SchedulerConfig | None = None,
     queued: int = 0,
     workload_mix: WorkloadMix | None = None,
+    paused: bool = False,
 ) -> tuple[Plan | None, AdvisorState]:
     """One evaluation: the trigger, the moves within the window's budget, and
     a plan once they have started from the same source GPU ``persist`` times
-    in a row. ``queued``: tasks waiting in the scheduler's queue. Returns the
-    plan (None when there is nothing to do yet) and the next state."""
+    in a row. ``queued``: tasks waiting in the scheduler's queue; ``paused``:
+    no plan now (the coordinator's executor still carries out the last one),
+    the averages and the trigger are updated and the streak starts over.
+    Returns the plan (None when there is nothing to do yet) and the next state."""
     cfg = config or AdvisorConfig()
     state = state or AdvisorState()
     uuids, smoothed = _smooth(snapshot, state, cfg.smoothing_alpha)
@@ -820,7 +836,7 @@ def advise(
                   last_trigger=trigger, smoothed_uuids=uuids, smoothed_util=smoothed,
                   armed=state.armed and trigger.fired and trigger.reason == TRIGGER_VARIANCE)
     budget = cfg.max_moves - len(move_times)
-    if not trigger.fired or budget <= 0 or (cfg.pause_when_queued and queued > 0):
+    if paused or not trigger.fired or budget <= 0 or (cfg.pause_when_queued and queued > 0):
         return None, nxt
     moves, before, after, spread0, spread1 = plan_moves(
         judged,
@@ -903,6 +919,21 @@ class Advisor:
                 times.remove(planned_at)
         self.state = replace(st, moved_at=moved_at, touched_at=touched_at, move_times=tuple(times))
 
+    def moved_before(self, moves: Mapping[str, tuple[float, Sequence[str]]], now: float) -> None:
+        """Moves made before this advisor existed (a coordinator restart:
+        task id -> (s of the move, the GPU uuids it moved to)): their tasks
+        and GPUs cool down, and the move counts in the window, from then."""
+        cfg, st = self.config, self.state
+        moved_at, touched_at, times = dict(st.moved_at), dict(st.touched_at), list(st.move_times)
+        for task_id, (at, gpus) in moves.items():
+            if now - at < cfg.cooldown_s:
+                moved_at[task_id] = max(at, moved_at.get(task_id, -math.inf))
+                for uuid in gpus:
+                    touched_at[uuid] = max(at, touched_at.get(uuid, -math.inf))
+            if now - at < cfg.window_s:
+                times.append(at)
+        self.state = replace(st, moved_at=moved_at, touched_at=touched_at, move_times=tuple(sorted(times)))
+
     def evaluate(
         self,
         snapshot: ClusterSnapshot,
@@ -912,6 +943,7 @@ class Advisor:
         reservations: Reservations | None = None,
         queued: int = 0,
         workload_mix: WorkloadMix | None = None,
+        paused: bool = False,
     ) -> Plan | None:
         plan, self.state = advise(
             snapshot,
@@ -923,6 +955,7 @@ class Advisor:
             scheduler_config=self.scheduler_config,
             queued=queued,
             workload_mix=workload_mix,
+            paused=paused,
         )
         if plan is not None:
             self.last_plan = plan

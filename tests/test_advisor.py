@@ -125,6 +125,31 @@ def test_training_moves_even_without_the_movable_flag_and_batch_with_it():
     assert plan_moves(snap, tasks, now=NOW)[0] == []
 
 
+@pytest.mark.parametrize("configured, kind", [("LLM-Serving", "LLM-Serving"), ("LLM-Serving", "llm-serving"),
+                                              ("llm-serving", "LLM-Serving")])
+def test_configured_kinds_match_whatever_their_case(configured, kind, tmp_path):
+    """Kinds are free text kept as submitted and compared in lower case:
+    `pinned_kinds = ["LLM-Serving"]` never matched (only the task's kind was
+    lowered), so a task submitted --kind LLM-Serving --movable moved, and
+    `movable_kinds = ["Fine-Tune"]` moved nothing (QA pass 25)."""
+    from coordinator.settings import load_settings
+
+    snap = snapshot([100.0, 0.0, 60.0, 40.0])
+    pinned = AdvisorConfig(pinned_kinds=frozenset({configured}))
+    tasks = [leased("a", snap, 0, kind=kind, share=0.5, movable=True), leased("b", snap, 0, kind=kind, share=0.5, movable=True)]
+    assert plan_moves(snap, tasks, pinned, now=NOW)[0] == []
+    movable = AdvisorConfig(movable_kinds=frozenset({configured}))
+    tasks = [leased("a", snap, 0, kind=kind, share=0.5, movable=False), leased("b", snap, 0, kind=kind, share=0.5, movable=False)]
+    assert len(plan_moves(snap, tasks, movable, now=NOW)[0]) == 1
+    # the operator's file gives the same
+    path = tmp_path / "coord.toml"
+    path.write_text(f'[advisor]\npinned_kinds = ["inference", "{configured}"]\nmovable_kinds = ["Fine-Tune"]\n')
+    loaded = load_settings(path, {}, {}).advisor
+    assert loaded.pinned_kinds == {"inference", "llm-serving"} and loaded.movable_kinds == {"fine-tune"}
+    with pytest.raises(ValueError, match="pinned_kinds: must be a list of task kinds"):
+        AdvisorConfig(pinned_kinds="inference").validate()
+
+
 def test_destination_must_pass_the_scheduler_filters():
     nodes = [NodeFacts("hot", 1), NodeFacts("full", 1), NodeFacts("small", 1, memory_total_mib=4_800.0, model="Tesla K20c"),
              NodeFacts("ok", 1), NodeFacts("cordoned", 1, schedulable=False)]

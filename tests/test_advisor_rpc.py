@@ -103,6 +103,7 @@ async def test_get_predictions_reports_learned_factors_and_their_error():
     rt = runtime_for(c)
     for i in range(6):
         t = c.place(f"m40-{i}", "m40", duration_s=10.0)
+        rt.task_started(t.task_id)  # a run time needs a start (or the client's measure)
         c.now += 80.0  # 8x slower than on the reference GPU
         c.engine.complete(t.task_id, t.assignment.lease_id)
     # the client's measured run time wins over the lease's span
@@ -393,6 +394,7 @@ async def test_metric_families():
     c.now += 30.0
     rt.evaluate_now()
     t = c.place("m40-x", "m40", duration_s=10.0)
+    rt.task_started(t.task_id)
     c.now += 80.0
     c.engine.complete(t.task_id, t.assignment.lease_id)
     text = generate_latest(registry).decode()
