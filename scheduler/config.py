@@ -100,7 +100,9 @@ class SchedulerConfig:
     # evicts lower-priority work from one, waiting for it at most until its
     # SLA runs out; then it takes the best GPU it fits. While it runs, work
     # below P0 may not take that GPU's compute past 100 %. Needs preemption.
-    preempt_for_compute: bool = True
+    # Off by default: on the openb mixed-cluster benchmark it raised mean P0
+    # response with prediction off (README, "Compute for urgent work").
+    preempt_for_compute: bool = False
     # s a lease must have run before it may be evicted (Slurm's
     # PreemptExemptTime): a task just restarted after an eviction is not the
     # victim again at once. 0 (the default): any lease of a victim class may go.

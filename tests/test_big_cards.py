@@ -153,20 +153,20 @@ def test_simulated_urgent_task_gets_the_big_card_to_itself() -> None:
     ]
     memory = RatioMemory({"W": (1.6,), "L": (1.6,)})
     cfg = SimConfig(memory=memory, memory_growth=MemoryGrowthConfig(min_samples=1))
-    no_compute_eviction = replace(cfg, scheduler=SchedulerConfig(preempt_for_compute=False))
+    compute_eviction = replace(cfg, scheduler=SchedulerConfig(preempt_for_compute=True))
     jct, evicted = {}, {}
     for policy, config in (("load_aware", cfg), ("load_aware:big_cards=0", cfg),
-                           ("load_aware:big_cards=0", no_compute_eviction)):
+                           ("load_aware:big_cards=0", compute_eviction)):
         result = Simulation(tasks, cards, policy, config).run()
         assert result.oom_kills == 0 and all(r.state == "completed" for r in result.records)
-        key = (policy, config.scheduler is None)
+        key = (policy, config.scheduler is not None)
         jct[key] = {r.task_id: r.jct_s for r in result.records}
         evicted[key] = result.preemptions
-    assert jct["load_aware", True]["L"] == pytest.approx(100.0)
-    assert jct["load_aware", True]["S"] == pytest.approx(10_000.0) and evicted["load_aware", True] == 0
+    assert jct["load_aware", False]["L"] == pytest.approx(100.0)
+    assert jct["load_aware", False]["S"] == pytest.approx(10_000.0) and evicted["load_aware", False] == 0
+    assert jct["load_aware:big_cards=0", False]["L"] == pytest.approx(150.0)
     assert jct["load_aware:big_cards=0", True]["L"] == pytest.approx(100.0)
     assert jct["load_aware:big_cards=0", True]["S"] > 10_000.0 and evicted["load_aware:big_cards=0", True] == 1
-    assert jct["load_aware:big_cards=0", False]["L"] == pytest.approx(150.0)
 
 
 # ---- through a real coordinator -------------------------------------------------------------------

@@ -525,7 +525,7 @@ def test_a_p0_task_that_fits_only_where_batch_work_takes_the_compute_evicts_for_
     no SLA miss. Now it evicts for its half of the GPU (all three: two would
     still ask 200 %), waits for their memory to show free, and the batch work
     does not come back onto its GPU while it runs."""
-    sched, clock, seen = make()
+    sched, clock, seen = make(preempt_for_compute=True)
     truth, snap = _stacked(sched, clock)
     sched.submit(spec("urgent", 8, Priority.P0, share=0.5), snap(truth))
     assert sched.dispatch(snap(truth)) == []
@@ -556,7 +556,7 @@ def test_a_p0_task_that_fits_only_where_batch_work_takes_the_compute_evicts_for_
 
 
 def test_a_p0_task_goes_where_compute_is_to_spare_before_evicting_anything():
-    sched, clock, seen = make()
+    sched, clock, seen = make(preempt_for_compute=True)
     truth, snap = _stacked(sched, clock, shares=(1.0, 1.0, 0.0))  # GPU 0 asked for 200 %: no room for 50 %
     facts = [NodeFacts("n0", 1, memory_total_mib=80 * GIB), NodeFacts("n1", 1, memory_total_mib=24 * GIB),
              NodeFacts("n2", 1, memory_total_mib=24 * GIB)]
@@ -568,8 +568,8 @@ def test_a_p0_task_goes_where_compute_is_to_spare_before_evicting_anything():
     assert sched.preemption_counts["evicted"] == 0
 
 
-def test_with_preempt_for_compute_off_a_p0_task_shares_the_busy_gpu_as_before():
-    sched, clock, seen = make(preempt_for_compute=False)
+def test_with_preempt_for_compute_off_the_default_a_p0_task_shares_the_busy_gpu_as_before():
+    sched, clock, seen = make()
     truth, snap = _stacked(sched, clock)
     sched.submit(spec("urgent", 8, Priority.P0, share=0.5), snap(truth))
     assert [t.task_id for t in sched.dispatch(snap(truth))] == ["urgent"]

@@ -444,7 +444,7 @@ async def test_a_p0_task_preempts_a_background_task_through_a_real_coordinator()
                 exposition = text_string_to_metric_families(coord.metrics.exposition().decode())
                 counts = {s.labels["outcome"]: s.value for f in exposition if f.name == "gpulb_preemptions"
                           for s in f.samples if s.name == "gpulb_preemptions_total"}
-                assert counts == {"nominated": 1, "for_growth": 0, "evicted": 1, "placed_there": 1,
+                assert counts == {"nominated": 1, "for_growth": 0, "for_compute": 0, "evicted": 1, "placed_there": 1,
                                   "placed_elsewhere": 0, "lapsed": 0}
                 assert (await stub.GetTask(tpb.GetTaskRequest(task_id="bg"))).state == tpb.TASK_STATE_QUEUED
     finally:
