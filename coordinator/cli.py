@@ -326,8 +326,28 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(gpus)
         return 0
-    print(_table(args, _GPU_HEADERS, _gpu_rows(gpus), _GPU_GIVE_WAY))
+    headers, rows = _GPU_HEADERS, _gpu_rows(gpus)
+    if request.metrics:
+        headers, rows = _asked_columns(resolve_metrics(list(request.metrics)), gpus, rows)
+    print(_table(args, headers, rows, _GPU_GIVE_WAY))
     return 0
+
+
+#: the gpus table's reading columns and the fields they show
+_GPU_COLUMN_FIELDS = {"UTIL": "util_gpu_pct", "MEM GiB": "memory_used_mib", "TEMP C": "temperature_c", "POWER W": "power_w"}
+
+
+def _asked_columns(fields: tuple[str, ...], gpus, rows: list[list]) -> tuple[list[str], list[list]]:
+    """The gpus table with ``--metrics``: the reading columns of the fields
+    asked for, then a column for each other field asked for (QA pass 25:
+    TEMP and POWER columns full of "-" when only util and memory were
+    asked, and no column at all for clock, pcie or ecc)."""
+    keep = [i for i, h in enumerate(_GPU_HEADERS) if h not in _GPU_COLUMN_FIELDS or _GPU_COLUMN_FIELDS[h] in fields]
+    shown = set(_GPU_COLUMN_FIELDS.values()) | {"memory_total_mib"}
+    extra = [f for f in fields if f not in shown]
+    headers = [_GPU_HEADERS[i] for i in keep] + extra
+    out = [[row[i] for i in keep] + [fmt(_opt(g, f), 1) for f in extra] for g, row in zip(gpus, rows)]
+    return headers, out
 
 
 @command("processes")
@@ -1221,7 +1241,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "PATH), the move in GPULB_* variables (GPULB_TO_*: where the task goes; coordinator/executor.py); "
                          "a failure skips the move and the exit status is 1")
     advisor.add_argument("--restart", help="execute: command run after each move, GPULB_TO_* the GPUs it now holds (or in "
-                         "place, GPULB_TO_* its old GPUs, when the move is refused); a failure: exit status 1")
+                         "place, GPULB_TO_* its old GPUs, when the move is refused); done when it exits: start the "
+                         "workload detached, its output to its own log; a failure: exit status 1")
     advisor.add_argument("--command-timeout", type=_TIMEOUT, default=600.0,
                          help="execute: s a checkpoint or restart may take (default 600; as the coordinator's advisor_hook, "
                          "advisor_hook_timeout_s bounds the whole run)")

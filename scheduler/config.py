@@ -182,6 +182,14 @@ class SchedulerConfig:
         value = self.tenant_max_priority.get(tenant)
         return None if value is None else _PRIORITY_NAMES.index(value.upper())
 
+    def __post_init__(self) -> None:
+        # task kinds are free text kept as submitted and compared in lower case
+        # (the advisor's movable_kinds and pinned_kinds alike): "Training" as
+        # written by an operator never matched, and lost training tasks stayed LOST
+        value = self.retry_kinds
+        if not isinstance(value, str) and all(isinstance(k, str) for k in value):
+            object.__setattr__(self, "retry_kinds", frozenset(k.lower() for k in value))
+
     def validate(self) -> "SchedulerConfig":
         def positive(name: str, value: float) -> None:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

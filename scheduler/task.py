@@ -35,9 +35,10 @@ MAX_TASK_ID_LEN = 128
 # grow a scrape or a table without end
 MAX_KIND_LEN = 64
 # distinct kinds the learners keep apart (scheduler.predictor, scheduler.memgrowth):
-# a kind past these is learned only into the all-kinds figures, so that a
-# client inventing kinds cannot grow the learners, their state or a scrape
-# without end
+# the learners keep at most this many kinds, so that a client inventing kinds
+# cannot grow them, their state or a scrape without end: past it memory
+# growth learns a new kind only into the all-kinds figures, and the speed
+# predictor replaces the kind least recently completed
 MAX_LEARNED_KINDS = 64
 MAX_TENANT_LEN = 128
 # each label map: entries, key and value length

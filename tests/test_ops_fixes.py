@@ -493,3 +493,22 @@ def test_no_line_of_a_fitted_top_table_passes_the_width():
         table = render_table(headers, rows, width=width, give_way=cli._GPU_GIVE_WAY)
         assert max(map(len, table.splitlines())) <= width, (width, table)
         assert re.search(r"^NODE\s+GPU", table)
+
+
+def test_gpus_with_metrics_shows_the_columns_asked_for_and_no_empty_ones():
+    """QA pass 25: `gpulb gpus --metrics util,memory` printed TEMP C and POWER W
+    columns of "-", and --metrics clock showed no clock at all."""
+    from coordinator.cli import _GPU_HEADERS, _asked_columns, _gpu_rows
+    from coordinator.convert import resolve_metrics
+    from protos import cluster_pb2 as cpb
+
+    reply = cpb.ListGpusResponse()
+    gpu = reply.gpus.add(node_id="n1", index=0, model="NVIDIA GeForce RTX 4090")
+    gpu.util_gpu_pct, gpu.memory_used_mib, gpu.memory_total_mib, gpu.sm_clock_mhz = 40.0, 2048.0, 24564.0, 2520.0
+    rows = _gpu_rows(reply.gpus)
+    headers, out = _asked_columns(resolve_metrics(["util", "memory"]), reply.gpus, rows)
+    assert "TEMP C" not in headers and "POWER W" not in headers
+    assert headers[:7] == _GPU_HEADERS[:7] and out[0][headers.index("UTIL")] == "40%"
+    headers, out = _asked_columns(resolve_metrics(["clock"]), reply.gpus, rows)
+    assert "UTIL" not in headers and "MEM GiB" not in headers and headers[-1] == "sm_clock_mhz"
+    assert out[0][-1] == "2,520.0" and len(out[0]) == len(headers)

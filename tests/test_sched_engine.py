@@ -658,3 +658,17 @@ def test_scheduler_config_refuses_a_negative_queue_head_limit(changes, name):
     with pytest.raises(InvalidArgument) as info:
         SchedulerConfig(**changes).validate()
     assert name in str(info.value)
+
+
+def test_retry_kinds_match_whatever_their_case() -> None:
+    """Kinds are compared in lower case; an operator's "Training" in
+    retry_kinds never matched, and a lost training task stayed LOST."""
+    config = SchedulerConfig(retry_kinds=frozenset({"Training", "BATCH"}))
+    assert config.retry_kinds == {"training", "batch"}
+    sched, _ = make(config)
+    snap = fifty_free_gpus()
+    sched.submit(spec("t", kind="training"), snap)
+    sched.dispatch(snap)
+    assert sched.get("t").state == TaskState.LEASED
+    lost = sched.node_removed(sched.get("t").assignment.node_id)
+    assert [t.task_id for t in lost] == ["t"] and sched.get("t").state == TaskState.QUEUED
