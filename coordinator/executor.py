@@ -306,7 +306,8 @@ def _wait_and_read(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str, 
                 proc.wait()
                 timed_out = True
     except BaseException:  # Ctrl-C, SIGTERM (_taken_along): the command goes with the executor
-        _kill_group(proc)
+        if proc.poll() is None:  # once it exited, its group is the workload it started: that runs on
+            _kill_group(proc)
         proc.wait()
         raise
     finally:
@@ -328,7 +329,10 @@ def _taken_along(proc: subprocess.Popen) -> Iterator[None]:
         return
 
     def ended(signum, frame) -> None:
-        _kill_group(proc)
+        # while the command runs; once it has exited (its output still read for
+        # _PIPE_GRACE_S) what is left in its group is the workload a restart started
+        if proc.poll() is None:
+            _kill_group(proc)
         signal.signal(signum, previous)
         os.kill(os.getpid(), signum)  # as the executor would have ended (or the handler before ours)
 

@@ -82,6 +82,8 @@ class SchedulerConfig:
     # openb replays (0 / 1 / 3 s: 1,204 / 857 / 1,740 on default, 84 / 79 / 320
     # on gpushare40): at 0 a P0 task that a lease ending now makes room for
     # evicts anyway, at 3 s the victims' memory shows free past the 5 s SLA.
+    # It waits instead while a lease's own estimate says room frees soon
+    # enough to evict still within its SLA if that lease overruns.
     preemption: bool = True
     preempt_after_s: float = 1.0
     # The most urgent class a victim may be (by spec): 2 = P2 batch and P3

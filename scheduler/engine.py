@@ -216,6 +216,8 @@ class Scheduler:
         self._evicted_at: float | None = None  # when the last eviction was (next_decision_at)
         self._evicted_for_growth: set[str] = set()  # queued P0 tasks that evicted for room to grow
         self._evicted_for_compute: set[str] = set()  # queued P0 tasks that evicted for compute
+        # queued P0 task -> when it stops waiting for a lease expected to end (_room_before)
+        self._room_expected: dict[str, float] = {}
         self.p0_leases_on: dict[str, int] = {}  # GPU uuid -> live leases of P0 tasks (by spec) on it
         self._times_evicted: Counter[str] = Counter()  # live task id -> leases of it evicted so far
         # GPU uuid -> when gpulb's last lease on it ended (kept _RELEASE_SHOWS_S)
@@ -772,7 +774,8 @@ class Scheduler:
             of_spec = self._spec_shapes[spec.task_id] = (
                 spec.num_gpus,
                 spec.vram_mib,
-                spec.gpu_share,  # GPUs running P0 work take a share up to 100 % (_p0_guarded)
+                spec.gpu_share,  # GPUs running P0 work take a share up to 100 % (_p0_guarded)...
+                spec.priority == Priority.P0,  # ...of tasks below P0 only
                 self.config.memory_reject_for(spec.tenant),
                 spec.gpu_spec,
                 spec.needs_nvlink,
@@ -827,6 +830,7 @@ class Scheduler:
             mask = feasible(view, spec, self.config)
             guarded = self._p0_guarded(view, spec)
             if guarded is not None:
+                guarded &= mask  # the GPUs it would fit but for the guard
                 mask &= ~guarded
             mine = None  # the GPUs evicted for this task, where it passes the filters
             if nominated is not None:
@@ -928,10 +932,12 @@ class Scheduler:
                 if spec.num_gpus > 1:
                     self._unblocked(task.task_id)
                 return Outcome.PLACED
-            reason = self._why_not(view, spec)
             if guarded is not None and guarded.any():
-                reason += (f"; {int(guarded.sum())} GPU(s) running P0 work keep their compute for it "
-                           f"(its {spec.gpu_share:.0%} would take them over 100 %: preempt_for_compute)")
+                # (the filters' account would count those GPUs as passing)
+                reason = (f"waiting: the {int(guarded.sum())} GPU(s) it would fit run P0 work that keeps their "
+                          f"compute (its {spec.gpu_share:.0%} would take them over 100 %: preempt_for_compute)")
+            else:
+                reason = self._why_not(view, spec)
             if not self._reachable(spec, view)[1].any() and self._could_host(spec, view).any():
                 # the operator's next question: would it fit once gpulb's own work ends?
                 # (not where no node may take it at all: cordoned, unhealthy, the wrong model)
@@ -954,6 +960,8 @@ class Scheduler:
                     if evicted is None:
                         failed[shape + ("preempt",)] = reason
                 if soon is not None:
+                    # look again when the lease should have ended, or when it is time to evict
+                    self._room_expected[spec.task_id] = soon[1]
                     reason += (f"; node {view.snapshot.node_ids[soon[0]]}'s leases are expected to free room for it "
                                f"in {max(soon[1] - now, 0.0):.1f} s, within its SLA: waiting for that, not evicting")
                 if now >= due and evicted is None and soon is None:
@@ -1016,6 +1024,11 @@ class Scheduler:
         times += [due for t, due in self._preempt_due.items()
                   if due > now and t not in self._nominations and self._is_queued(t)]
         times += [kept.until for kept in self._nominations.values() if kept.until > now]
+        for task_id, at in list(self._room_expected.items()):
+            if at > now and self._is_queued(task_id):
+                times.append(at)
+            else:
+                del self._room_expected[task_id]  # due (the next pass judges it again), placed or gone
         return min(times, default=None)
 
     def _forget_room_waits(self) -> None:
@@ -1115,8 +1128,7 @@ class Scheduler:
             return placement, ""
         # not where its kind's memory growth would not fit (_urgent_room chose for that first)
         grown = self._growth_need(task.spec, view) if cfg.preempt_for_growth else None
-        if grown is not None:
-            spare = spare & (view.headroom >= grown[0])
+        room = (view.headroom >= grown[0]) if grown is not None else True
         kept = self._nominations.get(task.task_id)
         if kept is not None:
             # the GPUs evicted for it, once their memory shows free: their
@@ -1131,7 +1143,7 @@ class Scheduler:
             factor = _run_factors(view, task.spec.kind)[view.node]
             shared = max(float(demand[r]) + share for r in placement.rows) / 100.0
             bound = max(float(factor[r]) for r in placement.rows) * shared
-            roomy = choose(mask & (spare | self._just_emptied(view, now)) & (factor <= bound))
+            roomy = choose(mask & (spare | self._just_emptied(view, now)) & room & (factor <= bound))
             if roomy is not None:
                 return roomy, ""
             if task.task_id in self._evicted_for_compute:
@@ -1157,7 +1169,9 @@ class Scheduler:
         before its SLA runs out; None when none is, or it has no time left.
         An eviction costs its victim its run; waiting for a lease that ends
         anyway costs the P0 task no SLA miss."""
-        until = task.queued_at + self.config.p0_sla_s - _SLA_MARGIN_S
+        # the latest a lease may end and still leave time to evict if it overruns
+        # (the victims' memory shows free a couple of seconds after an eviction)
+        until = task.queued_at + self.config.p0_sla_s - _SLA_MARGIN_S - _MIN_GROWTH_WAIT_S
         if until <= now or not view.gpu_count:
             return None
         spec = task.spec
@@ -1537,6 +1551,9 @@ class Scheduler:
         self._reservations.add(
             lease.lease_id, placement.gpu_uuids, float(spec.vram_mib), 100.0 * spec.gpu_share, used, util
         )
+        if spec.priority == Priority.P0:  # before the refresh clears what the view remembers of them
+            for gpu_uuid in placement.gpu_uuids:
+                self.p0_leases_on[gpu_uuid] = self.p0_leases_on.get(gpu_uuid, 0) + 1
         view.refresh(placement.gpu_uuids)
         self._policy.commit(view, placement)
         task.state = TaskState.LEASED
@@ -1554,7 +1571,6 @@ class Scheduler:
             run_started_at=task.assignment.run_start if moved and task.assignment is not None else None,
         )
         self._by_node.setdefault(placement.node_id, set()).add(spec.task_id)
-        self.count_p0_lease(task, 1)
         if moved:
             self.migrated += 1
         else:

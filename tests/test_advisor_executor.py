@@ -204,3 +204,23 @@ async def test_a_checkpoint_still_running_when_the_hook_is_ended_goes_with_it(tm
     finally:
         _kill(pid_file)
         _kill(child)
+
+
+async def test_the_hook_ended_while_a_restart_s_output_is_still_read_spares_the_workload(tmp_path):
+    """Review of round 25: a restart whose workload keeps its output open
+    leaves the executor reading it for a second after the restart exits; a
+    SIGTERM then killed the restart's process group, the workload with it."""
+    workload = tmp_path / "workload.pid"
+    restart = _script(tmp_path / "resume_bg.sh", f"""\
+        sleep 300 &
+        echo $! > {workload}.tmp && mv {workload}.tmp {workload}
+        """)  # the workload's output is the restart's: the executor reads it on
+    hook, _ = _hook(tmp_path, restart=restart)
+    try:
+        running = await _run_until(hook, workload.exists)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert _alive(int(workload.read_text())), "the restarted workload was killed with the hook"
+    finally:
+        _kill(workload)

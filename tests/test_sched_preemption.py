@@ -545,7 +545,7 @@ def test_a_p0_task_that_fits_only_where_batch_work_takes_the_compute_evicts_for_
     assert sched.dispatch(running) == []  # 72 GiB free there, but not the compute
     for i in range(3):
         batch = sched.get(f"batch-{i}")
-        assert batch.state == TaskState.QUEUED and "running P0 work keep their compute" in batch.reason
+        assert batch.state == TaskState.QUEUED and "run P0 work that keeps their compute" in batch.reason
     # a half-GPU task still fits beside it (50 % + 50 %)
     sched.submit(spec("half", 8, share=0.5), running)
     assert [t.task_id for t in sched.dispatch(running)] == ["half"]
@@ -594,9 +594,36 @@ def test_a_p0_task_waits_for_a_lease_expected_to_end_within_its_sla_instead_of_e
         if not evicts:
             assert "expected to free room for it in 1.5 s" in sched.get("urgent").reason
             assert sched.preemption_counts["evicted"] == 0
+            # a caller that dispatches only on events (the simulator) looks again then
+            assert sched.next_decision_at() == pytest.approx(clock.now + 1.5)
             served = sched.get("served")
             sched.complete("served", served.assignment.lease_id)
             truth[1] -= 16
             clock.now += 1.5
             placed = sched.dispatch(cluster(truth))
             assert [t.task_id for t in placed] == ["urgent"]
+
+
+def test_a_p0_task_is_not_skipped_for_a_same_shape_task_below_p0_that_the_guard_kept_off():
+    """Review of round 25: the dispatch's cache of failed shapes did not know
+    that the guard keeps only tasks below P0 off a P0 lease's GPU; a P1 task
+    aged into class P0 failed there first, and the P0 task of the same shape
+    behind it was skipped with the P1 task's reason."""
+    for with_p1 in (False, True):
+        sched, clock, seen = make(preempt_for_compute=True, promote_after_s=(0.5, 300.0, 600.0))
+        facts = [NodeFacts("n0", 1, memory_total_mib=80 * GIB)]
+
+        def snap(used, util):
+            return ClusterSnapshot.build(facts, memory_used_mib=[used * GIB], util_pct=[util])
+
+        sched.submit(spec("served", 8, Priority.P0, share=0.5), snap(0, 0))
+        assert [t.task_id for t in sched.dispatch(snap(0, 0))] == ["served"]
+        running = snap(8, 50)
+        if with_p1:
+            sched.submit(spec("p1", 4, Priority.P1, share=0.6), running)
+            assert sched.dispatch(running) == []  # 50 % + 60 %: kept off
+            clock.now += 1.0
+            assert sched.dispatch(running) == [] and sched.get("p1").priority == Priority.P0  # aged
+        sched.submit(spec("p0", 4, Priority.P0, share=0.6), running)
+        placed = [t.task_id for t in sched.dispatch(running)]
+        assert placed == ["p0"], (with_p1, sched.get("p0").reason)
