@@ -374,14 +374,21 @@ class SpeedPredictor:
         stat = self._models.get(model)
         return math.exp((stat.log if stat is not None else math.log(self.prior(model))) + mean)
 
-    def node_factor(self, node_id: str) -> float:
-        """r(node): the node's residual against its model, 1.0 until learned."""
+    def node_factor(self, node_id: str, model: str | None = None) -> float:
+        """r(node): the node's residual against its model, 1.0 until learned.
+        A node restored from a state without homes (before round 25) is
+        taken against ``model``, the one it is predicted for: its raw
+        residual was relative to that model's whole factor, so once another
+        node of the model is homed (the model's mean moves into the model's
+        factor) it must lose that mean too, or it is predicted off by it."""
         stat = self._nodes.get(node_id)
-        return math.exp(stat.log - self._mean(self._home.get(node_id))) if stat is not None else 1.0
+        if stat is None:
+            return 1.0
+        return math.exp(stat.log - self._mean(self._home.get(node_id, model)))
 
     def factor(self, node_id: str, model: str, kind: str = ANY_KIND) -> float:
         """Predicted slowdown f = actual / expected for this node, model and kind."""
-        return self.model_factor(model, kind) * self.node_factor(node_id)
+        return self.model_factor(model, kind) * self.node_factor(node_id, model)
 
     def predict(self, node_id: str, model: str, kind: str, expected_s: float) -> float:
         """Predicted seconds for a task of ``expected_s`` (on a speed-1.0 GPU)."""
@@ -695,7 +702,13 @@ class SpeedPredictor:
             raw = np.asarray([self._nodes[n].log if n in self._nodes else 0.0 for n in snapshot.node_ids],
                              dtype=np.float64)
             home = np.asarray([self._home_code(n) for n in snapshot.node_ids], dtype=np.intp)
-            layout = self._layout = (snapshot.gpu_model, snapshot.node_ids, models, codes, node_index, raw, home)
+            # each node's model (its first GPU's): a homeless node is taken against it (node_factor)
+            first = {}
+            for row, n in enumerate(snapshot.gpu_node.tolist()):
+                first.setdefault(n, row)
+            node_model = [str(snapshot.gpu_model[first[i]]) if i in first else "" for i in range(len(snapshot.node_ids))]
+            layout = self._layout = (snapshot.gpu_model, snapshot.node_ids, models, codes, node_index, raw, home,
+                                     node_model)
         else:
             node_index, raw, home = layout[4], layout[5], layout[6]
             for node_id in self._dirty_nodes:
@@ -708,6 +721,13 @@ class SpeedPredictor:
         means = np.zeros(len(self._home_codes) + 1)  # the last: no home (-1), mean 0
         for model, code in self._home_codes.items():
             means[code] = self._mean(model)
+        if self._home_codes and (home < 0).any():
+            # homeless (restored without homes): against the model it runs, as node_factor
+            home = home.copy()
+            node_ids = layout[1]
+            for i in np.flatnonzero(home < 0):
+                if node_ids[i] in self._nodes:  # a node never learned from has no residual: 1.0
+                    home[i] = self._home_codes.get(layout[7][i], -1)
         residual = np.exp(raw - means[home]) if raw.size else np.zeros(0)
         return layout[2], layout[3], residual
 

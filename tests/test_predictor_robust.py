@@ -263,3 +263,26 @@ def test_a_state_saved_before_homes_its_nodes_at_their_next_completion():
     old.observe("a-m40", M40, "train", 100.0, 400.0)
     assert old.node_factor("a-m40") == pytest.approx(1.0)
     assert old.predict("d-m40", M40, "train", 100.0) == pytest.approx(400.0, rel=0.02)
+
+
+def test_homing_one_restored_node_leaves_its_model_s_other_restored_nodes_as_they_were():
+    """Review of round 25: a state from before round 25 leaves every node
+    homeless; the first completion homed one node and moved its model's
+    mean into the model's factor, and every other homeless node of the
+    model was then predicted off by that mean until it completed something."""
+    from scheduler.snapshot import ClusterSnapshot, NodeFacts
+
+    p = SpeedPredictor({M40: 0.12})
+    state = p.to_state()
+    state.pop("node_models", None), state.pop("kinds", None)
+    state["models"] = [[M40, math.log(2.0), 8, 1.0]]
+    state["nodes"] = [["a-m40", math.log(1.5), 5], ["b-m40", math.log(0.8), 5]]
+    old = SpeedPredictor()
+    old.load_state(state)
+    snap = ClusterSnapshot.build([NodeFacts("a-m40", 1, model=M40), NodeFacts("b-m40", 1, model=M40)])
+    before_b = old.predict("b-m40", M40, "", 100.0)
+    assert before_b == pytest.approx(100.0 * 2.0 * 0.8)
+    old.observe("a-m40", M40, "", 100.0, 300.0)  # homes a-m40 (its raw 1.5 becomes the model's mean)
+    assert old.predict("b-m40", M40, "", 100.0) == pytest.approx(before_b)
+    column = old.slowdown_columns(snap)[""]  # what placement reads says the same
+    assert column[1] == pytest.approx(old.factor("b-m40", M40, "")) == pytest.approx(2.0 * 0.8)
