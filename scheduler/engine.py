@@ -695,7 +695,9 @@ class Scheduler:
             bound = view.total * (reject / 100.0)
             stays = np.maximum(view.committed - view.res_asked, 0.0)
             rows &= bound - stays > spec.vram_mib
-            return rows, np.bincount(view.node, weights=rows, minlength=view.node_count) >= spec.num_gpus
+            nodes = np.bincount(view.node, weights=rows, minlength=view.node_count) >= spec.num_gpus
+            rows.flags.writeable = nodes.flags.writeable = False  # shared by every task of the shape
+            return rows, nodes
 
         return view.memo(key, compute)  # type: ignore[return-value]
 
@@ -1156,9 +1158,10 @@ class Scheduler:
                 return placement, ""  # nothing to evict, or no time: the best GPU it fits
             self._evicted_for_compute.add(task.task_id)
             self.preemption_counts["for_compute"] += 1
+        why = (f", for compute (every GPU it fits has less than its {task.spec.gpu_share:.0%} to spare)"
+               if task.task_id in self._evicted_for_compute else "")  # else evicted for memory, before
         return None, (f"waiting: {len(kept.victims)} lower-priority task(s) evicted for it from node "
-                      f"{kept.node_id}, for compute (every GPU it fits has less than its "
-                      f"{task.spec.gpu_share:.0%} to spare); placing it there once their memory shows free, "
+                      f"{kept.node_id}{why}; placing it there once their memory shows free, "
                       f"or at {kept.until - task.queued_at:g} s where it fits")
 
     def _room_before(self, task: Task, view: PlacementView, now: float) -> tuple[int, float] | None:
@@ -1233,6 +1236,7 @@ class Scheduler:
                     asked[row] = sum(util for _, util in gpu.members.values())
             for row, util in asked.items():
                 demand[row] = max(float(demand[row]), util)
+            demand.flags.writeable = False  # shared until the next refresh
             return demand
 
         return view.memo("compute_demand", compute)  # type: ignore[return-value]
