@@ -49,8 +49,6 @@ from protos.codec import DecodeResult
 from scheduler import setsearch
 from scheduler.advisor import AdvisorConfig
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Scheduler
-from scheduler.errors import UnknownTask
 from scheduler.memgrowth import MemoryGrowthConfig
 from scheduler.predictor import PredictorConfig
 from scheduler.task import TaskState
@@ -716,7 +714,7 @@ class Coordinator:
         on a submission; each refusal counts for its tenant in /metrics."""
         try:
             self.security.admit_submission(identity, spec, max_priority=self.dispatcher.engine.config.max_priority_for,
-                                           known=self._held_spec)
+                                           known=self.dispatcher.engine.held_spec)
         except TenantRefusal as exc:
             self.metrics.tenants.refused(exc.tenant, exc.limit)
             raise
@@ -724,22 +722,11 @@ class Coordinator:
     def admit_submissions(self, identity, specs) -> None:
         try:
             self.security.admit_submissions(identity, specs, max_priority=self.dispatcher.engine.config.max_priority_for,
-                                            known=self._held_spec)
+                                            known=self.dispatcher.engine.held_spec)
         except TenantRefusal as exc:
             self.metrics.tenants.refused(exc.tenant, exc.limit)
             raise
 
-    def _held_spec(self, spec):
-        """The spec of the task the engine holds under ``spec``'s id, which
-        a submission of ``spec`` is answered with (that task, or
-        ALREADY_EXISTS when the specs differ) instead of queueing anything;
-        None when it would make a new task (an unknown id, or a REJECTED
-        task's id that its tenant submits again)."""
-        try:
-            task = self.dispatcher.engine.get(spec.task_id)
-        except UnknownTask:
-            return None
-        return None if Scheduler._retries_rejected(task, spec) else task.spec
 
     async def check_owner(self, identity, task, context) -> None:
         try:

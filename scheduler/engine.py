@@ -273,6 +273,17 @@ class Scheduler:
         """A copy of the task's record; UnknownTask if never seen (or forgotten)."""
         return copy.copy(self._get(task_id))
 
+    def held_spec(self, spec: TaskSpec) -> TaskSpec | None:
+        """The spec of the task a submission of ``spec`` would be answered
+        with (that task, or ALREADY_EXISTS when the specs differ) instead of
+        queueing anything; None when it would make a new task (an unknown
+        id, or a REJECTED task's id its tenant submits again). No copy and
+        no exception: a quota check asks it of every spec of a job array."""
+        existing = self._tasks.get(spec.task_id)
+        if existing is None or self._retries_rejected(existing, spec):
+            return None
+        return existing.spec
+
     def tasks(
         self, state: TaskState | None = None, tenant: str = "", limit: int = 1000, after_seq: int = 0
     ) -> list[Task]:
