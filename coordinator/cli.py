@@ -755,7 +755,9 @@ _TENANT_GIVE_WAY = (("LEASED P0/P1/P2/P3", "drop"), ("QUEUED P0/P1/P2/P3", "drop
 def cmd_tenants(args: argparse.Namespace) -> int:
     """Who uses what: per tenant, its queued and leased tasks, the GPUs and
     memory its leases hold and its share of the GPUs in the view, read from
-    ListTasks (a tenant token sees its own tenant only)."""
+    ListTasks (a tenant token sees its own tenant only). Queued and leased
+    tasks are two listings, so a task placed between them may count in
+    both or neither: /metrics' gpulb_tenant_* gauges are one reading."""
     import time
 
     with _channel(args) as ch:
