@@ -720,7 +720,7 @@ def _tenant_rows(queued, leased, gpus_in_view: int, now_ns: int) -> list[dict]:
     def row(task) -> dict:
         tenant = task.spec.tenant
         if tenant not in rows:
-            rows[tenant] = {"tenant": tenant, "queued": 0, "leased": 0, "gpus_leased": 0, "gpu_share": 0.0,
+            rows[tenant] = {"tenant": tenant, "queued": 0, "leased": 0, "gpus_leased": 0, "share_of_gpus": 0.0,
                             "vram_mib_leased": 0, "queued_by_class": {p: 0 for p in _CLASSES},
                             "leased_by_class": {p: 0 for p in _CLASSES}, "oldest_wait_s": None}
         return rows[tenant]
@@ -732,15 +732,17 @@ def _tenant_rows(queued, leased, gpus_in_view: int, now_ns: int) -> list[dict]:
         if task.submitted_at_ns:
             wait = max(0.0, (now_ns - task.submitted_at_ns) / 1e9)
             r["oldest_wait_s"] = wait if r["oldest_wait_s"] is None else max(r["oldest_wait_s"], wait)
+    on: dict[str, set[str]] = {}  # tenant -> the GPUs its leases hold (two half-GPU tasks on one: one GPU)
     for task in leased:
         r = row(task)
         gpus = task.spec.num_gpus or 1
         r["leased"] += 1
         r["leased_by_class"][_priority(task.spec.priority)] += 1
-        r["gpus_leased"] += gpus
+        on.setdefault(task.spec.tenant, set()).update(task.assignment.gpu_uuid)
         r["vram_mib_leased"] += task.spec.vram_mib * gpus
     for r in rows.values():
-        r["gpu_share"] = r["gpus_leased"] / gpus_in_view if gpus_in_view else 0.0
+        r["gpus_leased"] = len(on.get(r["tenant"], ()))
+        r["share_of_gpus"] = r["gpus_leased"] / gpus_in_view if gpus_in_view else 0.0
     return sorted(rows.values(), key=lambda r: (-r["gpus_leased"], -r["leased"], -r["queued"], r["tenant"]))
 
 
@@ -771,12 +773,13 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(_table(args, _TENANT_HEADERS, [[
-        r["tenant"] or "-", r["queued"], r["leased"], r["gpus_leased"], fmt(100.0 * r["gpu_share"], 1),
+        r["tenant"] or "-", r["queued"], r["leased"], r["gpus_leased"], fmt(100.0 * r["share_of_gpus"], 1),
         fmt(r["vram_mib_leased"] / 1024, 1), "/".join(str(n) for n in r["queued_by_class"].values()),
         "/".join(str(n) for n in r["leased_by_class"].values()), fmt(r["oldest_wait_s"], 1),
     ] for r in rows], _TENANT_GIVE_WAY))
-    held = sum(r["gpus_leased"] for r in rows)
-    print(f"{len(rows)} tenants with queued or leased tasks; {held} of {gpus_in_view} GPUs leased")
+    held = len({uuid for task in leased for uuid in task.assignment.gpu_uuid})  # a GPU tenants share: once
+    tenants = f"{len(rows)} tenant{'s' if len(rows) != 1 else ''}"
+    print(f"{tenants} with queued or leased tasks; {held} of {gpus_in_view} GPUs hold leases")
     return 0
 
 

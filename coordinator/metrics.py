@@ -270,10 +270,14 @@ class TenantUsage:
 
     def __init__(self, named: int = TENANT_SERIES) -> None:
         self.named = named
-        self._tasks: dict[str, tuple[str, TaskState, int]] = {}  # queued or leased task id -> (tenant, state, GPUs)
+        # queued or leased task id -> (tenant, state, the GPU uuids it leases)
+        self._tasks: dict[str, tuple[str, TaskState, tuple[str, ...]]] = {}
         self.queued: collections.Counter[str] = collections.Counter()
         self.leased: collections.Counter[str] = collections.Counter()
-        self.gpus: collections.Counter[str] = collections.Counter()
+        # tenant -> GPU uuid -> its leases there: a GPU two of a tenant's
+        # half-GPU tasks share is one GPU (QA pass 25 read 9 of 4 GPUs leased)
+        self._on: dict[str, collections.Counter[str]] = {}
+        self.gpus: collections.Counter[str] = collections.Counter()  # tenant -> GPUs holding its leases
         self._refusals: dict[tuple[str, str], int] = {}  # (tenant or OTHER_TENANTS, limit) -> count
         self._refused_tenants: set[str] = set()  # the tenants with series of their own
 
@@ -282,28 +286,38 @@ class TenantUsage:
         if was is not None:
             self._count(was, -1)
         if task.state in (TaskState.QUEUED, TaskState.LEASED):
-            now = (task.spec.tenant, task.state, task.spec.num_gpus)
+            uuids = tuple(task.assignment.gpu_uuids) if task.state == TaskState.LEASED and task.assignment else ()
+            now = (task.spec.tenant, task.state, uuids)
             self._tasks[task.task_id] = now
             self._count(now, +1)
 
-    def _count(self, entry: tuple[str, TaskState, int], sign: int) -> None:
-        tenant, state, gpus = entry
-        if state == TaskState.QUEUED:
-            counts = [(self.queued, 1)]
+    def _count(self, entry: tuple[str, TaskState, tuple[str, ...]], sign: int) -> None:
+        tenant, state, uuids = entry
+        counter = self.queued if state == TaskState.QUEUED else self.leased
+        left = counter[tenant] + sign
+        if left > 0:
+            counter[tenant] = left
         else:
-            counts = [(self.leased, 1), (self.gpus, gpus)]
-        for counter, amount in counts:
-            left = counter[tenant] + sign * amount
-            if left > 0:
-                counter[tenant] = left
-            else:
-                counter.pop(tenant, None)  # a tenant that holds nothing leaves no entry behind
+            counter.pop(tenant, None)  # a tenant that holds nothing leaves no entry behind
+        if not uuids:
+            return
+        on = self._on.setdefault(tenant, collections.Counter())
+        for uuid in uuids:
+            on[uuid] += sign
+            if on[uuid] <= 0:
+                del on[uuid]
+        if on:
+            self.gpus[tenant] = len(on)
+        else:
+            del self._on[tenant]
+            self.gpus.pop(tenant, None)
 
     def rebuild(self, tasks: Iterable[Task]) -> None:
         """Start over from ``tasks`` (after a restore)."""
         self._tasks.clear()
         self.queued.clear()
         self.leased.clear()
+        self._on.clear()
         self.gpus.clear()
         for task in tasks:
             self.changed(task)
@@ -333,7 +347,7 @@ class TenantUsage:
             f"the rest summed as tenant {OTHER_TENANTS}", labels=["tenant", "state"])
         gpus = GaugeMetricFamily(
             "gpulb_tenant_gpus_leased",
-            f"GPUs leased per tenant (a task's num_gpus while it holds a lease): the {self.named} tenants that hold "
+            f"GPUs holding a tenant's leases (a GPU its tasks share counts once): the {self.named} tenants that hold "
             f"the most, the rest summed as tenant {OTHER_TENANTS}", labels=["tenant"])
         for tenant, queued, leased, held in (*named, other):
             tasks.add_metric([tenant, "queued"], queued)

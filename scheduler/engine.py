@@ -121,6 +121,10 @@ class Nomination:
     gpu_uuids: tuple[str, ...]
     victims: tuple[str, ...]  # task ids evicted for it
     until: float
+    # per kept GPU, the memory reading (MiB) at or under which the victims'
+    # memory shows gone: half of what they asked there below the reading at
+    # the eviction (a task that fits already waits for it, ``_urgent_compute``)
+    gone_below_mib: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1145,8 +1149,11 @@ class Scheduler:
         kept = self._nominations.get(task.task_id)
         if kept is not None:
             # the GPUs evicted for it, once their memory shows free: their
-            # compute is free too (the readings fall behind, as for growth)
-            there = choose(mask & _rows_mask(view, kept.gpu_uuids))
+            # compute is free too (the readings fall behind, as for growth).
+            # It fits there already, but placed before the victims' memory
+            # shows gone its reservation's baseline would include them, and
+            # it would count twice for as long as it runs (QA pass 25)
+            there = choose(mask & _rows_mask(view, kept.gpu_uuids) & self._victims_gone(view, kept))
             if there is not None:
                 return there, ""
         else:
@@ -1229,6 +1236,16 @@ class Scheduler:
         guarded = np.zeros(view.gpu_count, dtype=bool)
         guarded[rows[over]] = True
         return guarded
+
+    def _victims_gone(self, view: PlacementView, kept: Nomination) -> np.ndarray:
+        """Per GPU: not one of ``kept``'s, or its fresh reading shows the
+        victims' memory gone (``Nomination.gone_below_mib``)."""
+        gone = np.ones(view.gpu_count, dtype=bool)
+        for uuid, below in zip(kept.gpu_uuids, kept.gone_below_mib):
+            row = view.row_of.get(uuid)
+            if row is not None:
+                gone[row] = bool(view.fresh[row]) and float(view.used[row]) <= below
+        return gone
 
     def _compute_demand(self, view: PlacementView) -> np.ndarray:
         """Per GPU, % of its compute asked for: gpulb's leases there by their
@@ -1502,6 +1519,11 @@ class Scheduler:
         _, rows, victims = best
         s = view.snapshot
         node_id = s.node_ids[int(view.node[rows[0]])]
+        gone_below = []
+        for r in rows:
+            uuid = str(s.gpu_uuid[r])
+            asked = sum(float(v.spec.vram_mib) for v in victims if uuid in v.assignment.gpu_uuids)  # type: ignore[union-attr]
+            gone_below.append(float(view.used[r]) - 0.5 * asked)
         for victim in victims:
             self._evict(victim, task, node_id, now)
         kept = Nomination(
@@ -1509,6 +1531,7 @@ class Scheduler:
             gpu_uuids=tuple(str(s.gpu_uuid[r]) for r in rows),
             victims=tuple(v.task_id for v in victims),
             until=until if until is not None else now + cfg.preempt_grace_s,
+            gone_below_mib=tuple(gone_below),
         )
         self._nominations[task.task_id] = kept
         self._preempt_due.pop(task.task_id, None)

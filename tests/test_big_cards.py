@@ -165,7 +165,8 @@ def test_simulated_urgent_task_gets_the_big_card_to_itself() -> None:
     assert jct["load_aware", False]["L"] == pytest.approx(100.0)
     assert jct["load_aware", False]["S"] == pytest.approx(10_000.0) and evicted["load_aware", False] == 0
     assert jct["load_aware:big_cards=0", False]["L"] == pytest.approx(150.0)
-    assert jct["load_aware:big_cards=0", True]["L"] == pytest.approx(100.0)
+    # it waits for S's memory to show gone (the agent's sampling delay), then runs alone
+    assert 100.0 < jct["load_aware:big_cards=0", True]["L"] < 110.0
     assert jct["load_aware:big_cards=0", True]["S"] > 10_000.0 and evicted["load_aware:big_cards=0", True] == 1
 
 

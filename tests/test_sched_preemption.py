@@ -534,6 +534,9 @@ def test_a_p0_task_that_fits_only_where_batch_work_takes_the_compute_evicts_for_
     kept = sched.nominations()["urgent"]
     assert sorted(kept.victims) == ["batch-0", "batch-1", "batch-2"] and kept.node_id == "n0"
     assert sched.preemption_counts["for_compute"] == 1 and sched.preemption_counts["evicted"] == 3
+    # it fits beside their memory already, but placed before the readings show them
+    # gone its reservation would count their memory as its own for as long as it ran
+    assert sched.dispatch(snap(truth)) == [] and sched.get("urgent").state == TaskState.QUEUED
     clock.now += 1.0
     truth[0] = 0.0  # the victims' memory shows free
     placed = sched.dispatch(snap(truth))

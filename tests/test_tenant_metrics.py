@@ -53,9 +53,15 @@ def samples(text: str) -> dict[tuple, float]:
     return out
 
 
-def task(task_id: str, tenant: str, state: TaskState, gpus: int = 1) -> Task:
+def task(task_id: str, tenant: str, state: TaskState, gpus: int = 1, on: tuple[str, ...] = ()) -> Task:
+    """A leased task holds ``on`` (default: GPUs of its own)."""
+    from scheduler.task import Assignment, ScoreBreakdown
+
+    uuids = on or tuple(f"GPU-{task_id}-{i}" for i in range(gpus))
+    held = Assignment("n", tuple(range(len(uuids))), uuids, f"L-{task_id}", 0.0, ScoreBreakdown("p", 0.0, {}, 1), 0.0)
     return Task(spec=TaskSpec(task_id=task_id, tenant=tenant, vram_mib=1.0, num_gpus=gpus), state=state,
-                priority=Priority.P2, submitted_at=0.0, queued_at=0.0, enqueued_at=0.0)
+                priority=Priority.P2, submitted_at=0.0, queued_at=0.0, enqueued_at=0.0,
+                assignment=held if state == TaskState.LEASED else None)
 
 
 def test_tenant_usage_names_the_top_tenants_and_sums_the_rest_as_other() -> None:
@@ -74,6 +80,11 @@ def test_tenant_usage_names_the_top_tenants_and_sums_the_rest_as_other() -> None
                      ("other", "queued"): 1, ("other", "leased"): 2}
     gpus = {s.labels["tenant"]: s.value for s in families["gpulb_tenant_gpus_leased"].samples}
     assert gpus == {"a": 4, "b": 2, "other": 9}
+    # two of a tenant's half-GPU tasks on one GPU hold one GPU (QA pass 25: 9 of 4 GPUs leased)
+    usage.changed(task("b3", "b", TaskState.LEASED, 1, on=("GPU-b1-0",)))
+    assert usage.gpus["b"] == 2 and usage.leased["b"] == 2
+    usage.changed(task("b3", "b", TaskState.COMPLETED))
+    assert usage.gpus["b"] == 2 and usage.leased["b"] == 1
     # a task that leaves its lease gives its GPUs back; a tenant holding nothing is gone
     usage.changed(task("a1", "a", TaskState.COMPLETED, 4))
     assert [r[0] for r in usage.holding()] == ["other", "b", "c"] and "a" not in usage.leased and "a" not in usage.gpus
@@ -146,7 +157,7 @@ async def test_metrics_and_gpulb_tenants_say_who_uses_what(capsys) -> None:
             by_tenant = {r["tenant"]: r for r in rows}
             assert [r["tenant"] for r in rows] == ["research", "interns"]  # the most GPUs first
             assert (by_tenant["research"]["leased"], by_tenant["research"]["gpus_leased"],
-                    by_tenant["research"]["gpu_share"], by_tenant["research"]["vram_mib_leased"]) == (1, 2, 1.0, 32 * GIB)
+                    by_tenant["research"]["share_of_gpus"], by_tenant["research"]["vram_mib_leased"]) == (1, 2, 1.0, 32 * GIB)
             assert by_tenant["interns"]["queued"] == 2 and by_tenant["interns"]["queued_by_class"]["P2"] == 2
             assert by_tenant["interns"]["oldest_wait_s"] >= 0
             assert await asyncio.to_thread(gpulb, base + ["--token", "ops-tok", "tenants"]) == 0
@@ -155,7 +166,7 @@ async def test_metrics_and_gpulb_tenants_say_who_uses_what(capsys) -> None:
             assert lines[start].split()[:4] == ["TENANT", "QUEUED", "LEASED", "GPUS"]
             assert lines[start + 2].split()[:5] == ["research", "0", "1", "2", "100.0"]
             assert lines[start + 3].split()[:4] == ["interns", "2", "0", "0"]
-            assert lines[start + 4] == "2 tenants with queued or leased tasks; 2 of 2 GPUs leased"
+            assert lines[start + 4] == "2 tenants with queued or leased tasks; 2 of 2 GPUs hold leases"
             assert await asyncio.to_thread(gpulb, base + ["--token", "interns-tok", "tenants", "--json"]) == 0
             out = capsys.readouterr().out
             rows, _ = json.JSONDecoder().raw_decode(out[out.index("[\n"):])
