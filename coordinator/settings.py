@@ -680,15 +680,16 @@ def load_settings(
             if opt.key in chosen:
                 kwargs[opt.name] = value
         problems += bad_values
-        if bad_values or section.name in touched or _ALL_TABLES in touched:
-            continue  # the rules across options need every value taken and in range first
+        # a table with a value refused is still checked, its refused values at
+        # their defaults, but only for what each value breaks alone: a rule
+        # across options would judge a default the operator meant to change
+        # (memory_warn_pct = 95 against the default reject % when theirs was refused)
+        partial = bool(bad_values) or section.name in touched or _ALL_TABLES in touched
         config = section.cls(**kwargs)
-        try:
-            _validate(section, config, sources)
-        except ConfigError as exc:
-            problems.append(exc)
-            continue
-        built[section.name] = config
+        found = _validate_all(section, config, sources, alone_only=partial)
+        problems += found
+        if not (partial or found):
+            built[section.name] = config
     if len(problems) == 1:
         raise problems[0]
     if problems:
@@ -714,6 +715,34 @@ _SECTION_CHECKS: Mapping[str, Any] = {"scheduler": _check_policy}
 
 def _precedence(source: str) -> int:
     return ("default", "file", "env", "flag").index(source.partition(":")[0])
+
+
+def _validate_all(section: Section, config: Any, sources: Mapping[str, str], *, alone_only: bool) -> list[ConfigError]:
+    """Every problem ``_validate`` finds, not only the first: a table's
+    ``validate()`` stops at its first problem, so each option it names is put
+    back to its default and the table checked again (QA pass 25: three
+    mistakes in [scheduler] took three runs of --print-config). A problem
+    whose message names another option of the table is a rule across options;
+    ``alone_only`` leaves those out."""
+    fields = {f.name: f for f in dataclasses.fields(section.cls)}
+    problems: list[ConfigError] = []
+    reset: set[str] = set()
+    for _ in range(len(fields) + 1):
+        try:
+            _validate(section, config, sources)
+            break
+        except ConfigError as exc:
+            base = re.sub(r"\[.*$", "", exc.option.partition(".")[2])
+            across = any(re.search(rf"\b{re.escape(name)}\b", exc.message) for name in fields if name != base)
+            if not (alone_only and across):
+                problems.append(exc)
+            field = fields.get(base)
+            if field is None or base in reset:
+                break  # not one option's (or put back already): nothing more to learn
+            reset.add(base)
+            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+            config = dataclasses.replace(config, **{base: default})
+    return problems
 
 
 def _validate(section: Section, config: Any, sources: Mapping[str, str]) -> None:

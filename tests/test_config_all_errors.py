@@ -106,6 +106,18 @@ def test_rules_across_options_wait_for_the_tables_values_and_other_tables_are_st
     assert "must be below memory_reject_pct" in caught.value.errors[1].message
 
 
+def test_every_value_a_table_s_own_check_refuses_is_named_in_one_run(tmp_path: Path) -> None:
+    """QA pass 25: a table's validate() stops at its first problem, and a table
+    with a value refused was not checked at all: three mistakes in
+    [scheduler] took three runs of --print-config."""
+    path = _write(tmp_path, '[scheduler]\npolicy = "nosuch"\nmemory_reject_pct = 150\n'
+                            'tenant_max_priority = {interns = "P9"}\np0_sla_s = -1\n')
+    with pytest.raises(ConfigErrors) as caught:
+        load_settings(path, {}, {})
+    assert [e.option for e in caught.value.errors] == [  # the ranges of the options' own, then the table's check
+        "scheduler.p0_sla_s", "scheduler.policy", "scheduler.memory_reject_pct", "scheduler.tenant_max_priority[interns]"]
+
+
 def test_a_single_problem_of_each_kind_reads_as_before(tmp_path: Path) -> None:
     for text, expected in (
         ("[coordinator]\nheartbeat_intervl_s = 5\n", "coordinator.heartbeat_intervl_s: unknown option; did you mean 'heartbeat_interval_s'?"),
