@@ -138,7 +138,7 @@ class CoordinatorConfig:
     finished_retention_s: float = _opt(86400.0, "finished tasks are kept this long (by finish time) for GetTask and idempotent resubmission, in memory and in state_dir alike (pruned every minute, or as often as a shorter retention, at most once a second); [scheduler] retain_finished bounds their number besides", "s", ge=0)
     advisor_interval_s: float = _opt(30.0, "period of the rebalance advisor's evaluation", "s", ge=0.1)
     advisor_hook: str = _opt("", "command run with each rebalance plan as JSON on stdin (the operator's executor, e.g. gpulb --coordinator 127.0.0.1:50051 advisor execute --stdin); empty = none")
-    advisor_hook_timeout_s: float = _opt(60.0, "the advisor hook's process group gets SIGTERM after this long and SIGKILL 1 s later (gpulb advisor execute then ends the checkpoint or restart command it is running; a workload a restart command already started runs on); its moves not made leave the cool-down", "s", gt=0)
+    advisor_hook_timeout_s: float = _opt(60.0, "the advisor hook's process group gets SIGTERM after this long and SIGKILL 1 s later (gpulb advisor execute then ends the checkpoint or restart command still running, with what it started in its process group; a workload a restart command started and left, or started with setsid, runs on); its moves not made leave the cool-down", "s", gt=0)
     event_loop: str = _opt(
         "auto",
         "asyncio event loop: uvloop (libuv; ~15 % less CPU per agent envelope here), asyncio, or auto (uvloop when installed)",
