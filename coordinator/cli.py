@@ -824,7 +824,7 @@ def cmd_complete(args: argparse.Namespace) -> int:
         stub = tpb_grpc.SchedulerStub(ch)
         lease = args.lease or stub.GetTask(tpb.GetTaskRequest(task_id=args.task), timeout=args.timeout).assignment.lease_id
         request = tpb.CompleteTaskRequest(task_id=args.task, lease_id=lease, failed=args.failed or args.oom_killed,
-                                          oom_killed=args.oom_killed)
+                                          oom_killed=args.oom_killed, peak_vram_mib=args.peak_vram_mib or 0)
         task = stub.CompleteTask(request, timeout=args.timeout).task
     print(f"{task.spec.task_id}: {_task_state(task.state)}")
     return 0
@@ -1221,6 +1221,8 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("task", help="task id")
     complete.add_argument("--lease", help="lease id (default: the task's current lease)")
     complete.add_argument("--failed", action="store_true", help="the task failed (default: it completed)")
+    complete.add_argument("--peak-vram-mib", type=_number(float, 0, above=True), metavar="MIB",
+                          help="the most GPU memory the task used (MiB): learned per kind for oom_risk and room to grow")
     complete.add_argument("--oom-killed", action="store_true",
                           help="the task was killed for running out of GPU memory (implies --failed; counted in gpulb_oom_kills_total)")
 

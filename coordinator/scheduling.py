@@ -928,7 +928,8 @@ class SchedulerService(tpb_grpc.SchedulerServicer):
             self.c.advisor.note_peak_memory(request.task_id, request.peak_vram_mib, oom_killed=request.oom_killed)
         try:
             # an OOM kill is a failure, whatever `failed` says
-            task = self.d.engine.complete(request.task_id, request.lease_id, failed=request.failed or request.oom_killed)
+            task = self.d.engine.complete(request.task_id, request.lease_id, failed=request.failed,
+                                          oom_killed=request.oom_killed)
         except SchedulerError as exc:
             # a refused completion (a stale lease, say) reports nothing
             self.c.advisor.forget_reports(request.task_id)

@@ -1708,8 +1708,12 @@ class Scheduler:
             raise NotLeaseHolder(task_id, lease_id, "not the task's current lease")
         return task
 
-    def complete(self, task_id: str, lease_id: str, failed: bool = False, *, at: float | None = None) -> Task:
-        """The lease holder reports the end: COMPLETED, or FAILED when ``failed``.
+    def complete(
+        self, task_id: str, lease_id: str, failed: bool = False, *, at: float | None = None, oom_killed: bool = False,
+    ) -> Task:
+        """The lease holder reports the end: COMPLETED, or FAILED when ``failed``
+        (or ``oom_killed``: killed for running out of GPU memory, which its
+        reason says: an operator reading one task could not tell, QA pass 25).
 
         ``at``: when the task ended, on this scheduler's clock, for a report
         that arrives after the fact (an agent's task event held across a
@@ -1737,7 +1741,10 @@ class Scheduler:
         ended = now
         if at is not None and math.isfinite(at) and task.assignment is not None:
             ended = min(max(float(at), task.assignment.placed_at), now)
-        if failed:
+        if oom_killed:
+            self._finish(task, TaskState.FAILED, "killed for running out of GPU memory (reported by the lease holder)",
+                         ended)
+        elif failed:
             self._finish(task, TaskState.FAILED, "the lease holder reported failure", ended)
         else:
             self._finish(task, TaskState.COMPLETED, "", ended)

@@ -155,8 +155,30 @@ def test_gpulb_complete_oom_killed_sends_it_with_failed(monkeypatch, capsys) -> 
 
     monkeypatch.setattr(cli, "_channel", lambda args: _Channel())
     monkeypatch.setattr(cli.tpb_grpc, "SchedulerStub", _Stub)
-    assert cli.main(["--coordinator", "127.0.0.1:1", "complete", "ft1", "--lease", "L1", "--oom-killed"]) == 0
+    assert cli.main(["--coordinator", "127.0.0.1:1", "complete", "ft1", "--lease", "L1", "--oom-killed",
+                     "--peak-vram-mib", "20000"]) == 0
     assert cli.main(["--coordinator", "127.0.0.1:1", "complete", "ft2", "--lease", "L2"]) == 0
-    assert [(r.task_id, r.lease_id, r.failed, r.oom_killed) for r in sent] == [
-        ("ft1", "L1", True, True), ("ft2", "L2", False, False)]
+    assert [(r.task_id, r.lease_id, r.failed, r.oom_killed, r.peak_vram_mib) for r in sent] == [
+        ("ft1", "L1", True, True, 20000.0), ("ft2", "L2", False, False, 0.0)]
     assert "ft1: " in capsys.readouterr().out
+
+
+def test_an_oom_kill_says_so_in_the_task_s_reason():
+    """QA pass 25: an OOM-killed task read "the lease holder reported
+    failure", so one looking at the task could not tell."""
+    import itertools
+
+    from scheduler.engine import Scheduler
+    from scheduler.snapshot import ClusterSnapshot, NodeFacts
+    from scheduler.task import TaskSpec, TaskState
+
+    ids = (f"L{i}" for i in itertools.count())
+    sched = Scheduler(clock=lambda: 10.0, lease_ids=lambda: next(ids))
+    snap = ClusterSnapshot.build([NodeFacts("n0", 2)])
+    for task_id in ("oom", "plain"):
+        sched.submit(TaskSpec(task_id=task_id, vram_mib=1024.0, gpu_share=0.1), snap)
+    leases = {t.task_id: t.assignment.lease_id for t in sched.dispatch(snap)}
+    oom = sched.complete("oom", leases["oom"], oom_killed=True)
+    plain = sched.complete("plain", leases["plain"], failed=True)
+    assert oom.state == plain.state == TaskState.FAILED
+    assert "out of GPU memory" in oom.reason and "out of GPU memory" not in plain.reason
