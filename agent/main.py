@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import signal
@@ -280,6 +281,12 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             problems.append(f"--config {args.config}: {exc}")
             file_unknown = True
         section = data.get("agent", data) if data is not None else {}
+        if data is not None and "agent" in data:
+            # beside [agent], a key or table is a slip (a key above the header, [agnet]): it was dropped unsaid
+            for key in data:
+                if key != "agent":
+                    kind = "table" if isinstance(data[key], dict) else "option"
+                    problems.append(f"{args.config}: {kind} {key!r} outside [agent] (every option goes under [agent])")
         if not isinstance(section, dict):
             problems.append(f"{args.config}: [agent] must be a table")
             file_unknown, section = True, {}
@@ -696,6 +703,8 @@ def _check(settings: dict[str, Any], rounds: int, as_json: bool, no_coordinator:
                                            workload=settings["sim_workload"], node_id=settings["node_id"])
     except BackendUnavailable as exc:
         print(f"check: FAIL: the {settings['backend']} backend cannot start: {exc}", file=sys.stderr)
+        if as_json:  # a fleet script parsing stdout gets the one failure it most needs (QA pass 25)
+            print(json.dumps({"ok": False, "backend": {"name": settings["backend"], "error": str(exc)}}, indent=2))
         return 2
     coordinator = None
     if not no_coordinator and credentials is not None:

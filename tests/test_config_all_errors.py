@@ -268,3 +268,30 @@ def test_agent_an_unreadable_file_is_one_problem_and_the_flags_are_still_checked
     assert code == 2 and len(lines) == 2, lines
     assert lines[0].startswith(f"gpulb-agent: error: --config {missing}: ")
     assert lines[1].startswith("gpulb-agent: error: argument --sim-gpus: must be an integer in 1..64, got 65")
+
+
+def test_agent_toml_keys_beside_the_agent_table_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """QA pass 25: a key above [agent] (a common slip) or a misspelt [agnet]
+    beside it was dropped without a word, and the agent ran on defaults."""
+    path = tmp_path / "agent.toml"
+    path.write_text('backend = "sim"\n[agent]\nnode_id = "n1"\n[agnet]\nsim_gpus = 999\n')
+    code, lines = _agent_exit(["--config", str(path)], capsys)
+    assert code == 2
+    assert any("option 'backend' outside [agent]" in line for line in lines), lines
+    assert any("table 'agnet' outside [agent]" in line for line in lines), lines
+
+
+def test_agent_check_json_says_why_the_backend_cannot_start() -> None:
+    import json
+    import subprocess
+    import sys
+
+    # in a process of its own: the check sets up the agent's logging
+    run = subprocess.run([sys.executable, "-m", "agent.main", "--backend", "nvml", "--check", "--no-coordinator",
+                          "--json", "--node-id", "n1"], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    if run.returncode == 0:
+        pytest.skip("NVML is available here")
+    assert run.returncode == 2, run.stderr
+    report = json.loads(run.stdout)
+    assert report["ok"] is False and report["backend"]["name"] == "nvml" and report["backend"]["error"]
