@@ -346,7 +346,9 @@ def _asked_columns(fields: tuple[str, ...], gpus, rows: list[list]) -> tuple[lis
     shown = set(_GPU_COLUMN_FIELDS.values()) | {"memory_total_mib"}
     extra = [f for f in fields if f not in shown]
     headers = [_GPU_HEADERS[i] for i in keep] + extra
-    out = [[row[i] for i in keep] + [fmt(_opt(g, f), 1) for f in extra] for g, row in zip(gpus, rows)]
+    # whole numbers where the field counts (clocks, throughput, ECC errors, processes)
+    places = [0 if f.endswith(("_mhz", "_mbps", "_count", "corrected")) else 1 for f in extra]
+    out = [[row[i] for i in keep] + [fmt(_opt(g, f), p) for f, p in zip(extra, places)] for g, row in zip(gpus, rows)]
     return headers, out
 
 

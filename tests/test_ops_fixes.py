@@ -511,4 +511,4 @@ def test_gpus_with_metrics_shows_the_columns_asked_for_and_no_empty_ones():
     assert headers[:7] == _GPU_HEADERS[:7] and out[0][headers.index("UTIL")] == "40%"
     headers, out = _asked_columns(resolve_metrics(["clock"]), reply.gpus, rows)
     assert "UTIL" not in headers and "MEM GiB" not in headers and headers[-1] == "sm_clock_mhz"
-    assert out[0][-1] == "2,520.0" and len(out[0]) == len(headers)
+    assert out[0][-1] == "2,520" and len(out[0]) == len(headers)
