@@ -712,17 +712,15 @@ class Coordinator:
     def admit_submission(self, identity, spec) -> None:
         """The per-tenant limits (tenant_max_priority, max_queued_per_tenant)
         on a submission; each refusal counts for its tenant in /metrics."""
-        try:
-            self.security.admit_submission(identity, spec, max_priority=self.dispatcher.engine.config.max_priority_for,
-                                           known=self.dispatcher.engine.held_spec)
-        except TenantRefusal as exc:
-            self.metrics.tenants.refused(exc.tenant, exc.limit)
-            raise
+        self._admit(self.security.admit_submission, identity, spec)
 
     def admit_submissions(self, identity, specs) -> None:
+        self._admit(self.security.admit_submissions, identity, specs)
+
+    def _admit(self, check, identity, what) -> None:
+        engine = self.dispatcher.engine
         try:
-            self.security.admit_submissions(identity, specs, max_priority=self.dispatcher.engine.config.max_priority_for,
-                                            known=self.dispatcher.engine.held_spec)
+            check(identity, what, max_priority=engine.config.max_priority_for, known=engine.held_spec)
         except TenantRefusal as exc:
             self.metrics.tenants.refused(exc.tenant, exc.limit)
             raise
