@@ -54,6 +54,7 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from coordinator.config import CoordinatorConfig
+from coordinator.executor import signal_group
 from coordinator.security import StreamSlot, StreamSlots, client_key
 from coordinator.shutdown import or_shutdown
 from protos import advisor_pb2 as apb
@@ -186,24 +187,14 @@ _TERM_GRACE_S = 1.0
 async def _end_group(proc: asyncio.subprocess.Process) -> None:
     """SIGTERM the hook's process group, SIGKILL it ``_TERM_GRACE_S`` later
     (or at once once the hook has ended), and reap the hook."""
-    _signal_group(proc, signal.SIGTERM)
+    signal_group(proc, signal.SIGTERM)
     try:
         await asyncio.wait_for(asyncio.shield(proc.wait()), _TERM_GRACE_S)
     except asyncio.TimeoutError:
         pass
     finally:
-        _signal_group(proc, signal.SIGKILL)  # what ignored the SIGTERM
+        signal_group(proc, signal.SIGKILL)  # what ignored the SIGTERM
         await proc.wait()
-
-
-def _signal_group(proc: asyncio.subprocess.Process, signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)  # the hook's session: it and what it started
-    except (ProcessLookupError, PermissionError):
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
 
 
 async def _keep_tail(stream: asyncio.StreamReader | None, into: bytearray) -> None:

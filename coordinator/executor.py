@@ -53,6 +53,7 @@ command runs, so a hung checkpoint is not left behind.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import selectors
@@ -251,15 +252,21 @@ _POLL_S = 0.05
 _OUTPUT_TAIL = 65536
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the command's session (it and what it started)."""
+def signal_group(proc: subprocess.Popen | asyncio.subprocess.Process, signum: int) -> None:
+    """``signum`` to the process group a command leads (it and what it
+    started); to the process alone where the group cannot be signalled.
+    The coordinator's hook and the executor's commands alike."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signum)
     except (ProcessLookupError, PermissionError):
         try:
-            proc.kill()
+            proc.send_signal(signum)
         except ProcessLookupError:
             pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    signal_group(proc, signal.SIGKILL)
 
 
 def _wait_and_read(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str, bool]:

@@ -1256,14 +1256,10 @@ class Scheduler:
         def compute() -> np.ndarray:
             demand = view.load.copy()
             res = self._reservations
-            asked: dict[int, float] = {}
             for gpu_uuid in res.reserved_gpus():
                 row = view.row_of.get(gpu_uuid)
-                gpu = res.gpu(gpu_uuid)
-                if row is not None and gpu is not None and gpu.members:
-                    asked[row] = sum(util for _, util in gpu.members.values())
-            for row, util in asked.items():
-                demand[row] = max(float(demand[row]), util)
+                if row is not None:
+                    demand[row] = max(float(demand[row]), res.asked_util_pct(gpu_uuid))
             demand.flags.writeable = False  # shared until the next refresh
             return demand
 

@@ -141,6 +141,13 @@ class Reservations:
     def reserved_gpus(self) -> Iterable[str]:
         return self._gpus.keys()
 
+    def asked_util_pct(self, gpu_uuid: str) -> float:
+        """% of the GPU's compute its live leases asked for (their shares
+        summed, not faded), read without ``gpu()``: the simulator's mirror
+        takes a stack handed out by ``gpu()`` as changed."""
+        gpu = self._gpus.get(gpu_uuid)
+        return gpu.util_pct if gpu is not None else 0.0
+
     def add(
         self,
         key: str,
